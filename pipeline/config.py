@@ -1,0 +1,486 @@
+"""The pipeline file: its schema, loading and validation.
+
+Every field is documented where it is declared; `python -m pipeline validate`
+quotes that documentation back to a user who got the field wrong. Relative
+paths in a pipeline file (runs_dir, data paths, local models, container) are
+resolved against the directory you run the command from.
+
+This module must stay importable on a login node: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from pipeline.errors import InvalidInput
+
+CONFIGS_DIR = Path(__file__).parent / "configs"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("tiny-llama",)
+BUILTIN_DATASETS = ("digits",)
+
+
+class Strict(BaseModel):
+    """Base for every section: unknown keys are errors that suggest the nearest name."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields)
+        known |= {f.alias for f in cls.model_fields.values() if f.alias}
+        unknown = [k for k in data if k not in known]
+        if unknown:
+            key = str(unknown[0])
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            valid = ", ".join(sorted(k for k in known if not k.endswith("_") and k != "kind"))
+            raise ValueError(f"unknown key '{key}'{hint}; valid keys here: {valid}")
+        return data
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+(?::\d+){0,2})$")
+
+
+def slurm_time_to_minutes(value: str) -> int:
+    """Slurm's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (rounded up to minutes)."""
+    match = SLURM_TIME.match(str(value).strip())
+    if not match:
+        raise ValueError(f"'{value}' is not a Slurm time (e.g. 90, 4:00:00, 2-00:00:00)")
+    days = int(match.group(1) or 0)
+    parts = [int(p) for p in match.group(2).split(":")]
+    if match.group(1) is not None:  # D-H, D-H:M, D-H:M:S
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    else:  # M, M:S, H:M:S
+        hours, minutes, seconds = {1: [0, parts[0], 0], 2: [0, *parts], 3: parts}[len(parts)]
+    total = days * 24 * 60 + hours * 60 + minutes + (1 if seconds else 0)
+    if total <= 0:
+        raise ValueError(f"'{value}' is no time at all")
+    return total
+
+
+class ClusterSpec(Strict):
+    """Where and how the stages run."""
+
+    executor: Literal["local", "slurm"] = Field(
+        "local",
+        description="'local' runs each stage on this machine (as submitit local jobs); "
+        "'slurm' submits each stage as a Slurm job.",
+    )
+    partition: Optional[str] = Field(None, description="Slurm partition (sbatch --partition).")
+    account: Optional[str] = Field(None, description="Slurm account (sbatch --account).")
+    qos: Optional[str] = Field(None, description="Slurm quality of service (sbatch --qos).")
+    constraint: Optional[str] = Field(None, description="Slurm node features (sbatch --constraint).")
+    gpu: Optional[str] = Field(
+        None, description="GPU type of the nodes (e.g. a100-80gb, h100-80gb, rtx4090), used to plan memory."
+    )
+    gpus_per_node: int = Field(
+        0, ge=0, le=16, description="GPUs per node; each stage runs one process (task) per GPU."
+    )
+    tasks_per_node: Optional[int] = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Processes per node. Defaults to gpus_per_node, or 1 without GPUs; "
+        "set it to run several CPU processes (e.g. 2, so ZeRO really shards on CPU).",
+    )
+    cpus_per_task: Optional[int] = Field(None, ge=1, description="CPU cores per process (sbatch --cpus-per-task).")
+    mem: Optional[str] = Field(
+        None, pattern=r"^\d+[KMGT]?$", description="Host memory per node, Slurm syntax (e.g. 500G, 0 = all)."
+    )
+    time: str = Field("4:00:00", description="Wall-clock limit per stage job, Slurm syntax (e.g. 2-00:00:00).")
+    setup: list[str] = Field(
+        default_factory=list, description="Shell lines run in the job before the stage starts (e.g. module load ...)."
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for every stage job.")
+
+    @field_validator("time")
+    @classmethod
+    def _check_time(cls, value: str) -> str:
+        slurm_time_to_minutes(value)
+        return value
+
+    @property
+    def processes_per_node(self) -> int:
+        if self.tasks_per_node is not None:
+            return self.tasks_per_node
+        return self.gpus_per_node or 1
+
+
+# --------------------------------------------------------------------------- stages
+
+
+class LoraSpec(Strict):
+    """Low-rank adapters (peft) instead of full-parameter training."""
+
+    rank: int = Field(16, ge=1, le=1024, description="Rank r of the adapter matrices.")
+    alpha: float = Field(32.0, gt=0, description="Scaling numerator: the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Names of the linear layers that get adapters.",
+    )
+    merge: bool = Field(
+        True, description="Merge the adapters into the exported model; false keeps model/ as a peft adapter."
+    )
+
+
+class DataSpec(Strict):
+    """Where a stage's rows come from and which columns hold what."""
+
+    path: str = Field(
+        ...,
+        min_length=1,
+        description="A local .jsonl/.json/.parquet/.csv file, a local dataset folder, a Hugging Face "
+        "hub id, or builtin:digits (the synthetic task that needs no network).",
+    )
+    split: str = Field("train", description="Split to train on (hub datasets and builtin:digits).")
+    eval_split: Optional[str] = Field(
+        None, description="Split to evaluate on; when absent, eval_fraction of the rows is held out."
+    )
+    eval_fraction: float = Field(
+        0.05, gt=0, le=0.5, description="Fraction of the training rows held out for evaluation when no eval_split."
+    )
+    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
+    response_key: str = Field("response", description="Column holding the response text (SFT).")
+    messages_key: str = Field(
+        "messages", description="Column holding chat messages [{role, content}, ...] (SFT, instead of prompt/response)."
+    )
+    chosen_key: str = Field("chosen", description="Column holding the preferred response (RM, DPO).")
+    rejected_key: str = Field("rejected", description="Column holding the dispreferred response (RM, DPO).")
+    chat_template: bool = Field(
+        False, description="Format prompts with the tokenizer's chat template instead of plain concatenation."
+    )
+    max_rows: Optional[int] = Field(None, ge=1, description="Use at most this many training rows.")
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.path.startswith(BUILTIN_PREFIX)
+
+    @field_validator("path")
+    @classmethod
+    def _check_builtin(cls, value: str) -> str:
+        if value.startswith(BUILTIN_PREFIX) and value[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
+            raise ValueError(f"no built-in dataset '{value}'; built-in: " + ", ".join(
+                BUILTIN_PREFIX + n for n in BUILTIN_DATASETS))
+        return value
+
+
+class TrainingKnobs(Strict):
+    """The settings every stage shares; `defaults:` sets them for all stages at once."""
+
+    precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Training precision.")
+    zero_stage: int = Field(
+        2, ge=0, le=3, description="DeepSpeed ZeRO stage: 0 none, 1 optimizer, 2 + gradients, 3 + parameters sharded."
+    )
+    optimizer_offload: bool = Field(
+        False, description="Keep optimizer states in host RAM and step on the CPU (ZeRO stage 1-3)."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: far less memory, ~30% more compute."
+    )
+    attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
+        "auto", description="Attention kernel; auto = flash_attention_2 when installed and on GPU, else sdpa."
+    )
+    lora: Optional[LoraSpec] = Field(None, description="Train LoRA adapters instead of all parameters.")
+    max_len: int = Field(2048, ge=8, le=1_000_000, description="Longest tokenised row; longer rows are truncated.")
+    micro_batch_size: int = Field(1, ge=1, le=4096, description="Rows per process per forward pass.")
+    global_batch_size: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Rows per optimizer step over all processes; gradient accumulation = "
+        "global / (micro_batch_size x processes). Default: one micro batch per process.",
+    )
+    learning_rate: float = Field(1e-5, gt=0, le=1, description="Peak learning rate.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warm-up: cosine or linear to min_lr_ratio x peak, or constant."
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up from 0 to the peak rate.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW beta1, beta2.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = no clipping).")
+    epochs: int = Field(1, ge=1, le=1000, description="Passes over the training rows (unless max_steps is set).")
+    max_steps: Optional[int] = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    eval_interval: int = Field(
+        0, ge=0, description="Evaluate every N optimizer steps (0 = only before and after training)."
+    )
+    save_interval: int = Field(
+        100, ge=0, description="Write a resumable checkpoint every N optimizer steps (0 = never)."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
+    log_interval: int = Field(10, ge=1, description="Write a metrics.jsonl line every N optimizer steps.")
+    seed: int = Field(42, ge=0, description="Seed for initialisation, data order and sampling.")
+    nodes: int = Field(1, ge=1, le=1024, description="Nodes this stage runs on.")
+    time: Optional[str] = Field(None, description="Wall-clock limit for this stage's job; default cluster.time.")
+
+    @field_validator("time")
+    @classmethod
+    def _check_time(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            slurm_time_to_minutes(value)
+        return value
+
+
+class StageDefaults(TrainingKnobs):
+    """`defaults:` holds training knobs only; they are merged into every stage."""
+
+
+class StageBase(TrainingKnobs):
+    name: str = Field(..., pattern=NAME_PATTERN, description="Unique stage name; its outputs go to runs/<pipeline>/<name>/.")
+    from_: Optional[str] = Field(
+        None, alias="from", description="Name of the upstream stage whose exported model this stage starts from."
+    )
+    model: Optional[str] = Field(
+        None,
+        description="Model to start from when there is no `from`: a local folder in Hugging Face format, "
+        "a hub id, or builtin:tiny-llama.",
+    )
+    data: DataSpec = Field(..., description="The stage's training (and evaluation) rows.")
+
+    @field_validator("model")
+    @classmethod
+    def _check_builtin_model(cls, value: Optional[str]) -> Optional[str]:
+        if value and value.startswith(BUILTIN_PREFIX) and value[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
+            raise ValueError(f"no built-in model '{value}'; built-in: " + ", ".join(
+                BUILTIN_PREFIX + n for n in BUILTIN_MODELS))
+        return value
+
+    @model_validator(mode="after")
+    def _one_starting_point(self):
+        if (self.model is None) == (self.from_ is None):
+            raise ValueError("give exactly one of `model` (a model to start from) or `from` (an upstream stage)")
+        return self
+
+    @property
+    def upstream(self) -> list[str]:
+        """Stages whose outputs this stage needs."""
+        return [self.from_] if self.from_ else []
+
+
+class SFTStage(StageBase):
+    """Supervised fine-tuning: next-token loss on the response tokens only."""
+
+    kind: Literal["sft"] = Field(..., description="Stage kind: sft, rm or dpo.")
+
+
+Stage = Annotated[Union[SFTStage], Field(discriminator="kind")]
+STAGE_KINDS = ("sft",)
+
+
+class PipelineSpec(Strict):
+    """A pipeline file: stages run in order, each starting from the one it names."""
+
+    name: str = Field(..., pattern=NAME_PATTERN, description="Pipeline name; outputs go to <runs_dir>/<name>/.")
+    runs_dir: str = Field("runs", description="Folder that holds every pipeline's run folder.")
+    container: Optional[str] = Field(
+        None, description="Apptainer image (.sif) the stage jobs run in; absent = the host python."
+    )
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Where and how stages run.")
+    defaults: StageDefaults = Field(
+        default_factory=StageDefaults, description="Training knobs merged into every stage (a stage's own value wins)."
+    )
+    stages: list[Stage] = Field(..., min_length=1, description="The stages, in the order they run.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_defaults(cls, data: Any) -> Any:
+        """Copy each key set under `defaults:` into every stage that does not set it."""
+        if not isinstance(data, dict):
+            return data
+        defaults = data.get("defaults") or {}
+        stages = data.get("stages")
+        if not isinstance(defaults, dict) or not isinstance(stages, list):
+            return data
+        knobs = set(TrainingKnobs.model_fields)
+        merged = []
+        for stage in stages:
+            if isinstance(stage, dict):
+                stage = {**{k: v for k, v in defaults.items() if k in knobs}, **stage}
+            merged.append(stage)
+        return {**data, "stages": merged}
+
+    @model_validator(mode="after")
+    def _check_graph(self):
+        names = [s.name for s in self.stages]
+        seen: set[str] = set()
+        for i, stage in enumerate(self.stages):
+            if stage.name in seen:
+                raise ValueError(f"stages[{i}]: stage name '{stage.name}' is used twice")
+            seen.add(stage.name)
+        for i, stage in enumerate(self.stages):
+            for up in stage.upstream:
+                if up not in names:
+                    close = difflib.get_close_matches(up, names, n=1)
+                    hint = f" (did you mean '{close[0]}'?)" if close else ""
+                    raise ValueError(
+                        f"stages[{i}] ({stage.name}).from: no stage named '{up}'{hint}; stages: {', '.join(names)}"
+                    )
+        order = topological_order(self.stages)
+        if order is None:
+            raise ValueError("the stages' `from` references form a cycle")
+        world = self.cluster.processes_per_node
+        for i, stage in enumerate(self.stages):
+            processes = world * stage.nodes
+            if stage.global_batch_size is not None:
+                per_step = stage.micro_batch_size * processes
+                if stage.global_batch_size % per_step:
+                    raise ValueError(
+                        f"stages[{i}] ({stage.name}).global_batch_size: {stage.global_batch_size} is not a "
+                        f"multiple of micro_batch_size x processes = {stage.micro_batch_size} x {processes}"
+                    )
+        return self
+
+    def stage(self, name: str):
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(name)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.name
+
+
+def topological_order(stages) -> Optional[list]:
+    """Stages ordered so each comes after its upstream; None when there is a cycle.
+
+    Ties keep the file's order, so a file already in order runs as written.
+    """
+    by_name = {s.name: s for s in stages}
+    done: list = []
+    placed: set[str] = set()
+    remaining = list(stages)
+    while remaining:
+        ready = [s for s in remaining if all(u in placed or u not in by_name for u in s.upstream)]
+        if not ready:
+            return None
+        first = ready[0]
+        done.append(first)
+        placed.add(first.name)
+        remaining.remove(first)
+    return done
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resolve_config_path(config: str) -> Path:
+    """CONFIG is a path, or a name under pipeline/configs/ with or without .yaml."""
+    candidates = [Path(config)]
+    if not config.endswith((".yaml", ".yml")):
+        candidates.append(Path(config + ".yaml"))
+    candidates += [CONFIGS_DIR / c.name for c in list(candidates)]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    shipped = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+    raise InvalidInput(f"{config}: no such pipeline file (shipped pipelines: {shipped})")
+
+
+def load_pipeline(config: str) -> PipelineSpec:
+    """Read and validate a pipeline file; raises InvalidInput with a message for people."""
+    path = resolve_config_path(config)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        raise InvalidInput(f"{path}: malformed YAML at {where}: {err.problem}") from None
+    except yaml.YAMLError as err:
+        raise InvalidInput(f"{path}: malformed YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise InvalidInput(f"{path}: expected a mapping with name, cluster, defaults and stages at the top")
+    try:
+        return PipelineSpec.model_validate(raw)
+    except ValidationError as err:
+        raise InvalidInput(format_validation_error(path, raw, err)) from None
+
+
+def format_validation_error(path: Path, raw: dict, err: ValidationError) -> str:
+    lines = [f"{path}: {err.error_count()} problem{'s' if err.error_count() > 1 else ''}"]
+    for item in err.errors():
+        loc, doc = _describe_location(raw, item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "missing":
+            message = "required but missing"
+        elif "input" in item and item["type"] not in ("value_error", "assertion_error"):
+            message += f" (got {item['input']!r})"
+        lines.append(f"  {loc or '<top>'}: {message}")
+        if doc:
+            lines.append(f"      {loc.rsplit('.', 1)[-1]}: {doc}")
+    return "\n".join(lines)
+
+
+def _describe_location(raw: dict, loc: tuple) -> tuple[str, Optional[str]]:
+    """Turn pydantic's loc into `stages[1] (dpo).beta` and find the field's documentation."""
+    parts: list[str] = []
+    model: Any = PipelineSpec
+    node: Any = raw
+    doc = None
+    for key in loc:
+        if isinstance(key, int):
+            parts[-1] = f"{parts[-1]}[{key}]" if parts else f"[{key}]"
+            node = node[key] if isinstance(node, list) and key < len(node) else None
+            if isinstance(node, dict) and "name" in node:
+                parts[-1] += f" ({node['name']})"
+            continue
+        if model is PipelineSpec and parts and parts[-1].startswith("stages[") and key in STAGE_KIND_MODELS:
+            model = STAGE_KIND_MODELS[key]  # the discriminator tag pydantic inserts
+            continue
+        field = _field(model, key)
+        if field is None:
+            break
+        parts.append("from" if key == "from_" else key)
+        doc = field.description
+        node = node.get(field.alias or key) if isinstance(node, dict) else None
+        model = _model_of(field.annotation)
+        if key == "stages":
+            model = PipelineSpec  # stays here until the kind tag selects the stage class
+    return ".".join(parts), doc
+
+
+def _field(model: Any, key: str):
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return None
+    if key in model.model_fields:
+        return model.model_fields[key]
+    for field in model.model_fields.values():
+        if field.alias == key:
+            return field
+    return None
+
+
+def _model_of(annotation: Any) -> Any:
+    """The BaseModel inside Optional[...] / list[...] annotations, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+STAGE_KIND_MODELS = {"sft": SFTStage}
