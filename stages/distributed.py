@@ -1,0 +1,102 @@
+"""Who am I in the job: rank, world size and master address, from wherever they come.
+
+Three ways a stage is started, each with its own variables:
+- a submitit job (Slurm or local): submitit's JobEnvironment knows the tasks and
+  nodes; the master is the job's first host (one task per GPU, no torchrun);
+- torchrun / deepspeed launcher: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR are set;
+- a plain single process: we set the variables for a world of one, since
+  DeepSpeed otherwise goes looking for MPI.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def detect() -> DistEnv:
+    """Read (and export, for torch's env:// rendezvous) the distributed layout."""
+    if _in_submitit_job():
+        from submitit.helpers import TorchDistributedEnvironment
+
+        env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        source = "submitit"
+        layout = (env.rank, env.world_size, env.local_rank, env.local_world_size, env.master_addr, env.master_port)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        source = "torchrun"
+        layout = (
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ.get("MASTER_PORT", 29500)),
+        )
+    else:
+        source = "single"
+        layout = (0, 1, 0, 1, "127.0.0.1", _free_port())
+    rank, world, local_rank, local_world, addr, port = layout
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(local_world),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
+    # DeepSpeed's CPU path asks numactl for the local topology unless told the size.
+    os.environ.setdefault("LOCAL_SIZE", str(local_world))
+    return DistEnv(rank, world, local_rank, local_world, addr, port, source)
+
+
+def _in_submitit_job() -> bool:
+    return "SUBMITIT_EXECUTOR" in os.environ or "SUBMITIT_LOCAL_JOB_ID" in os.environ
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(env: DistEnv, timeout_s: int = 600):
+    """Start torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPU. Returns the device."""
+    import deepspeed
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
+    else:
+        # One process per core: more threads per process only fight each other.
+        threads = max(1, (os.cpu_count() or 1) // env.local_world_size)
+        torch.set_num_threads(threads)
+        device, backend = torch.device("cpu"), "gloo"
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,355 @@
+"""The training engine every stage shares: DeepSpeed config and start-up, the
+training loop, resumable checkpoints, metrics, and export to Hugging Face format.
+
+A stage supplies three things to `train`: a loss on one micro batch, an
+evaluation, and its micro batches; the loop does the rest the same way for
+every stage, which is what makes resume and metrics uniform.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("stages")
+
+# --------------------------------------------------------------------------- config
+
+
+def gradient_accumulation(stage, world_size: int) -> int:
+    if stage.global_batch_size is None:
+        return 1
+    per_pass = stage.micro_batch_size * world_size
+    if stage.global_batch_size % per_pass:
+        raise ValueError(
+            f"global_batch_size {stage.global_batch_size} is not a multiple of "
+            f"micro_batch_size x processes = {stage.micro_batch_size} x {world_size}"
+        )
+    return stage.global_batch_size // per_pass
+
+
+def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool) -> dict:
+    """The DeepSpeed config for a stage spec; every number traceable to a spec field."""
+    accumulation = gradient_accumulation(stage, world_size)
+    zero: dict = {"stage": stage.zero_stage}
+    if stage.zero_stage >= 1:
+        # DeepSpeed's 5e8-element buckets suit GPUs; on CPU they make every step slow.
+        bucket = int(5e8) if on_gpu else int(5e5)
+        zero.update(
+            reduce_bucket_size=bucket,
+            allgather_bucket_size=bucket,
+            overlap_comm=on_gpu,
+            contiguous_gradients=True,
+        )
+    if stage.zero_stage == 3:
+        zero.update(
+            # Keep vectors (norms) whole, partition every matrix: 10 x hidden elements.
+            stage3_param_persistence_threshold=min(100_000, 10 * hidden_size),
+            stage3_prefetch_bucket_size=bucket,
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
+    if stage.optimizer_offload and stage.zero_stage >= 1:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    adam = {"lr": stage.learning_rate, "betas": list(stage.betas), "eps": 1e-8, "weight_decay": stage.weight_decay}
+    if not on_gpu and not (stage.optimizer_offload and stage.zero_stage >= 1):
+        adam["torch_adam"] = True  # no fused CUDA kernel to build on a CPU
+    config = {
+        "train_micro_batch_size_per_gpu": stage.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": stage.micro_batch_size * accumulation * world_size,
+        "gradient_clipping": stage.max_grad_norm,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": adam},
+        "bf16": {"enabled": stage.precision == "bf16"},
+        "fp16": {"enabled": stage.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    return config
+
+
+def learning_rate_factor(stage, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the peak rate at optimizer step s: linear warm-up, then the schedule."""
+    warmup = min(stage.warmup_steps, max(total_steps - 1, 0))
+    floor = stage.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if stage.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if stage.lr_schedule == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def initialize(model, stage, ds_config: dict, total_steps: int):
+    """deepspeed.initialize with AdamW (no decay on norms and biases) and the LR schedule."""
+    import deepspeed
+
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": stage.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    factor = learning_rate_factor(stage, total_steps)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=[g for g in groups if g["params"]],
+        config=ds_config,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
+    )
+    return engine
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class Metrics:
+    """metrics.jsonl (one JSON object per logged step) and a console line, rank 0 only."""
+
+    def __init__(self, path: Path, is_main: bool):
+        self.path, self.is_main = path, is_main
+
+    def truncate_after(self, step: int) -> None:
+        """Forget lines past `step`: a resumed run rewrites them."""
+        if not self.is_main or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if not self.is_main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        shown = " ".join(f"{k}={_fmt(v)}" for k, v in record.items())
+        print(shown, flush=True)
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+class Checkpoints:
+    """DeepSpeed checkpoints under checkpoints/, made atomic by the `latest` file.
+
+    Each save writes a new tag folder; only once every rank has finished does
+    rank 0 point `latest` at it (a temporary file renamed over the old one), so
+    a job killed mid-save resumes from the previous complete checkpoint.
+    """
+
+    def __init__(self, folder: Path, keep: int, is_main: bool):
+        self.folder, self.keep, self.is_main = folder, keep, is_main
+
+    def latest(self) -> Optional[str]:
+        marker = self.folder / "latest"
+        if not marker.is_file():
+            return None
+        tag = marker.read_text().strip()
+        return tag if (self.folder / tag).is_dir() else None
+
+    def save(self, engine, step: int, client_state: dict) -> None:
+        tag = f"step-{step:08d}"
+        engine.save_checkpoint(str(self.folder), tag=tag, client_state=client_state, save_latest=False)
+        dist.barrier()
+        if self.is_main:
+            tmp = self.folder / f".latest.{os.getpid()}"
+            tmp.write_text(tag)
+            os.replace(tmp, self.folder / "latest")
+            tags = sorted(p.name for p in self.folder.glob("step-*") if p.is_dir())
+            for old in tags[: -self.keep]:
+                shutil.rmtree(self.folder / old, ignore_errors=True)
+        dist.barrier()
+        log.info("checkpoint %s saved", tag)
+
+    def load(self, engine) -> Optional[dict]:
+        """Client state of the newest complete checkpoint, after loading it; None if none."""
+        tag = self.latest()
+        if tag is None:
+            return None
+        _, client_state = engine.load_checkpoint(str(self.folder), tag=tag)
+        log.info("resumed from checkpoint %s", tag)
+        return client_state
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class Loop:
+    """What a stage hands to `train`."""
+
+    loss: Callable[[dict], tuple[torch.Tensor, dict]]  # micro batch -> (loss, per-batch metrics)
+    evaluate: Callable[[], dict]  # -> eval metrics, same on every rank
+    micro_batches: Callable[[int], list]  # epoch -> this rank's micro batches (any objects)
+    steps_per_epoch: int
+    total_steps: int
+    tokens: Callable[[object], int] = lambda batch: 0  # tokens in a micro batch, for throughput
+    extra_state: dict = field(default_factory=dict)
+
+
+def train(engine, loop: Loop, stage, ctx) -> dict:
+    """Run (or resume) the optimizer steps; returns initial and final eval metrics."""
+    checkpoints = Checkpoints(ctx.run_dir / "checkpoints", stage.keep_checkpoints, ctx.is_main)
+    metrics = Metrics(ctx.run_dir / "metrics.jsonl", ctx.is_main)
+    accumulation = engine.gradient_accumulation_steps()
+
+    state = checkpoints.load(engine)
+    if state is None:
+        start_step = 0
+        initial = loop.evaluate()
+        metrics.truncate_after(-1)
+        metrics.write({"step": 0, **{f"eval_{k}": v for k, v in initial.items()}})
+    else:
+        start_step, initial = state["step"], state["initial_eval"]
+        torch.set_rng_state(state["rng"])
+        metrics.truncate_after(start_step)
+
+    engine.train()
+    step, t_last, tokens = start_step, time.time(), 0
+    sums: dict[str, float] = {}
+    while step < loop.total_steps:
+        epoch, offset = divmod(step, loop.steps_per_epoch)
+        batches = loop.micro_batches(epoch)
+        start = offset * accumulation
+        for micro in batches[start : start + accumulation]:
+            loss, batch_metrics = loop.loss(micro)
+            engine.backward(loss)
+            engine.step()
+            tokens += loop.tokens(micro)
+            for k, v in {"loss": loss.item(), **batch_metrics}.items():
+                sums[k] = sums.get(k, 0.0) + float(v) / accumulation
+        step += 1
+        if step % stage.log_interval == 0 or step == loop.total_steps:
+            elapsed = time.time() - t_last
+            record = {"step": step, **{k: v / _steps_in_window(step, stage.log_interval) for k, v in sums.items()}}
+            record["lr"] = engine.get_lr()[0]
+            norm = engine.get_global_grad_norm()
+            if norm is not None:
+                record["grad_norm"] = float(norm)
+            record["tokens_per_s"] = _all_reduce_sum(tokens) / max(elapsed, 1e-9)
+            record["epoch"] = epoch
+            metrics.write(record)
+            sums, tokens, t_last = {}, 0, time.time()
+        if stage.eval_interval and step % stage.eval_interval == 0 and step < loop.total_steps:
+            metrics.write({"step": step, **{f"eval_{k}": v for k, v in loop.evaluate().items()}})
+            engine.train()
+        if stage.save_interval and step % stage.save_interval == 0 and step < loop.total_steps:
+            checkpoints.save(engine, step, {"step": step, "initial_eval": initial, "rng": torch.get_rng_state()})
+
+    final = loop.evaluate()
+    metrics.write({"step": step, **{f"eval_{k}": v for k, v in final.items()}})
+    return {"initial": initial, "final": final, "steps": step}
+
+
+def _steps_in_window(step: int, interval: int) -> int:
+    return step % interval or interval
+
+
+def _all_reduce_sum(value: float) -> float:
+    tensor = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor)
+    return float(tensor.item())
+
+
+def all_reduce_sums(values: list[float]) -> list[float]:
+    """Sum a few numbers over all ranks (for eval means)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+# --------------------------------------------------------------------------- export
+
+
+def gather_state_dict(module, is_main: bool) -> Optional[dict]:
+    """Full weights on rank 0 (CPU), one parameter at a time so ZeRO-3 never holds the
+    whole model on a GPU; None on the other ranks."""
+    import deepspeed
+
+    state = {}
+    for name, param in module.named_parameters():
+        sharded = hasattr(param, "ds_id")
+        context = deepspeed.zero.GatheredParameters([param], modifier_rank=None) if sharded else _nullcontext()
+        with context:
+            if is_main:
+                state[name] = param.detach().to("cpu", copy=True)
+    for name, buffer in module.named_buffers():
+        if is_main and name in module.state_dict():
+            state[name] = buffer.detach().to("cpu", copy=True)
+    return state if is_main else None
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def merge_lora_state_dict(state: dict, scaling: float, adapter: str = "default") -> dict:
+    """peft-named weights -> plain model weights with W + scaling * B @ A folded in.
+
+    `base_model.model.` prefixes and `.base_layer` infixes are dropped, and a
+    module trained in full next to the adapters (modules_to_save) replaces the
+    original.
+    """
+    out: dict = {}
+    for name, tensor in state.items():
+        if ".lora_A." in name or ".lora_B." in name or ".original_module." in name:
+            continue
+        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        plain = plain.replace(f".modules_to_save.{adapter}.", ".")
+        if name.endswith(".base_layer.weight"):
+            stem = name.removesuffix(".base_layer.weight")
+            a = state[f"{stem}.lora_A.{adapter}.weight"].float()
+            b = state[f"{stem}.lora_B.{adapter}.weight"].float()
+            tensor = (tensor.float() + scaling * (b @ a)).to(tensor.dtype)
+        out[plain] = tensor
+    return out
+
+
+def export(engine, tokenizer, stage, out_dir: Path, is_main: bool, extra_files: dict | None = None) -> None:
+    """Write model/ in Hugging Face format (LoRA merged unless kept), atomically."""
+    module = engine.module
+    state = gather_state_dict(module, is_main)
+    if is_main:
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        is_peft = hasattr(module, "peft_config")
+        if is_peft and stage.lora.merge:
+            base = module.get_base_model()
+            base.save_pretrained(tmp, state_dict=merge_lora_state_dict(state, stage.lora.alpha / stage.lora.rank))
+        else:
+            module.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)
+        for name, content in (extra_files or {}).items():
+            (tmp / name).write_text(json.dumps(content, indent=2))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    dist.barrier()

@@ -1,0 +1,98 @@
+"""Loading the models a stage trains or consults: tokenizer, causal LM, LoRA,
+attention kernel, gradient checkpointing, ZeRO-3 sharded construction."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+
+from pipeline.config import BUILTIN_PREFIX
+from pipeline.errors import InvalidInput
+from stages import tiny
+
+log = logging.getLogger("stages")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# transformers reads the DeepSpeed config from a live HfDeepSpeedConfig when it
+# builds a model: with ZeRO-3 it then constructs every weight already sharded.
+_live_ds_configs: list = []
+
+
+def resolve(model: str, builtin_root: Path) -> str:
+    """A loadable path or hub id for what the spec names (builtin:NAME is written first)."""
+    if model.startswith(BUILTIN_PREFIX):
+        return str(tiny.materialize(model[len(BUILTIN_PREFIX):], builtin_root))
+    return model
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise InvalidInput(f"model {path}: cannot load its tokenizer: {err}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # right padding; padded positions are masked
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def attention_implementation(requested: str, on_gpu: bool) -> str:
+    if requested != "auto":
+        return requested
+    if on_gpu and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool, **kwargs):
+    """from_pretrained with the stage's dtype, attention kernel and ZeRO-3 sharding."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+    if stage.zero_stage == 3:
+        _live_ds_configs.append(HfDeepSpeedConfig(ds_config))
+    attention = attention_implementation(stage.attention, on_gpu)
+    try:
+        model = auto_class.from_pretrained(
+            path, dtype=DTYPES[stage.precision], attn_implementation=attention, **kwargs
+        )
+    except (OSError, ValueError) as err:
+        raise InvalidInput(f"model {path}: cannot load: {err}") from None
+    log.info("loaded %s from %s (%s, attention=%s)", type(model).__name__, path, stage.precision, attention)
+    return model
+
+
+def prepare_for_training(model, stage, task_type: str, modules_to_save=None):
+    """Gradient checkpointing and LoRA adapters, as the stage asks."""
+    if stage.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if stage.lora:
+        from peft import LoraConfig, get_peft_model
+
+        if stage.gradient_checkpointing:
+            model.enable_input_require_grads()
+        lora = LoraConfig(
+            r=stage.lora.rank,
+            lora_alpha=stage.lora.alpha,
+            lora_dropout=stage.lora.dropout,
+            target_modules=list(stage.lora.target_modules),
+            modules_to_save=modules_to_save,
+            task_type=task_type,
+        )
+        model = get_peft_model(model, lora)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log.info("LoRA r=%d: %d trainable parameters", stage.lora.rank, trainable)
+    return model
+
+
+def load_causal_lm(path: str, stage, ds_config: dict, on_gpu: bool):
+    from transformers import AutoModelForCausalLM
+
+    model = load_pretrained(AutoModelForCausalLM, path, stage, ds_config, on_gpu)
+    return prepare_for_training(model, stage, "CAUSAL_LM")

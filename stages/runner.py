@@ -1,0 +1,159 @@
+"""The entry point of a stage job: set up the process, run stages/<kind>.py, write result.json.
+
+`StageJob` is what the pipeline pickles and submits (submitit, locally or on
+Slurm). Importing this module must stay cheap and torch-free: the login node
+imports it to submit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from submitit.helpers import Checkpointable, DelayedSubmission
+
+from pipeline.graph import RESULT_FILE, StageTask
+
+log = logging.getLogger("stages")
+
+
+@dataclass
+class StageContext:
+    """Where a running stage is and who it is in the job."""
+
+    task: StageTask
+    run_dir: Path
+    builtin_root: Path
+    rank: int
+    world_size: int
+    device: object
+    on_gpu: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def deepspeed_config(self, stage, model_path: str) -> dict:
+        from transformers import AutoConfig
+
+        from stages import engine
+
+        hidden = getattr(AutoConfig.from_pretrained(model_path), "hidden_size", 4096)
+        return engine.deepspeed_config(stage, self.world_size, hidden, self.on_gpu)
+
+
+class StageJob(Checkpointable):
+    """One stage as a submitit job. On preemption or time-out submitit calls
+    `checkpoint`, which requeues the same job: it resumes from its last checkpoint."""
+
+    def __init__(self, task: StageTask):
+        self.task = task
+
+    def __call__(self) -> dict:
+        return run_stage(self.task)
+
+    def checkpoint(self, *args, **kwargs) -> DelayedSubmission:
+        return DelayedSubmission(StageJob(self.task))
+
+
+def run_stage(task: StageTask) -> dict:
+    from stages import distributed
+
+    env = distributed.detect()
+    _configure_logging(env.rank)
+    device = distributed.init(env)
+    ctx = StageContext(
+        task=task,
+        run_dir=Path(task.run_dir),
+        builtin_root=Path(task.pipeline_dir) / "builtin",
+        rank=env.rank,
+        world_size=env.world_size,
+        device=device,
+        on_gpu=device.type == "cuda",
+    )
+    ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    _materialize_builtins(task, ctx)
+    log.info(
+        "stage %s (%s): rank %d of %d via %s, master %s:%d, device %s",
+        task.name, task.stage.kind, env.rank, env.world_size, env.source, env.master_addr, env.master_port, device,
+    )
+    started = time.time()
+    kind = importlib.import_module(f"stages.{task.stage.kind}")
+    metrics = kind.run(task, ctx)
+    result = {
+        "stage": task.name,
+        "kind": task.stage.kind,
+        "spec_hash": task.spec_hash,
+        "model": str(ctx.run_dir / "model"),
+        "world_size": env.world_size,
+        "seconds": round(time.time() - started, 1),
+        **metrics,
+    }
+    if ctx.is_main:
+        tmp = ctx.run_dir / f".{RESULT_FILE}.tmp"
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp, ctx.run_dir / RESULT_FILE)
+        log.info("stage %s finished: %s", task.name, json.dumps(metrics))
+    distributed.shutdown()
+    _exit_hard_at_interpreter_exit()
+    return result
+
+
+def _materialize_builtins(task: StageTask, ctx: StageContext) -> None:
+    """Write the built-in model/data once, on rank 0, before any rank reads them.
+
+    Only rank 0 may do it: with torch.distributed up, transformers' save_pretrained
+    silently writes nothing on the other ranks.
+    """
+    import torch.distributed as dist
+
+    from pipeline.config import BUILTIN_PREFIX
+    from stages import tiny
+
+    if ctx.is_main:
+        for name in (task.init_model, task.stage.data.path):
+            if name.startswith(BUILTIN_PREFIX):
+                tiny.materialize(name[len(BUILTIN_PREFIX):], ctx.builtin_root)
+    dist.barrier()
+
+
+def _exit_hard_at_interpreter_exit() -> None:
+    """After a stage succeeded, leave with os._exit(0) once everything is flushed.
+
+    DeepSpeed's ZeRO-3 leaves C++ threads behind that sometimes abort the
+    interpreter's own teardown ("terminate called without an active exception"),
+    turning a finished stage into a failed job. submitit has written the job's
+    result before the interpreter exits, so nothing is lost by skipping teardown.
+    """
+
+    def hard_exit():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(0)
+
+    atexit.register(hard_exit)
+
+
+def _configure_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_warning()
+    except ImportError:
+        pass
