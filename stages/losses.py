@@ -1,0 +1,774 @@
+"""Loss functions and advantage estimators for LLM post-training.
+
+Pure PyTorch tensor code: no DeepSpeed, no transformers.  Everything here is a
+stateless function of tensors (plus two tiny KL-coefficient controllers), so it
+can be unit-tested on CPU and reused by the SFT, reward-model, DPO, PPO, GRPO,
+RLOO and REINFORCE++ stages.
+
+Conventions used throughout
+---------------------------
+* ``B`` = batch size, ``T`` = sequence length, ``V`` = vocabulary size.
+* A *mask* is a tensor of the same shape as the data it masks, holding 1/0
+  (any numeric dtype) or True/False.  Any non-zero entry counts as "valid";
+  masks are binarised, never used as fractional weights.
+* Masked-out positions never influence a result, even if they hold NaN/inf or
+  out-of-vocabulary label ids (e.g. ``-100``).
+* Per-token outputs (advantages, returns, whitened values) are exactly ``0`` at
+  masked-out positions.
+* Reductions over an empty mask return ``0`` rather than NaN.
+* Statistics returned for logging are detached 0-dim tensors (no host sync);
+  call ``.item()`` when you need a Python number.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "sequence_logprobs",
+    "dpo_loss",
+    "DPO_LOSS_TYPES",
+    "reward_pair_loss",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "gae",
+    "grpo_advantages",
+    "rloo_advantages",
+    "reinforce_pp_returns",
+    "policy_loss",
+    "value_loss",
+    "kl_penalty",
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "entropy_from_logits",
+]
+
+DPO_LOSS_TYPES: Tuple[str, ...] = ("sigmoid", "ipo")
+KL_ESTIMATORS: Tuple[str, ...] = ("k1", "k2", "k3")
+
+
+
+# --------------------------------------------------------------------------- #
+# Helpers
+# --------------------------------------------------------------------------- #
+def _as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"shape mismatch: {shapes}")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _discounted_reverse_cumsum(
+    rewards: torch.Tensor, mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """G_t = m_t * (r_t + gamma * G_{t+1}), G_T = 0, over the last dim."""
+    m = _as_bool_mask(mask)
+    r = torch.where(m, rewards, torch.zeros_like(rewards))
+    out = torch.zeros_like(r)
+    running = torch.zeros_like(r[..., 0])
+    for t in range(r.shape[-1] - 1, -1, -1):
+        running = torch.where(m[..., t], r[..., t] + gamma * running, torch.zeros_like(running))
+        out[..., t] = running
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Log-probabilities and entropy
+# --------------------------------------------------------------------------- #
+# Rows of the (rows, V) logits processed at once when up-casting to float32:
+# about 2**25 float32 elements (128 MiB) per chunk.
+_CHUNK_ELEMS = 1 << 25
+
+
+def _row_chunks(n_rows: int, vocab: int):
+    step = max(1, _CHUNK_ELEMS // max(vocab, 1))
+    for start in range(0, n_rows, step):
+        yield start, min(start + step, n_rows)
+
+
+class _TokenLogprob(torch.autograd.Function):
+    """log_softmax(z)[y] per row, computed in chunks in float32.
+
+    Forward saves only the (native-dtype) logits, targets and the per-row
+    log-sum-exp, so no (rows, V) float32 tensor outlives a chunk.  Backward:
+    d/dz_v log_softmax(z)[y] = 1[v = y] - softmax(z)_v.
+    """
+
+    @staticmethod
+    def forward(ctx, logits2d: torch.Tensor, targets: torch.Tensor, out_dtype: torch.dtype):
+        n, vocab = logits2d.shape
+        picked = torch.gather(logits2d, 1, targets.unsqueeze(1)).squeeze(1).to(out_dtype)
+        lse = torch.empty(n, dtype=out_dtype, device=logits2d.device)
+        for a, b in _row_chunks(n, vocab):
+            lse[a:b] = torch.logsumexp(logits2d[a:b].to(out_dtype), dim=-1)
+        ctx.save_for_backward(logits2d, targets, lse)
+        return picked - lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        logits2d, targets, lse = ctx.saved_tensors
+        n, vocab = logits2d.shape
+        grad = torch.empty_like(logits2d)
+        for a, b in _row_chunks(n, vocab):
+            g = grad_out[a:b].to(lse.dtype).unsqueeze(1)
+            probs = torch.exp(logits2d[a:b].to(lse.dtype) - lse[a:b].unsqueeze(1))
+            chunk = -g * probs
+            chunk.scatter_add_(1, targets[a:b].unsqueeze(1), g)
+            grad[a:b] = chunk.to(grad.dtype)
+        return grad, None, None
+
+
+def sequence_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    average: bool = False,
+) -> torch.Tensor:
+    r"""Log-probability of the response tokens of each sequence.
+
+    Causal-LM alignment: the logits at position ``t`` predict the token at
+    ``t + 1``, so ``logits[:, :-1]`` is scored against ``labels[:, 1:]`` and
+    ``loss_mask[:, 1:]``.  ``loss_mask`` is expressed in *label* positions
+    (it marks which tokens of ``labels`` are response tokens), so ``labels``
+    can simply be ``input_ids``.
+
+    .. math::
+        \ell_{b,t} = \log\operatorname{softmax}(z_{b,t})[y_{b,t+1}]
+                   = z_{b,t,y_{b,t+1}} - \log\sum_v e^{z_{b,t,v}}
+
+        \text{sum:}\quad  S_b = \sum_{t=0}^{T-2} m_{b,t+1}\,\ell_{b,t}
+        \qquad
+        \text{average:}\quad  S_b / \max\big(1, \sum_{t} m_{b,t+1}\big)
+
+    Args:
+        logits: ``(B, T, V)`` any floating dtype (bf16/fp16/fp32/fp64).
+        labels: ``(B, T)`` integer token ids.  Ids at masked-out positions are
+            ignored and may be anything (e.g. ``-100``).
+        loss_mask: ``(B, T)`` 1/0 or bool, aligned with ``labels``.
+        average: if True return the mean over response tokens instead of the sum
+            (a row with no response token gives 0).
+
+    Returns:
+        ``(B,)`` float32 (float64 if ``logits`` is float64).  Differentiable
+        w.r.t. ``logits`` (first-order only).
+
+    Precision / memory: the log-softmax is computed in float32 (float64 for
+    float64 input) in row chunks of about 128 MiB, and only the selected
+    token's log-probability plus one log-sum-exp per position are kept for
+    backward (a custom autograd function), so no ``(B, T, V)`` float32 copy is
+    ever materialised, with or without grad.  The gradient is returned in the
+    dtype of ``logits``.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (B, T, V), got {tuple(logits.shape)}")
+    if labels.shape != logits.shape[:2] or loss_mask.shape != labels.shape:
+        raise ValueError(
+            f"labels {tuple(labels.shape)} and loss_mask {tuple(loss_mask.shape)} "
+            f"must both be (B, T) = {tuple(logits.shape[:2])}"
+        )
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    out_dtype = _compute_dtype(logits.dtype)
+    bsz, seqlen, vocab = logits.shape
+
+    mask = _as_bool_mask(loss_mask[:, 1:])
+    # Target for position t is labels[t + 1]; the last position has none (dummy
+    # 0, dropped below).  Ignored ids (e.g. -100) become 0 before gathering.
+    targets = torch.zeros_like(labels, dtype=torch.long)
+    targets[:, :-1] = torch.where(mask, labels[:, 1:], torch.zeros_like(labels[:, 1:]))
+
+    # Scoring all T positions (one wasted position per row) keeps the reshape a
+    # view for contiguous logits, instead of copying logits[:, :-1].
+    token_logps = _TokenLogprob.apply(
+        logits.reshape(bsz * seqlen, vocab), targets.reshape(-1), out_dtype
+    ).view(bsz, seqlen)[:, :-1]
+    token_logps = torch.where(mask, token_logps, torch.zeros_like(token_logps))
+
+    total = token_logps.sum(dim=-1)
+    if average:
+        return total / mask.sum(dim=-1).clamp(min=1).to(out_dtype)
+    return total
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    r"""Entropy of the categorical distribution at every position.
+
+    .. math::
+        H(z) = -\sum_v p_v \log p_v
+             = \log\sum_v e^{z_v} - \sum_v p_v z_v, \qquad p = \operatorname{softmax}(z)
+
+    Args:
+        logits: ``(..., V)`` any floating dtype, e.g. ``(B, T, V)``.
+
+    Returns:
+        ``(...)`` float32 (float64 for float64 input), e.g. ``(B, T)``.
+        Computed in float32 in row chunks (plain autograd: under grad the
+        float32 chunks are kept for backward).  Not masked: apply your mask
+        (e.g. :func:`masked_mean`) afterwards.
+    """
+    out_dtype = _compute_dtype(logits.dtype)
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+
+    parts = []
+    for a, b in _row_chunks(flat.shape[0], vocab):
+        z = flat[a:b].to(out_dtype)
+        logp = torch.log_softmax(z, dim=-1)
+        p = logp.exp()
+        # 0 * log 0 = 0 (logits of -inf, e.g. a masked vocabulary, give no NaN).
+        plogp = torch.where(p > 0, p * logp, torch.zeros_like(p))
+        parts.append(-plogp.sum(dim=-1))
+    if not parts:
+        return logits.new_zeros(logits.shape[:-1], dtype=out_dtype)
+    return torch.cat(parts).view(logits.shape[:-1])
+
+
+# --------------------------------------------------------------------------- #
+# Preference losses
+# --------------------------------------------------------------------------- #
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    loss_type: str = "sigmoid",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Direct Preference Optimisation loss (Rafailov et al. 2023) and variants.
+
+    With :math:`\pi` the policy and :math:`\pi_{ref}` the frozen reference,
+    sequence log-probabilities of chosen (c) and rejected (r) responses:
+
+    .. math::
+        h = (\log\pi_c - \log\pi_r) - (\log\pi_{ref,c} - \log\pi_{ref,r})
+
+    * ``"sigmoid"`` (DPO; conservative DPO / cDPO when :math:`\varepsilon > 0`):
+
+      .. math::
+          L = -(1-\varepsilon)\,\log\sigma(\beta h) - \varepsilon\,\log\sigma(-\beta h)
+
+      With :math:`\varepsilon` = ``label_smoothing`` = assumed probability that a
+      preference label is flipped.  :math:`L = \log 2` when policy = reference.
+    * ``"ipo"`` (Azar et al. 2023): :math:`L = \big(h - \tfrac{1}{2\beta}\big)^2`
+      (here ``beta`` is IPO's :math:`\tau`; ``label_smoothing`` must be 0).
+
+    Implicit rewards (detached, for logging / accuracy):
+
+    .. math::
+        r_c = \beta(\log\pi_c - \log\pi_{ref,c}), \qquad
+        r_r = \beta(\log\pi_r - \log\pi_{ref,r})
+
+    Args:
+        All four log-prob tensors are ``(B,)`` (typically from
+        :func:`sequence_logprobs`, summed not averaged for standard DPO).
+        beta: > 0.
+        label_smoothing: :math:`\varepsilon \in [0, 0.5)`.
+        loss_type: one of :data:`DPO_LOSS_TYPES`.
+
+    Returns:
+        ``(losses, chosen_rewards, rejected_rewards)``, each ``(B,)``.  ``losses``
+        is per example (take ``.mean()`` yourself).
+
+    Raises:
+        ValueError: unknown ``loss_type``, ``beta <= 0``, ``label_smoothing``
+            outside ``[0, 0.5)``, or non-zero ``label_smoothing`` with ``"ipo"``.
+    """
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(
+            f"unknown DPO loss_type {loss_type!r}; valid: {', '.join(DPO_LOSS_TYPES)}"
+        )
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    _check_same_shape(
+        policy_chosen_logps=policy_chosen_logps,
+        policy_rejected_logps=policy_rejected_logps,
+        ref_chosen_logps=ref_chosen_logps,
+        ref_rejected_logps=ref_rejected_logps,
+    )
+
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    h = chosen_logratios - rejected_logratios
+
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * h) * (1.0 - label_smoothing)
+        if label_smoothing > 0:
+            losses = losses - F.logsigmoid(-beta * h) * label_smoothing
+    else:  # ipo
+        if label_smoothing != 0:
+            raise ValueError("label_smoothing is not defined for loss_type='ipo'; use 0")
+        losses = (h - 1.0 / (2.0 * beta)) ** 2
+
+    chosen_rewards = (beta * chosen_logratios).detach()
+    rejected_rewards = (beta * rejected_logratios).detach()
+    return losses, chosen_rewards, rejected_rewards
+
+
+def reward_pair_loss(
+    chosen_rewards: torch.Tensor,
+    rejected_rewards: torch.Tensor,
+    margin: Optional[Union[torch.Tensor, float]] = None,
+) -> torch.Tensor:
+    r"""Bradley–Terry pairwise loss for reward-model training.
+
+    .. math::
+        L = -\log\sigma(r_c - r_r - m)
+
+    (``m = 0`` when ``margin`` is None; Llama-2 style margin otherwise.)
+
+    Args:
+        chosen_rewards, rejected_rewards: ``(B,)`` scalar rewards per pair.
+        margin: None, a float, or a tensor broadcastable to ``(B,)``.
+
+    Returns:
+        ``(B,)`` per-pair losses.
+    """
+    _check_same_shape(chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards)
+    diff = chosen_rewards - rejected_rewards
+    if margin is not None:
+        diff = diff - margin
+    return -F.logsigmoid(diff)
+
+
+# --------------------------------------------------------------------------- #
+# Masked statistics
+# --------------------------------------------------------------------------- #
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None
+) -> torch.Tensor:
+    r"""Mean of ``x`` over the positions where ``mask`` is non-zero.
+
+    .. math::
+        \bar x = \frac{\sum_i m_i x_i}{\max(1, \sum_i m_i)}
+
+    Args:
+        x: any shape.
+        mask: same shape as ``x``, 1/0 or bool.
+        dim: reduce over this dim only (result drops it); None = all elements
+            (0-dim result).
+
+    Returns:
+        The masked mean; 0 where the mask is empty.  Masked-out entries of ``x``
+        may be NaN/inf without affecting the result.
+    """
+    _check_same_shape(x=x, mask=mask)
+    m = _as_bool_mask(mask)
+    xm = torch.where(m, x, torch.zeros_like(x))
+    if dim is None:
+        return xm.sum() / m.sum().clamp(min=1).to(xm.dtype)
+    return xm.sum(dim=dim) / m.sum(dim=dim).clamp(min=1).to(xm.dtype)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    r"""Variance of ``x`` over all masked positions (0-dim).
+
+    .. math::
+        \operatorname{var} = \frac{\sum_i m_i (x_i - \bar x)^2}{n - 1}
+        \ \text{(unbiased, Bessel)}\quad\text{or}\quad
+        \frac{\sum_i m_i (x_i - \bar x)^2}{n}\ \text{(biased)},\qquad n = \sum_i m_i
+
+    Returns 0 when ``n <= 1`` (unbiased) or ``n == 0`` (biased).
+    """
+    m = _as_bool_mask(mask)
+    mean = masked_mean(x, m)
+    centered = torch.where(m, x - mean, torch.zeros_like(x))
+    n = m.sum()
+    denom = (n - 1) if unbiased else n
+    return centered.pow(2).sum() / denom.clamp(min=1).to(x.dtype)
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, *, eps: float = 1e-8
+) -> torch.Tensor:
+    r"""Normalise ``x`` to unit variance using statistics of the masked entries.
+
+    Statistics are taken over *all* masked elements of the tensor (the whole
+    batch), with the **unbiased** (Bessel, ``n - 1``) variance, as in common
+    PPO implementations:
+
+    .. math::
+        \mu = \operatorname{masked\_mean}(x), \quad
+        \sigma^2 = \frac{\sum_i m_i (x_i - \mu)^2}{n - 1}
+
+        \text{shift\_mean=True:}\quad  y = (x - \mu) / \sqrt{\sigma^2 + \epsilon}
+
+        \text{shift\_mean=False:}\quad y = (x - \mu) / \sqrt{\sigma^2 + \epsilon} + \mu
+
+    i.e. with ``shift_mean=False`` the spread is rescaled but the original mean
+    is kept (useful for rewards, whose sign matters).
+
+    Args:
+        x: any shape.
+        mask: same shape, 1/0 or bool.
+        shift_mean: see above.
+        eps: added to the variance.
+
+    Returns:
+        Same shape as ``x``, 0 at masked-out positions.  With fewer than two
+        valid entries the variance is taken as 0.
+    """
+    _check_same_shape(x=x, mask=mask)
+    m = _as_bool_mask(mask)
+    mean = masked_mean(x, m)
+    var = masked_var(x, m, unbiased=True)
+    y = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        y = y + mean
+    return torch.where(m, y, torch.zeros_like(y))
+
+
+# --------------------------------------------------------------------------- #
+# Advantage / return estimators
+# --------------------------------------------------------------------------- #
+def gae(
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""Generalised Advantage Estimation (Schulman et al. 2016), per token.
+
+    Reverse-time recursion over the valid (masked) tokens of each row:
+
+    .. math::
+        \delta_t = r_t + \gamma V_{t+1} - V_t, \qquad
+        A_t = \delta_t + \gamma\lambda A_{t+1}, \qquad
+        R_t = A_t + V_t
+
+    where :math:`V_{t+1}` and :math:`A_{t+1}` are 0 when position ``t + 1`` is
+    not a valid token (past the end of the response), so the last response
+    token bootstraps from 0 (terminal state).
+
+    Args:
+        values: ``(B, T)`` critic values :math:`V_t`.
+        rewards: ``(B, T)`` per-token rewards (e.g. -β·KL everywhere plus the
+            scalar score at the last valid token).
+        mask: ``(B, T)`` 1/0 or bool, the valid response tokens.  Expected to be
+            one contiguous run per row (right padding; left prompt positions
+            masked out are fine).  A hole inside a row acts as an episode end.
+        gamma: discount :math:`\gamma`.
+        lam: GAE :math:`\lambda`.
+
+    Returns:
+        ``(advantages, returns)``, both ``(B, T)``, 0 at masked-out positions,
+        computed without gradient (detached).  Advantages are *not* whitened;
+        use :func:`masked_whiten` if desired.
+    """
+    _check_same_shape(values=values, rewards=rewards, mask=mask)
+    m = _as_bool_mask(mask)
+    with torch.no_grad():
+        zero = torch.zeros_like(values)
+        v = torch.where(m, values, zero).detach()
+        r = torch.where(m, rewards.to(values.dtype), zero).detach()
+        T = v.shape[-1]
+        adv = torch.zeros_like(v)
+        next_value = torch.zeros_like(v[:, 0])
+        next_adv = torch.zeros_like(v[:, 0])
+        for t in range(T - 1, -1, -1):
+            delta = r[:, t] + gamma * next_value - v[:, t]
+            a_t = torch.where(m[:, t], delta + gamma * lam * next_adv, torch.zeros_like(delta))
+            adv[:, t] = a_t
+            next_adv = a_t
+            next_value = v[:, t]  # already 0 where invalid
+        returns = torch.where(m, adv + v, zero)
+    return adv, returns
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    eps: float = 1e-6,
+    scale: bool = True,
+) -> torch.Tensor:
+    r"""Group-relative advantages (GRPO, Shao et al. 2024).
+
+    Samples of one prompt are contiguous: rows ``[g*k, (g+1)*k)`` form group
+    ``g`` (``k = group_size``).  Outcome supervision, one scalar per sample:
+
+    .. math::
+        A_i = \frac{r_i - \bar r_g}{s_g + \epsilon}, \qquad
+        s_g = \sqrt{\tfrac{1}{k-1}\textstyle\sum_{j\in g}(r_j - \bar r_g)^2}
+
+    The group std is the **unbiased** (Bessel, ``k - 1``) one, matching
+    ``torch.std`` default and common GRPO implementations.  ``scale=False``
+    returns :math:`r_i - \bar r_g` (Dr. GRPO style, no std division).  With
+    ``group_size == 1`` the advantages are all 0.
+
+    Args:
+        rewards: ``(N,)`` with ``N = n_prompts * group_size``.
+        group_size: ``k >= 1``; must divide ``N``.
+        eps: added to the std.
+        scale: divide by the group std.
+
+    Returns:
+        ``(N,)`` float advantages (broadcast them over tokens yourself).
+    """
+    g = _grouped(rewards, group_size, min_size=1)
+    mean = g.mean(dim=1, keepdim=True)
+    centered = g - mean
+    if scale:
+        denom = max(group_size - 1, 1)
+        std = (centered.pow(2).sum(dim=1, keepdim=True) / denom).sqrt()
+        centered = centered / (std + eps)
+    return centered.reshape(-1)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    r"""REINFORCE Leave-One-Out advantages (Ahmadian et al. 2024).
+
+    .. math::
+        A_i = r_i - \frac{1}{k-1}\sum_{j \in g,\, j \ne i} r_j
+            = \frac{k}{k-1}\,(r_i - \bar r_g)
+
+    Args:
+        rewards: ``(N,)``, groups of ``group_size`` contiguous samples.
+        group_size: ``k >= 2``.
+
+    Raises:
+        ValueError: ``group_size < 2`` or ``N`` not divisible by it.
+    """
+    g = _grouped(rewards, group_size, min_size=2)
+    baseline = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
+    return (g - baseline).reshape(-1)
+
+
+def _grouped(rewards: torch.Tensor, group_size: int, min_size: int) -> torch.Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be (N,), got {tuple(rewards.shape)}")
+    if int(group_size) != group_size or group_size < min_size:
+        raise ValueError(f"group_size must be an integer >= {min_size}, got {group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"number of rewards ({rewards.numel()}) is not a multiple of group_size ({group_size})"
+        )
+    r = rewards if rewards.is_floating_point() else rewards.float()
+    return r.reshape(-1, int(group_size))
+
+
+def reinforce_pp_returns(
+    rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    r"""REINFORCE++ token-level advantages (Hu 2025): discounted returns,
+    then whitened over the whole batch.
+
+    .. math::
+        G_t = r_t + \gamma G_{t+1} \ \ (G = 0 \text{ past the last valid token}),
+        \qquad
+        A_t = \frac{G_t - \mu_G}{\sqrt{\sigma_G^2 + 10^{-8}}}
+
+    with :math:`\mu_G, \sigma_G^2` the masked mean and **unbiased** variance of
+    :math:`G` over all valid tokens of the batch (:func:`masked_whiten`).
+
+    Args:
+        rewards: ``(B, T)`` per-token rewards; the caller places the sequence
+            score at the last valid token (and may add per-token KL terms).
+        mask: ``(B, T)`` valid response tokens, 1/0 or bool.
+        gamma: discount.
+
+    Returns:
+        ``(B, T)`` whitened returns (used as advantages), 0 at masked-out
+        positions, detached.
+    """
+    _check_same_shape(rewards=rewards, mask=mask)
+    with torch.no_grad():
+        returns = _discounted_reverse_cumsum(rewards.detach(), mask, gamma)
+        return masked_whiten(returns, mask, shift_mean=True)
+
+
+# --------------------------------------------------------------------------- #
+# PPO losses
+# --------------------------------------------------------------------------- #
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    r"""PPO clipped surrogate policy loss (Schulman et al. 2017).
+
+    .. math::
+        \rho_t = \exp(\log\pi_t - \log\pi_{old,t}),\qquad
+        \ell_t = -\min\big(\rho_t A_t,\ \operatorname{clip}(\rho_t, 1-\epsilon, 1+\epsilon) A_t\big)
+
+        L = \operatorname{masked\_mean}(\ell, m)
+
+    Stats (detached 0-dim tensors):
+
+    * ``clip_fraction``: masked fraction of tokens where the clipped term is the
+      active one, i.e. :math:`-\operatorname{clip}(\rho)A > -\rho A` strictly
+      (the token's gradient is zeroed).  A token with :math:`\rho` outside the
+      range but on the unclipped side of the min (e.g. :math:`\rho > 1+\epsilon`
+      with :math:`A < 0`) is **not** counted.
+    * ``approx_kl``: masked mean of :math:`(\rho - 1) - \log\rho`, Schulman's
+      k3 estimator of :math:`KL(\pi_{old}\,\|\,\pi)` (samples from
+      :math:`\pi_{old}`), always >= 0.
+
+    Args:
+        logprobs: ``(B, T)`` current policy token log-probs (with grad).
+        old_logprobs: ``(B, T)`` behaviour-policy log-probs (treated as constant).
+        advantages: ``(B, T)`` (treated as constant).
+        mask: ``(B, T)`` 1/0 or bool.
+        clip_eps: :math:`\epsilon`.
+
+    Returns:
+        ``(loss, {"clip_fraction": ..., "approx_kl": ...})``; ``loss`` is 0-dim.
+    """
+    _check_same_shape(
+        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask
+    )
+    m = _as_bool_mask(mask)
+    log_ratio = logprobs - old_logprobs.detach()
+    # Masked-out log-ratios are zeroed so exp() cannot overflow into NaN grads.
+    log_ratio = torch.where(m, log_ratio, torch.zeros_like(log_ratio))
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach()
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = masked_mean(per_token, m)
+    with torch.no_grad():
+        clip_fraction = masked_mean((clipped > unclipped).to(per_token.dtype), m)
+        approx_kl = masked_mean((ratio - 1.0) - log_ratio, m)
+    return loss, {"clip_fraction": clip_fraction, "approx_kl": approx_kl}
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""PPO clipped value loss.
+
+    .. math::
+        V^{clip}_t = V_{old,t} + \operatorname{clip}(V_t - V_{old,t}, -\epsilon, \epsilon)
+
+        L = \operatorname{masked\_mean}\Big(\tfrac12
+            \max\big((V_t - R_t)^2,\ (V^{clip}_t - R_t)^2\big),\ m\Big)
+
+    Args:
+        values: ``(B, T)`` current critic values (with grad).
+        old_values: ``(B, T)`` critic values at rollout time (constant).
+        returns: ``(B, T)`` targets :math:`R_t` (constant).
+        mask: ``(B, T)`` 1/0 or bool.
+        clip_eps: :math:`\epsilon` (in value units).
+
+    Returns:
+        ``(loss, clip_fraction)``: 0-dim loss, and the detached masked fraction
+        of tokens where the clipped error is strictly larger (the active term).
+    """
+    _check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
+    m = _as_bool_mask(mask)
+    old = old_values.detach()
+    ret = returns.detach()
+    v_clipped = old + torch.clamp(values - old, -clip_eps, clip_eps)
+    err_unclipped = (values - ret) ** 2
+    err_clipped = (v_clipped - ret) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(err_unclipped, err_clipped), m)
+    with torch.no_grad():
+        clip_fraction = masked_mean((err_clipped > err_unclipped).to(err_clipped.dtype), m)
+    return loss, clip_fraction
+
+
+# --------------------------------------------------------------------------- #
+# KL penalty and controllers
+# --------------------------------------------------------------------------- #
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1"
+) -> torch.Tensor:
+    r"""Per-token estimate of :math:`KL(\pi\,\|\,\pi_{ref})` from samples of
+    :math:`\pi` (Schulman, "Approximating KL Divergence", 2020).
+
+    With :math:`\log r = \log\pi - \log\pi_{ref}`:
+
+    * ``k1``: :math:`\log r` (unbiased, high variance, can be negative)
+    * ``k2``: :math:`\tfrac12(\log r)^2` (biased, low variance, >= 0)
+    * ``k3``: :math:`e^{-\log r} - 1 + \log r` (unbiased, >= 0)
+
+    Args:
+        logprobs, ref_logprobs: same shape, e.g. ``(B, T)``.
+        estimator: one of :data:`KL_ESTIMATORS`.
+
+    Returns:
+        Same shape as the inputs; not masked (mask it yourself).
+
+    Raises:
+        ValueError: unknown estimator (the message lists the valid ones).
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(
+            f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}"
+        )
+    _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    log_r = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_r
+    if estimator == "k2":
+        return 0.5 * log_r.pow(2)
+    return torch.exp(-log_r) - 1.0 + log_r
+
+
+class AdaptiveKLController:
+    r"""Adaptive KL coefficient (Ziegler et al. 2019, "Fine-Tuning Language
+    Models from Human Preferences").
+
+    .. math::
+        e = \operatorname{clip}\Big(\frac{KL_{cur}}{KL_{target}} - 1,\ -0.2,\ 0.2\Big),
+        \qquad
+        \beta \leftarrow \beta\,\Big(1 + e\,\frac{n_{steps}}{H}\Big)
+
+    Attributes:
+        value: the current coefficient :math:`\beta` (float).
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+        if not target > 0:
+            raise ValueError(f"target must be > 0, got {target}")
+        if not horizon > 0:
+            raise ValueError(f"horizon must be > 0, got {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: Union[float, torch.Tensor], n_steps: int) -> float:
+        """Update :attr:`value` from the observed KL over ``n_steps`` samples/steps.
+
+        Returns the new value.
+        """
+        current = float(current_kl)
+        error = min(max(current / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value
+
+
+class FixedKLController:
+    """Constant KL coefficient; same interface as :class:`AdaptiveKLController`."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: Union[float, torch.Tensor], n_steps: int) -> float:
+        """No-op; returns the (unchanged) value."""
+        return self.value
