@@ -1,0 +1,115 @@
+"""SFT end to end through `python -m pipeline run`: real DeepSpeed, 2 gloo processes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
+
+pytestmark = pytest.mark.slow
+
+
+def run_pipeline(workdir, spec):
+    result = run_cli("run", write_pipeline(workdir, spec), cwd=workdir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize(
+    "zero_stage,precision,offload",
+    [(2, "fp32", False), (3, "fp32", False), (3, "bf16", False), (2, "fp32", True)],
+    ids=["zero2", "zero3", "zero3-bf16", "zero2-offload"],
+)
+def test_sft_eval_loss_falls_and_the_model_reloads_and_generates(workdir, zero_stage, precision, offload):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = tiny_pipeline(defaults={"zero_stage": zero_stage, "precision": precision, "optimizer_offload": offload})
+    run_pipeline(workdir, spec)
+    run_dir = workdir / "runs" / "t" / "sft"
+    result = read_result(run_dir)
+    assert result["world_size"] == 2
+    assert result["final_eval_loss"] < 0.5 * result["initial_eval_loss"]
+
+    steps = [m for m in read_metrics(run_dir) if "loss" in m]
+    assert [m["step"] for m in steps] == list(range(5, 41, 5))
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "model")
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+    prompt = tokenizer("sort 3142 =", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
+    # The exported weights are the trained ones: their eval loss is what the stage reported.
+    assert not torch.equal(
+        model.model.embed_tokens.weight,
+        AutoModelForCausalLM.from_pretrained(workdir / "runs" / "t" / "builtin" / "tiny-llama").model.embed_tokens.weight,
+    )
+
+
+def test_resuming_from_a_checkpoint_continues_the_same_loss_curve(workdir):
+    spec = tiny_pipeline(defaults={"save_interval": 20, "log_interval": 5})
+    run_pipeline(workdir, spec)
+    whole = workdir / "runs" / "t" / "sft"
+
+    # A second run folder that holds what an interrupted run would have left at step 20.
+    other = workdir / "resumed"
+    other.mkdir()
+    cut = other / "runs" / "t" / "sft"
+    cut.mkdir(parents=True)
+    shutil.copytree(whole / "checkpoints", cut / "checkpoints")
+    shutil.copy(whole / "spec.json", cut / "spec.json")
+    (cut / "metrics.jsonl").write_text(
+        "".join(line + "\n" for line in (whole / "metrics.jsonl").read_text().splitlines()[:5])
+    )
+    assert (cut / "checkpoints" / "latest").read_text() == "step-00000020"
+
+    result = run_pipeline(other, spec)
+    assert "resuming sft" in result.stdout
+    assert "resumed from checkpoint step-00000020" in result.stdout
+
+    def losses(run_dir):
+        return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
+
+    resumed, uninterrupted = losses(cut), losses(whole)
+    assert sorted(resumed) == sorted(uninterrupted)
+    for step in (25, 30, 35, 40):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-4)
+    assert read_result(cut)["final_eval_loss"] == pytest.approx(read_result(whole)["final_eval_loss"], rel=1e-4)
+    assert read_result(cut)["initial_eval_loss"] == read_result(whole)["initial_eval_loss"]
+
+
+def test_lora_trains_and_exports_a_merged_plain_model(workdir):
+    from transformers import AutoModelForCausalLM
+
+    spec = tiny_pipeline(defaults={"lora": {"rank": 8, "alpha": 16}, "learning_rate": 1e-2})
+    run_pipeline(workdir, spec)
+    run_dir = workdir / "runs" / "t" / "sft"
+    result = read_result(run_dir)
+    # A random base with frozen embeddings and head learns slowly through adapters alone.
+    assert result["final_eval_loss"] < result["initial_eval_loss"] - 0.4
+    assert not (run_dir / "model" / "adapter_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+    names = [n for n, _ in model.named_parameters()]
+    assert not any("lora" in n for n in names)
+    base = AutoModelForCausalLM.from_pretrained(workdir / "runs" / "t" / "builtin" / "tiny-llama")
+    # Adapters were on the projections only: embeddings untouched, projections changed.
+    assert torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)
+    assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_a_finished_stage_is_skipped_and_a_changed_one_starts_over(workdir):
+    spec = tiny_pipeline()
+    spec["stages"][0]["max_steps"] = 10
+    run_pipeline(workdir, spec)
+    again = run_pipeline(workdir, spec)
+    assert "skipped" in again.stdout
+
+    spec["stages"][0]["learning_rate"] = 1e-3
+    changed = run_pipeline(workdir, spec)
+    assert "previous outputs moved to" in changed.stdout
+    aside = list((workdir / "runs" / "t").glob("sft.superseded-*"))
+    assert len(aside) == 1 and (aside[0] / "result.json").exists()
+    assert (workdir / "runs" / "t" / "sft" / "result.json").exists()
