@@ -79,6 +79,31 @@ def slurm_time_to_minutes(value: str) -> int:
     return total
 
 
+SBATCH_SET_BY_PIPELINE = {
+    "partition": "use cluster.partition",
+    "account": "use cluster.account",
+    "qos": "use cluster.qos",
+    "constraint": "use cluster.constraint",
+    "time": "use cluster.time or the stage's time",
+    "nodes": "use the stage's nodes",
+    "ntasks-per-node": "use cluster.tasks_per_node or cluster.gpus_per_node",
+    "gpus-per-node": "use cluster.gpus_per_node",
+    "cpus-per-task": "use cluster.cpus_per_task",
+    "mem": "use cluster.mem",
+    "signal": "use cluster.requeue_signal_s",
+    "dependency": "each stage waits for the stages it starts from",
+    "kill-on-invalid-dep": "a stage whose upstream failed is always cancelled",
+    "job-name": "jobs are named <pipeline>.<stage>",
+    "ntasks": "use cluster.tasks_per_node or cluster.gpus_per_node",
+    "requeue": "stage jobs are always requeueable: they resume from their newest checkpoint",
+    "no-requeue": "stage jobs are always requeueable: they resume from their newest checkpoint",
+    "array": "each stage is one job",
+    "output": "logs go to runs/<pipeline>/<stage>/logs/",
+    "error": "logs go to runs/<pipeline>/<stage>/logs/",
+    "open-mode": "logs are appended to, so a requeued job keeps its earlier lines",
+}
+
+
 class ClusterSpec(Strict):
     """Where and how the stages run."""
 
@@ -113,6 +138,31 @@ class ClusterSpec(Strict):
         default_factory=list, description="Shell lines run in the job before the stage starts (e.g. module load ...)."
     )
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for every stage job.")
+    sbatch: dict[str, Union[str, int, bool]] = Field(
+        default_factory=dict,
+        description="Extra sbatch options for every stage job, by long name without dashes "
+        "(e.g. {exclusive: true, reservation: my-res, gres: 'gpu:8'}); true writes a bare flag.",
+    )
+    requeue_signal_s: int = Field(
+        120,
+        ge=10,
+        le=3600,
+        description="Seconds before a stage job's time limit at which Slurm sends it USR2: the job "
+        "requeues itself and resumes from its newest checkpoint.",
+    )
+    max_requeues: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="How many times a stage job that reaches its time limit is requeued before it counts "
+        "as failed (preemptions do not count, except in jobs shorter than 10 minutes).",
+    )
+    hf_home: Optional[str] = Field(
+        None,
+        description="Hugging Face cache folder shared by the submit host and the compute nodes: `prepare` "
+        "downloads hub models and datasets into it, Slurm jobs read it offline. Default: $HF_HOME, "
+        "else ~/.cache/huggingface.",
+    )
 
     @field_validator("time")
     @classmethod
@@ -120,11 +170,37 @@ class ClusterSpec(Strict):
         slurm_time_to_minutes(value)
         return value
 
+    @field_validator("sbatch")
+    @classmethod
+    def _check_sbatch(cls, value: dict) -> dict:
+        for key in value:
+            if not re.match(r"^[a-z][a-z0-9-]*$", key):
+                raise ValueError(f"'{key}' is not an sbatch long option name (e.g. exclusive, reservation)")
+            if key in SBATCH_SET_BY_PIPELINE:
+                raise ValueError(f"'{key}' is set by the pipeline itself; {SBATCH_SET_BY_PIPELINE[key]}")
+        return value
+
     @property
     def processes_per_node(self) -> int:
         if self.tasks_per_node is not None:
             return self.tasks_per_node
         return self.gpus_per_node or 1
+
+
+class ApptainerSpec(Strict):
+    """How a Slurm stage job runs inside `container`."""
+
+    command: str = Field("apptainer", min_length=1, description="The container runtime: apptainer, or singularity.")
+    binds: list[str] = Field(
+        default_factory=list,
+        description="Extra folders to bind (apptainer --bind syntax, SRC[:DEST[:ro]]). Already bound: the "
+        "run folder, local data and model folders, the Hugging Face cache and this code.",
+    )
+    options: list[str] = Field(
+        default_factory=list,
+        description="Extra `apptainer exec` options, e.g. [--writable-tmpfs]. Avoid --cleanenv: "
+        "the job needs Slurm's environment variables. --nv is added when GPUs are requested.",
+    )
 
 
 # --------------------------------------------------------------------------- stages
@@ -173,6 +249,11 @@ class DataSpec(Strict):
         False, description="Format prompts with the tokenizer's chat template instead of plain concatenation."
     )
     max_rows: Optional[int] = Field(None, ge=1, description="Use at most this many training rows.")
+    invalid_rows: Literal["error", "skip"] = Field(
+        "error",
+        description="A row missing a column, with an empty response, or with chosen identical to rejected: "
+        "error (stop and name the rows) or skip (leave them out and report how many).",
+    )
 
     @property
     def is_builtin(self) -> bool:
@@ -285,8 +366,45 @@ class SFTStage(StageBase):
     kind: Literal["sft"] = Field(..., description="Stage kind: sft, rm or dpo.")
 
 
-Stage = Annotated[Union[SFTStage], Field(discriminator="kind")]
-STAGE_KINDS = ("sft",)
+class RMStage(StageBase):
+    """Reward model: a 1-label sequence classifier trained on chosen/rejected pairs."""
+
+    kind: Literal["rm"] = Field(..., description="Stage kind: sft, rm or dpo.")
+    margin: float = Field(
+        0.0, ge=0, description="Bradley-Terry margin: the loss is -log sigmoid(r_chosen - r_rejected - margin)."
+    )
+
+
+class DPOStage(StageBase):
+    """Direct preference optimisation against a frozen copy of the starting model."""
+
+    kind: Literal["dpo"] = Field(..., description="Stage kind: sft, rm or dpo.")
+    beta: float = Field(0.1, gt=0, le=10, description="Strength of the KL tie to the reference (DPO's beta).")
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", description="sigmoid (the DPO paper's loss) or ipo (squared, bounded margins)."
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Assumed fraction of flipped preference labels (conservative DPO, sigmoid only)."
+    )
+    reference: Literal["live", "offload", "precompute"] = Field(
+        "live",
+        description="The frozen reference model: live (in GPU memory, sharded like the policy under ZeRO-3), "
+        "offload (kept in host RAM, brought in for its forward passes), or precompute (its log-probs "
+        "computed in a first pass and cached on disk; no reference in memory while training).",
+    )
+    chosen_nll_coef: float = Field(
+        0.0, ge=0, description="Weight of an extra NLL (SFT) loss on the chosen responses; 0 = none."
+    )
+
+    @model_validator(mode="after")
+    def _smoothing_needs_sigmoid(self):
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ValueError("label_smoothing (conservative DPO) applies to loss_type sigmoid only")
+        return self
+
+
+Stage = Annotated[Union[SFTStage, RMStage, DPOStage], Field(discriminator="kind")]
+STAGE_KINDS = ("sft", "rm", "dpo")
 
 
 class PipelineSpec(Strict):
@@ -295,7 +413,12 @@ class PipelineSpec(Strict):
     name: str = Field(..., pattern=NAME_PATTERN, description="Pipeline name; outputs go to <runs_dir>/<name>/.")
     runs_dir: str = Field("runs", description="Folder that holds every pipeline's run folder.")
     container: Optional[str] = Field(
-        None, description="Apptainer image (.sif) the stage jobs run in; absent = the host python."
+        None,
+        description="Apptainer image (.sif) the Slurm stage jobs run in; absent = the host python. "
+        "The local executor always runs the host python.",
+    )
+    apptainer: ApptainerSpec = Field(
+        default_factory=ApptainerSpec, description="How stage jobs run inside `container`."
     )
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Where and how stages run.")
     defaults: StageDefaults = Field(
@@ -483,4 +606,4 @@ def _model_of(annotation: Any) -> Any:
     return None
 
 
-STAGE_KIND_MODELS = {"sft": SFTStage}
+STAGE_KIND_MODELS = {"sft": SFTStage, "rm": RMStage, "dpo": DPOStage}

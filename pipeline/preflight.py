@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline.config import BUILTIN_PREFIX, PipelineSpec
 from pipeline.errors import InvalidInput
-from pipeline.rows import check_rows, is_row_file, read_rows
+from pipeline.rows import is_row_file, read_rows, select_rows
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "adapter_model.*")
 
@@ -61,6 +61,6 @@ def check_data(stage, where: str) -> None:
         if is_row_file(name):
             if not path.is_file():
                 raise InvalidInput(f"{where}.data.{field}: data file {name} not found")
-            check_rows(read_rows(path), stage.kind, data, f"{where}.data.{field}: {name}")
+            select_rows(read_rows(path), stage.kind, data, f"{where}.data.{field}: {name}")
         elif not path.exists() and looks_like_path(name):
             raise InvalidInput(f"{where}.data.{field}: {name} not found")

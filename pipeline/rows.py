@@ -67,17 +67,30 @@ def required_columns(kind: str, data) -> list[list[tuple[str, str]]]:
     return [[(data.prompt_key, "prompt_key"), (data.chosen_key, "chosen_key"), (data.rejected_key, "rejected_key")]]
 
 
-def check_rows(rows: Iterable[dict], kind: str, data, source: str) -> None:
-    """Raise InvalidInput naming the first row (1-based) that lacks what the stage needs."""
+def select_rows(rows: Iterable[dict], kind: str, data, source: str) -> tuple[list[dict], int]:
+    """(usable rows, how many were skipped); raises InvalidInput naming the bad rows (1-based)
+    unless the pipeline file asks to skip them (data.invalid_rows: skip)."""
     alternatives = required_columns(kind, data)
-    count = 0
+    kept, problems = [], []
     for number, row in enumerate(rows, start=1):
-        count += 1
-        problems = [_row_problem(row, columns) for columns in alternatives]
-        if all(problems):
-            raise InvalidInput(f"{source}: row {number}: {problems[0]}")
-    if count == 0:
-        raise InvalidInput(f"{source}: no rows")
+        found = [_row_problem(row, columns) for columns in alternatives]
+        problem = found[0] if all(found) else ""
+        if not problem and kind != "sft" and row[data.chosen_key].strip() == row[data.rejected_key].strip():
+            problem = f"chosen and rejected are identical ('{data.chosen_key}' = '{data.rejected_key}')"
+        if problem:
+            problems.append((number, problem))
+        else:
+            kept.append(row)
+    if problems and data.invalid_rows == "error":
+        shown = "\n".join(f"  row {n}: {p}" for n, p in problems[:5])
+        more = f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise InvalidInput(
+            f"{source}: {len(problems)} invalid row{'s' if len(problems) > 1 else ''}:\n{shown}{more}\n"
+            "Fix them, or set data.invalid_rows: skip to leave such rows out."
+        )
+    if not kept:
+        raise InvalidInput(f"{source}: no usable rows")
+    return kept, len(problems)
 
 
 def _row_problem(row: dict, columns: list[tuple[str, str]]) -> str:

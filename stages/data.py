@@ -7,20 +7,24 @@ response tokens (and the closing eos) only.
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
 from pipeline.config import BUILTIN_PREFIX, DataSpec
 from pipeline.errors import InvalidInput
-from pipeline.rows import check_rows, is_row_file, read_rows
+from pipeline.rows import is_row_file, read_rows, select_rows
 from stages import tiny
+
+log = logging.getLogger("stages")
 
 
 # --------------------------------------------------------------------------- loading
 
 
 def load_splits(data: DataSpec, kind: str, builtin_root: Path, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train rows, eval rows), checked for the columns the stage kind needs."""
+    """(train rows, eval rows), checked for the columns the stage kind needs; invalid rows
+    stop the stage or, when the pipeline file says so, are left out with a count in the log."""
     if data.is_builtin:
         folder = tiny.materialize(data.path[len(BUILTIN_PREFIX):], builtin_root)
         train = read_rows(folder / f"{data.split}.jsonl")
@@ -31,17 +35,24 @@ def load_splits(data: DataSpec, kind: str, builtin_root: Path, seed: int) -> tup
     else:
         train = _load_dataset_split(data.path, data.split)
         held_out = _load_dataset_split(data.path, data.eval_split) if data.eval_split else None
-    check_rows(train, kind, data, f"{data.path} ({data.split})")
+    train = _usable(train, kind, data, f"{data.path} ({data.split})")
     if held_out is None:
         shuffled = train[:]
         random.Random(seed).shuffle(shuffled)
         n_eval = max(1, int(len(shuffled) * data.eval_fraction))
         held_out, train = shuffled[:n_eval], shuffled[n_eval:]
     else:
-        check_rows(held_out, kind, data, f"{data.path} ({data.eval_split})")
+        held_out = _usable(held_out, kind, data, f"{data.path} ({data.eval_split})")
     if data.max_rows:
         train = train[: data.max_rows]
     return train, held_out
+
+
+def _usable(rows: list[dict], kind: str, data: DataSpec, source: str) -> list[dict]:
+    kept, skipped = select_rows(rows, kind, data, source)
+    if skipped:
+        log.warning("%s: skipped %d invalid rows (data.invalid_rows: skip)", source, skipped)
+    return kept
 
 
 def _load_dataset_split(path: str, split: str) -> list[dict]:
@@ -133,6 +144,13 @@ def pad_batch(rows: list[dict], pad_id: int, keys=("input_ids", "loss_mask")) ->
         batch[key] = torch.tensor([r[key] + [fill] * (width - len(r[key])) for r in rows])
     batch["attention_mask"] = torch.tensor([[1] * len(r[ids_key]) + [0] * (width - len(r[ids_key])) for r in rows])
     return batch
+
+
+def pad_pairs(pairs: list[dict], pad_id: int, device) -> dict:
+    """Chosen rows then rejected rows of tokenize_pair outputs, in one padded batch of 2B."""
+    rows = [{"input_ids": p[f"{side}_input_ids"], "loss_mask": p[f"{side}_loss_mask"]}
+            for side in ("chosen", "rejected") for p in pairs]
+    return {k: v.to(device) for k, v in pad_batch(rows, pad_id).items()}
 
 
 def micro_batches(n_rows: int, micro_batch_size: int, rank: int, world_size: int, seed: int, epoch: int):

@@ -78,6 +78,24 @@ def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool) -> 
     return config
 
 
+def frozen_model_config(stage, world_size: int, hidden_size: int, on_gpu: bool, offload: bool) -> dict:
+    """DeepSpeed config for a model that is only consulted (a reference or reward model):
+    ZeRO-3 shards it like the policy, and offload keeps its parameters in host RAM."""
+    zero: dict = {"stage": 3 if stage.zero_stage == 3 else 0}
+    if stage.zero_stage == 3:
+        zero["stage3_param_persistence_threshold"] = min(100_000, 10 * hidden_size)
+        if offload:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    return {
+        "train_micro_batch_size_per_gpu": stage.micro_batch_size,
+        "train_batch_size": stage.micro_batch_size * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": stage.precision == "bf16"},
+        "fp16": {"enabled": stage.precision == "fp16"},
+        "steps_per_print": 10**9,
+    }
+
+
 def learning_rate_factor(stage, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the peak rate at optimizer step s: linear warm-up, then the schedule."""
     warmup = min(stage.warmup_steps, max(total_steps - 1, 0))
@@ -242,12 +260,17 @@ def train(engine, loop: Loop, stage, ctx) -> dict:
         step += 1
         if step % stage.log_interval == 0 or step == loop.total_steps:
             elapsed = time.time() - t_last
-            record = {"step": step, **{k: v / _steps_in_window(step, stage.log_interval) for k, v in sums.items()}}
+            # Means over the window and over every rank, so the numbers do not depend
+            # on how the global batch is split into processes and micro batches.
+            window = _steps_in_window(step, stage.log_interval) * dist.get_world_size()
+            averaged = all_reduce_sums(list(sums.values()) + [float(tokens)])
+            tokens = averaged.pop()
+            record = {"step": step, **{k: v / window for k, v in zip(sums, averaged)}}
             record["lr"] = engine.get_lr()[0]
             norm = engine.get_global_grad_norm()
             if norm is not None:
                 record["grad_norm"] = float(norm)
-            record["tokens_per_s"] = _all_reduce_sum(tokens) / max(elapsed, 1e-9)
+            record["tokens_per_s"] = tokens / max(elapsed, 1e-9)
             record["epoch"] = epoch
             metrics.write(record)
             sums, tokens, t_last = {}, 0, time.time()
@@ -264,14 +287,6 @@ def train(engine, loop: Loop, stage, ctx) -> dict:
 
 def _steps_in_window(step: int, interval: int) -> int:
     return step % interval or interval
-
-
-def _all_reduce_sum(value: float) -> float:
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
-    dist.all_reduce(tensor)
-    return float(tensor.item())
 
 
 def all_reduce_sums(values: list[float]) -> list[float]:

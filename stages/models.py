@@ -96,3 +96,57 @@ def load_causal_lm(path: str, stage, ds_config: dict, on_gpu: bool):
 
     model = load_pretrained(AutoModelForCausalLM, path, stage, ds_config, on_gpu)
     return prepare_for_training(model, stage, "CAUSAL_LM")
+
+
+def load_reward_model(path: str, stage, ds_config: dict, on_gpu: bool, pad_token_id: int):
+    """A 1-label sequence classifier; its score head is new when starting from a causal LM."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = load_pretrained(AutoModelForSequenceClassification, path, stage, ds_config, on_gpu, num_labels=1)
+    # The reward is read at the last token that is not padding: the model must know the pad id.
+    model.config.pad_token_id = pad_token_id
+    return prepare_for_training(model, stage, "SEQ_CLS", modules_to_save=["score"])
+
+
+class FrozenModel:
+    """A model that is only consulted (DPO/PPO reference, PPO reward model).
+
+    live: on the device; under ZeRO-3 a DeepSpeed engine shards it like the policy.
+    offload: in host RAM between uses; under ZeRO-3 DeepSpeed's parameter offload,
+    otherwise moved to the device for each call and back.
+    """
+
+    def __init__(self, module, device, offload: bool, engine=None):
+        self.module, self.device, self.offload, self.engine = module, device, offload, engine
+        module.eval()
+        module.requires_grad_(False)
+        if engine is None:
+            module.to("cpu" if offload else device)
+
+    @torch.no_grad()
+    def __call__(self, **inputs):
+        if self.engine is not None:
+            return self.engine(**inputs)
+        if self.offload:
+            self.module.to(self.device)
+        try:
+            return self.module(**inputs)
+        finally:
+            if self.offload:
+                self.module.to("cpu")
+
+    def release(self) -> None:
+        """Free its memory (precomputed references need it no longer)."""
+        self.module = self.engine = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def load_frozen(auto_class, path: str, stage, frozen_config: dict, device, offload: bool, **kwargs) -> FrozenModel:
+    import deepspeed
+
+    model = load_pretrained(auto_class, path, stage, frozen_config, device.type == "cuda", **kwargs)
+    if stage.zero_stage == 3:
+        engine, *_ = deepspeed.initialize(model=model, config=frozen_config)
+        return FrozenModel(model, device, offload, engine=engine)
+    return FrozenModel(model, device, offload)

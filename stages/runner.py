@@ -40,13 +40,22 @@ class StageContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def deepspeed_config(self, stage, model_path: str) -> dict:
+    def hidden_size(self, model_path: str) -> int:
         from transformers import AutoConfig
 
+        return getattr(AutoConfig.from_pretrained(model_path), "hidden_size", 4096)
+
+    def deepspeed_config(self, stage, model_path: str) -> dict:
+        """DeepSpeed config of the model this stage trains."""
         from stages import engine
 
-        hidden = getattr(AutoConfig.from_pretrained(model_path), "hidden_size", 4096)
-        return engine.deepspeed_config(stage, self.world_size, hidden, self.on_gpu)
+        return engine.deepspeed_config(stage, self.world_size, self.hidden_size(model_path), self.on_gpu)
+
+    def frozen_model_config(self, stage, model_path: str, offload: bool) -> dict:
+        """DeepSpeed config of a model this stage only consults (reference, reward model)."""
+        from stages import engine
+
+        return engine.frozen_model_config(stage, self.world_size, self.hidden_size(model_path), self.on_gpu, offload)
 
 
 class StageJob(Checkpointable):

@@ -1,0 +1,148 @@
+"""Reward model and DPO stages through `python -m pipeline run`: real DeepSpeed, 2 processes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.conftest import read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
+
+pytestmark = pytest.mark.slow
+
+
+def run_pipeline(workdir, spec_or_name):
+    target = spec_or_name if isinstance(spec_or_name, str) else write_pipeline(workdir, spec_or_name)
+    result = run_cli("run", target, cwd=workdir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_the_tiny_pipeline_chains_sft_rm_and_dpo_and_each_learns(workdir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    run_pipeline(workdir, "tiny")
+    runs = workdir / "runs" / "tiny"
+    sft, rm, dpo = (read_result(runs / s) for s in ("sft", "rm", "dpo"))
+    assert sft["final_eval_loss"] <= 0.5 * sft["initial_eval_loss"]
+    assert rm["eval_accuracy"] >= 0.9
+    assert dpo["eval_reward_accuracy"] >= 0.9
+    # Policy == reference before DPO trains: every implicit reward is 0, the loss log 2.
+    assert dpo["initial_eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+    reward_model = AutoModelForSequenceClassification.from_pretrained(runs / "rm" / "model")
+    assert reward_model.config.num_labels == 1
+    tokenizer = AutoTokenizer.from_pretrained(runs / "rm" / "model")
+    texts = ["sort 3142 = 1234</s>", "sort 3142 = 3142</s>"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        chosen, rejected = reward_model(**batch).logits.squeeze(-1).tolist()
+    assert chosen > rejected
+    stats = json.loads((runs / "rm" / "model" / "reward_stats.json").read_text())
+    assert stats["std"] > 0
+
+    policy = AutoModelForCausalLM.from_pretrained(runs / "dpo" / "model")
+    prompt = tokenizer("sort 5203 =", return_tensors="pt")
+    out = policy.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
+
+
+def dpo_stage(name, **knobs):
+    return {
+        "name": name,
+        "kind": "dpo",
+        "model": "builtin:tiny-llama",
+        "data": {"path": "builtin:digits", "eval_split": "eval"},
+        "max_steps": 20,
+        "global_batch_size": 16,
+        "learning_rate": 1e-3,
+        **knobs,
+    }
+
+
+@pytest.fixture(scope="module")
+def dpo_variants(tmp_path_factory):
+    """The same DPO run several ways, in one pipeline file (one stage each)."""
+    workdir = tmp_path_factory.mktemp("dpo")
+    spec = tiny_pipeline(stages=[
+        dpo_stage("live"),
+        dpo_stage("zero3", zero_stage=3),
+        dpo_stage("precompute", reference="precompute"),
+        dpo_stage("offload", reference="offload"),
+        dpo_stage("accumulate", micro_batch_size=4),
+    ])
+    run_pipeline(workdir, spec)
+    return workdir / "runs" / "t"
+
+
+def losses(run_dir):
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
+
+
+def assert_same_curve(a, b, rel):
+    curve_a, curve_b = losses(a), losses(b)
+    assert sorted(curve_a) == sorted(curve_b) == [5, 10, 15, 20]
+    for step in curve_a:
+        assert curve_b[step] == pytest.approx(curve_a[step], rel=rel), step
+    assert read_result(b)["eval_loss"] == pytest.approx(read_result(a)["eval_loss"], rel=rel)
+
+
+def test_dpo_learns_from_the_live_reference(dpo_variants):
+    result = read_result(dpo_variants / "live")
+    assert result["eval_loss"] < result["initial_eval_loss"] - 0.1
+    assert result["eval_reward_accuracy"] > 0.8
+
+
+def test_zero2_and_zero3_give_the_same_dpo_loss_curve(dpo_variants):
+    assert_same_curve(dpo_variants / "live", dpo_variants / "zero3", rel=1e-3)
+
+
+def test_precomputed_reference_equals_the_live_reference(dpo_variants):
+    assert (dpo_variants / "precompute" / "reference_logps.pt").exists()
+    assert_same_curve(dpo_variants / "live", dpo_variants / "precompute", rel=1e-4)
+
+
+def test_offloaded_reference_equals_the_live_reference(dpo_variants):
+    assert_same_curve(dpo_variants / "live", dpo_variants / "offload", rel=1e-5)
+
+
+def test_micro_batch_times_accumulation_does_not_change_the_curve(dpo_variants):
+    # 8 rows x 2 processes x 1 step  vs  4 rows x 2 processes x 2 accumulated steps
+    assert_same_curve(dpo_variants / "live", dpo_variants / "accumulate", rel=1e-4)
+
+
+PAIRS = [
+    {"prompt": "a", "chosen": "good", "rejected": "bad"},
+    {"prompt": "b", "chosen": "same", "rejected": "same"},
+    {"prompt": "c", "chosen": "", "rejected": "bad"},
+    {"prompt": "d", "rejected": "bad"},
+]
+
+
+def write_pairs(workdir):
+    (workdir / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PAIRS * 10))
+
+
+def test_invalid_preference_rows_are_reported_by_row_number(workdir):
+    write_pairs(workdir)
+    spec = tiny_pipeline(stages=[dpo_stage("dpo", data={"path": "pairs.jsonl"})])
+    result = run_cli("validate", write_pipeline(workdir, spec), cwd=workdir)
+    assert result.returncode == 2
+    assert "30 invalid rows" in result.stderr
+    assert "row 2: chosen and rejected are identical" in result.stderr
+    assert "row 3: 'chosen' (data.chosen_key) must be a non-empty string" in result.stderr
+    assert "row 4: missing column 'chosen'" in result.stderr
+    assert "data.invalid_rows: skip" in result.stderr
+
+
+def test_lenient_data_handling_skips_invalid_rows_with_a_count(workdir):
+    write_pairs(workdir)
+    spec = tiny_pipeline(stages=[dpo_stage("dpo", max_steps=2, data={"path": "pairs.jsonl", "invalid_rows": "skip",
+                                                                     "eval_fraction": 0.2})])
+    spec["defaults"]["micro_batch_size"] = 2
+    spec["stages"][0]["global_batch_size"] = 4
+    result = run_pipeline(workdir, spec)
+    assert "skipped 30 invalid rows" in result.stdout
+    assert read_result(workdir / "runs" / "t" / "dpo")["train_pairs"] == 8
