@@ -17,7 +17,7 @@ BIN := $(VENV)/bin
 # stops a different ninja on PATH from forcing a rebuild every run.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup pipeline validate status test clean help
+.PHONY: setup pipeline validate status test docs clean help
 
 help:
 	@echo "make pipeline [CONFIG=tiny]   run a pipeline (default: the tiny chain, locally on CPU)"
@@ -51,3 +51,6 @@ test: setup
 
 clean:
 	rm -rf runs
+
+docs: setup
+	$(BIN)/python -m pipeline.docs
