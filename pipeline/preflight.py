@@ -21,6 +21,8 @@ def check(spec: PipelineSpec) -> None:
         if stage.model is not None:
             check_model(stage.model, f"{where}.model")
         check_data(stage, where)
+        if stage.kind == "ppo":
+            check_reward_functions(stage, where)
 
 
 def looks_like_path(name: str) -> bool:
@@ -64,3 +66,15 @@ def check_data(stage, where: str) -> None:
             select_rows(read_rows(path), stage.kind, data, f"{where}.data.{field}: {name}")
         elif not path.exists() and looks_like_path(name):
             raise InvalidInput(f"{where}.data.{field}: {name} not found")
+
+
+def check_reward_functions(stage, where: str) -> None:
+    """Each user reward function's file exists and defines it (read, not run)."""
+    from stages.rewards import RewardError, check_function
+
+    for j, rule in enumerate(stage.reward.rules):
+        if rule.function:
+            try:
+                check_function(rule.function)
+            except RewardError as err:
+                raise InvalidInput(f"{where}.reward.rules[{j}].function: {err}") from None

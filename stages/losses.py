@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "sequence_logprobs",
+    "token_logprobs",
     "dpo_loss",
     "DPO_LOSS_TYPES",
     "reward_pair_loss",
@@ -139,7 +140,19 @@ def sequence_logprobs(
     *,
     average: bool = False,
 ) -> torch.Tensor:
-    r"""Log-probability of the response tokens of each sequence.
+    r"""Log-probability of the response tokens of each sequence: the masked sum
+    (or mean, with average=True) of :func:`token_logprobs`.
+    """
+    token_logps = token_logprobs(logits, labels, loss_mask)
+    total = token_logps.sum(dim=-1)
+    if average:
+        count = _as_bool_mask(loss_mask[:, 1:]).sum(dim=-1).clamp(min=1)
+        return total / count.to(total.dtype)
+    return total
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    r"""Per-token log-probability of the response tokens, ``(B, T-1)``, 0 elsewhere.
 
     Causal-LM alignment: the logits at position ``t`` predict the token at
     ``t + 1``, so ``logits[:, :-1]`` is scored against ``labels[:, 1:]`` and
@@ -160,12 +173,11 @@ def sequence_logprobs(
         labels: ``(B, T)`` integer token ids.  Ids at masked-out positions are
             ignored and may be anything (e.g. ``-100``).
         loss_mask: ``(B, T)`` 1/0 or bool, aligned with ``labels``.
-        average: if True return the mean over response tokens instead of the sum
-            (a row with no response token gives 0).
 
     Returns:
-        ``(B,)`` float32 (float64 if ``logits`` is float64).  Differentiable
-        w.r.t. ``logits`` (first-order only).
+        ``(B, T-1)`` float32 (float64 if ``logits`` is float64): entry ``t`` is
+        the log-probability of ``labels[:, t+1]``, 0 where ``loss_mask[:, t+1]``
+        is 0.  Differentiable w.r.t. ``logits`` (first-order only).
 
     Precision / memory: the log-softmax is computed in float32 (float64 for
     float64 input) in row chunks of about 128 MiB, and only the selected
@@ -197,12 +209,7 @@ def sequence_logprobs(
     token_logps = _TokenLogprob.apply(
         logits.reshape(bsz * seqlen, vocab), targets.reshape(-1), out_dtype
     ).view(bsz, seqlen)[:, :-1]
-    token_logps = torch.where(mask, token_logps, torch.zeros_like(token_logps))
-
-    total = token_logps.sum(dim=-1)
-    if average:
-        return total / mask.sum(dim=-1).clamp(min=1).to(out_dtype)
-    return total
+    return torch.where(mask, token_logps, torch.zeros_like(token_logps))
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -109,3 +109,13 @@ def test_the_pipeline_package_imports_no_gpu_libraries():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_missing_reward_function_is_reported_at_validate_time(workdir):
+    spec = tiny_pipeline()
+    spec["stages"].append({
+        "name": "rl", "kind": "ppo", "from": "sft", "data": {"path": "builtin:digits"},
+        "advantage": "grpo", "n_samples_per_prompt": 2, "rollout_batch_size": 8, "micro_batch_size": 8,
+        "reward": {"rules": [{"function": "rewards/mine.py:score"}]},
+    })
+    run_rejected(workdir, spec, "stages[1] (rl).reward.rules[0].function", "rewards/mine.py not found")
