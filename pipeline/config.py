@@ -194,7 +194,7 @@ class ApptainerSpec(Strict):
     binds: list[str] = Field(
         default_factory=list,
         description="Extra folders to bind (apptainer --bind syntax, SRC[:DEST[:ro]]). Already bound: the "
-        "run folder, local data and model folders, the Hugging Face cache and this code.",
+        "folder you run from, the run folder, local data and model folders, the Hugging Face cache and this code.",
     )
     options: list[str] = Field(
         default_factory=list,
@@ -363,13 +363,13 @@ class StageBase(TrainingKnobs):
 class SFTStage(StageBase):
     """Supervised fine-tuning: next-token loss on the response tokens only."""
 
-    kind: Literal["sft"] = Field(..., description="Stage kind: sft, rm or dpo.")
+    kind: Literal["sft"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
 
 
 class RMStage(StageBase):
     """Reward model: a 1-label sequence classifier trained on chosen/rejected pairs."""
 
-    kind: Literal["rm"] = Field(..., description="Stage kind: sft, rm or dpo.")
+    kind: Literal["rm"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
     margin: float = Field(
         0.0, ge=0, description="Bradley-Terry margin: the loss is -log sigmoid(r_chosen - r_rejected - margin)."
     )
@@ -378,7 +378,7 @@ class RMStage(StageBase):
 class DPOStage(StageBase):
     """Direct preference optimisation against a frozen copy of the starting model."""
 
-    kind: Literal["dpo"] = Field(..., description="Stage kind: sft, rm or dpo.")
+    kind: Literal["dpo"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
     beta: float = Field(0.1, gt=0, le=10, description="Strength of the KL tie to the reference (DPO's beta).")
     loss_type: Literal["sigmoid", "ipo"] = Field(
         "sigmoid", description="sigmoid (the DPO paper's loss) or ipo (squared, bounded margins)."
@@ -403,8 +403,120 @@ class DPOStage(StageBase):
         return self
 
 
-Stage = Annotated[Union[SFTStage, RMStage, DPOStage], Field(discriminator="kind")]
-STAGE_KINDS = ("sft", "rm", "dpo")
+REWARD_RULES = ("exact_match", "numeric_match", "regex", "length", "keyword")
+RULE_OPTIONS = {
+    "exact_match": set(),
+    "numeric_match": {"tolerance"},
+    "regex": {"pattern"},
+    "length": {"target"},
+    "keyword": {"keywords"},
+}
+
+
+class RewardRule(Strict):
+    """One rule-based reward term: a built-in rule or your own function."""
+
+    rule: Optional[Literal["exact_match", "numeric_match", "regex", "length", "keyword"]] = Field(
+        None,
+        description="Built-in rule: exact_match or numeric_match (against the row's label column), "
+        "regex (options.pattern must match the whole completion), length (options.target characters; "
+        "-|len - target| / target), keyword (fraction of options.keywords present).",
+    )
+    function: Optional[str] = Field(
+        None, description="Your own reward: path/to/file.py:function taking (prompts, completions, labels) "
+        "and returning one float per completion."
+    )
+    weight: float = Field(1.0, description="Weight of this term in the summed reward.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Options of the built-in rule (see rule).")
+
+    @model_validator(mode="after")
+    def _rule_or_function(self):
+        if (self.rule is None) == (self.function is None):
+            raise ValueError("give exactly one of `rule` (built-in) or `function` (path/to/file.py:function)")
+        if self.rule is not None:
+            unknown = set(self.options) - RULE_OPTIONS[self.rule]
+            if unknown:
+                valid = ", ".join(sorted(RULE_OPTIONS[self.rule])) or "none"
+                raise ValueError(f"rule {self.rule} has no option '{sorted(unknown)[0]}' (its options: {valid})")
+        elif self.options:
+            raise ValueError("options are for built-in rules; a function gets (prompts, completions, labels)")
+        return self
+
+
+class RewardSpec(Strict):
+    """What an RL stage maximises: a reward model, rule-based terms, or their weighted sum."""
+
+    model: Optional[str] = Field(None, description="Name of an upstream `rm` stage whose model scores completions.")
+    model_weight: float = Field(1.0, description="Weight of the reward model's score in the sum.")
+    rules: list[RewardRule] = Field(default_factory=list, description="Rule-based terms, summed with their weights.")
+    normalize: bool = Field(True, description="Normalise rewards by their running mean and standard deviation.")
+    clip: Optional[float] = Field(5.0, gt=0, description="Clip (normalised) rewards to [-clip, clip]; null = no clip.")
+
+    @model_validator(mode="after")
+    def _something_to_maximise(self):
+        if self.model is None and not self.rules:
+            raise ValueError("name a reward `model` (an rm stage), `rules`, or both")
+        return self
+
+
+class PPOStage(StageBase):
+    """Reinforcement learning from a reward: PPO with a critic (gae), or critic-free
+    GRPO, RLOO and REINFORCE++. max_steps counts optimizer steps of the policy."""
+
+    kind: Literal["ppo"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
+    reward: RewardSpec = Field(..., description="The reward to maximise.")
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+        "gae",
+        description="Advantage estimator: gae (PPO with a critic), grpo (group-normalised), "
+        "rloo (leave-one-out baseline) or reinforce_pp (batch-normalised returns).",
+    )
+    n_samples_per_prompt: int = Field(1, ge=1, le=64, description="Completions sampled per prompt (grpo and rloo need 2+).")
+    rollout_batch_size: int = Field(64, ge=1, description="Prompts per rollout, over all processes.")
+    micro_rollout_batch_size: int = Field(
+        16, ge=1, description="Sequences per process per generation call (and per scoring pass)."
+    )
+    max_new_tokens: int = Field(256, ge=1, description="Longest completion sampled.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of rollouts (1 = off).")
+    ppo_epochs: int = Field(1, ge=1, le=16, description="Passes over each rollout's sequences.")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range of the probability ratio.")
+    value_clip_eps: float = Field(0.2, gt=0, description="Clip range of the critic's value updates.")
+    critic_learning_rate: Optional[float] = Field(
+        None, gt=0, description="Peak learning rate of the critic (gae only); default learning_rate."
+    )
+    kl_coef: float = Field(0.05, ge=0, description="Weight of the KL penalty to the reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1", description="KL estimator per token: k1 = log ratio, k2 = half squared, k3 = (r - 1) - log r."
+    )
+    kl_in_reward: bool = Field(
+        True, description="Subtract the KL from the per-token reward (true), or add it to the policy loss (false)."
+    )
+    kl_target: Optional[float] = Field(
+        None, gt=0, description="Adapt kl_coef so the KL per sequence approaches this (null = fixed kl_coef)."
+    )
+    gamma: float = Field(1.0, gt=0, le=1, description="Discount per token.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda.")
+    reference: Literal["live", "offload"] = Field(
+        "live", description="The frozen reference: live on the device, or offload (host RAM between uses)."
+    )
+    reward_offload: bool = Field(False, description="Keep the reward model in host RAM between uses.")
+    eval_prompts: int = Field(200, ge=1, description="Held-out prompts scored (greedy) before and after training.")
+    label_key: str = Field("label", description="Data column with the reference answer passed to rule rewards.")
+
+    @model_validator(mode="after")
+    def _groups_need_samples(self):
+        if self.advantage in ("grpo", "rloo") and self.n_samples_per_prompt < 2:
+            raise ValueError(f"advantage {self.advantage} compares samples of one prompt: "
+                             "set n_samples_per_prompt to 2 or more")
+        return self
+
+    @property
+    def upstream(self) -> list[str]:
+        return [s for s in (self.from_, self.reward.model) if s]
+
+
+Stage = Annotated[Union[SFTStage, RMStage, DPOStage, PPOStage], Field(discriminator="kind")]
+STAGE_KINDS = ("sft", "rm", "dpo", "ppo")
 
 
 class PipelineSpec(Strict):
@@ -452,14 +564,23 @@ class PipelineSpec(Strict):
             if stage.name in seen:
                 raise ValueError(f"stages[{i}]: stage name '{stage.name}' is used twice")
             seen.add(stage.name)
+        kinds = {s.name: s.kind for s in self.stages}
         for i, stage in enumerate(self.stages):
-            for up in stage.upstream:
+            references = [("from", stage.from_)]
+            if stage.kind == "ppo":
+                references.append(("reward.model", stage.reward.model))
+            for field, up in references:
+                if up is None:
+                    continue
                 if up not in names:
                     close = difflib.get_close_matches(up, names, n=1)
                     hint = f" (did you mean '{close[0]}'?)" if close else ""
                     raise ValueError(
-                        f"stages[{i}] ({stage.name}).from: no stage named '{up}'{hint}; stages: {', '.join(names)}"
+                        f"stages[{i}] ({stage.name}).{field}: no stage named '{up}'{hint}; stages: {', '.join(names)}"
                     )
+                if field == "reward.model" and kinds[up] != "rm":
+                    raise ValueError(f"stages[{i}] ({stage.name}).reward.model: '{up}' is a {kinds[up]} stage, "
+                                     "not a reward model (kind: rm)")
         order = topological_order(self.stages)
         if order is None:
             raise ValueError("the stages' `from` references form a cycle")
@@ -472,6 +593,20 @@ class PipelineSpec(Strict):
                     raise ValueError(
                         f"stages[{i}] ({stage.name}).global_batch_size: {stage.global_batch_size} is not a "
                         f"multiple of micro_batch_size x processes = {stage.micro_batch_size} x {processes}"
+                    )
+            if stage.kind == "ppo":
+                sequences = stage.rollout_batch_size * stage.n_samples_per_prompt
+                if stage.rollout_batch_size % processes:
+                    raise ValueError(
+                        f"stages[{i}] ({stage.name}).rollout_batch_size: {stage.rollout_batch_size} prompts do "
+                        f"not split evenly over {processes} processes"
+                    )
+                per_step = stage.global_batch_size or stage.micro_batch_size * processes
+                if sequences % per_step:
+                    raise ValueError(
+                        f"stages[{i}] ({stage.name}).rollout_batch_size: a rollout of {sequences} sequences "
+                        f"(rollout_batch_size x n_samples_per_prompt) is not a multiple of the {per_step} "
+                        "sequences of one optimizer step"
                     )
         return self
 
@@ -606,4 +741,4 @@ def _model_of(annotation: Any) -> Any:
     return None
 
 
-STAGE_KIND_MODELS = {"sft": SFTStage, "rm": RMStage, "dpo": DPOStage}
+STAGE_KIND_MODELS = {"sft": SFTStage, "rm": RMStage, "dpo": DPOStage, "ppo": PPOStage}

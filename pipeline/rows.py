@@ -64,6 +64,8 @@ def required_columns(kind: str, data) -> list[list[tuple[str, str]]]:
             [(data.prompt_key, "prompt_key"), (data.response_key, "response_key")],
             [(data.messages_key, "messages_key")],
         ]
+    if kind == "ppo":
+        return [[(data.prompt_key, "prompt_key")]]
     return [[(data.prompt_key, "prompt_key"), (data.chosen_key, "chosen_key"), (data.rejected_key, "rejected_key")]]
 
 
@@ -75,7 +77,7 @@ def select_rows(rows: Iterable[dict], kind: str, data, source: str) -> tuple[lis
     for number, row in enumerate(rows, start=1):
         found = [_row_problem(row, columns) for columns in alternatives]
         problem = found[0] if all(found) else ""
-        if not problem and kind != "sft" and row[data.chosen_key].strip() == row[data.rejected_key].strip():
+        if not problem and kind in ("rm", "dpo") and row[data.chosen_key].strip() == row[data.rejected_key].strip():
             problem = f"chosen and rejected are identical ('{data.chosen_key}' = '{data.rejected_key}')"
         if problem:
             problems.append((number, problem))

@@ -186,9 +186,12 @@ class Checkpoints:
         tag = marker.read_text().strip()
         return tag if (self.folder / tag).is_dir() else None
 
-    def save(self, engine, step: int, client_state: dict) -> None:
+    def save(self, engine, step: int, client_state: dict, others: Optional[dict] = None) -> None:
+        """Save `engine` (and any `others`, e.g. a critic, inside the same tag folder)."""
         tag = f"step-{step:08d}"
         engine.save_checkpoint(str(self.folder), tag=tag, client_state=client_state, save_latest=False)
+        for name, other in (others or {}).items():
+            other.save_checkpoint(str(self.folder / tag), tag=name, save_latest=False)
         dist.barrier()
         if self.is_main:
             tmp = self.folder / f".latest.{os.getpid()}"
@@ -200,12 +203,14 @@ class Checkpoints:
         dist.barrier()
         log.info("checkpoint %s saved", tag)
 
-    def load(self, engine) -> Optional[dict]:
+    def load(self, engine, others: Optional[dict] = None) -> Optional[dict]:
         """Client state of the newest complete checkpoint, after loading it; None if none."""
         tag = self.latest()
         if tag is None:
             return None
         _, client_state = engine.load_checkpoint(str(self.folder), tag=tag)
+        for name, other in (others or {}).items():
+            other.load_checkpoint(str(self.folder / tag), tag=name)
         log.info("resumed from checkpoint %s", tag)
         return client_state
 
