@@ -86,6 +86,14 @@ def prepare_for_training(model, stage, task_type: str, modules_to_save=None):
             task_type=task_type,
         )
         model = get_peft_model(model, lora)
+        # peft builds adapters in fp32. DeepSpeed casts whole modules to the training
+        # dtype itself, except under ZeRO-3, whose sharded weights it leaves alone:
+        # there the fp32 adapters beside bf16 weights (and a bf16 `score` copy) break
+        # its flat buffers. Cast whatever is not sharded, on every ZeRO stage alike.
+        dtype = DTYPES[stage.precision]
+        for param in model.parameters():
+            if not hasattr(param, "ds_id") and param.dtype != dtype:
+                param.data = param.data.to(dtype)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         log.info("LoRA r=%d: %d trainable parameters", stage.lora.rank, trainable)
     return model
