@@ -897,6 +897,9 @@ class StagePlan:
     estimate: Estimate
     suggestions: list[Suggestion]
     warnings: list[str]
+    # For a stage that fits: the stage re-estimated without each memory-saving
+    # setting it has on, so the plan says why each one is there.
+    without: list[Suggestion] = field(default_factory=list)
 
     @property
     def memory(self) -> Memory:
@@ -937,10 +940,37 @@ def plan_stage(stage, shape: ModelShape, hw: Hardware, rows: Optional[int] = Non
     if estimate.time is not None:
         warnings += estimate.time.notes
     suggestions = suggest(knobs, shape, hw, rows, extra) if estimate.fits is False else []
+    without = settings_relaxed(knobs, shape, hw, rows, extra) if estimate.fits else []
     trained = sum(sum(_trainable_tensors(m, knobs)[0]) for m in models if m.trained)
     total = sum(m.shape.params_with_head(m.head) for m in models)
     return StagePlan(stage.name, knobs.kind, model_name, shape, knobs, hw, knobs.nodes * hw.processes_per_node,
-                     trained, total, estimate, suggestions, warnings)
+                     trained, total, estimate, suggestions, warnings, without)
+
+
+def settings_relaxed(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] = None,
+                     extra: Optional[dict] = None) -> list[Suggestion]:
+    """The stage re-estimated with each memory-saving setting it has on turned off,
+    with every offload off at once, and, where the optimizer is offloaded, on one
+    more node without that offload: what each setting buys, and the way out of it."""
+    options: list[tuple[dict, str]] = []
+    if knobs.optimizer_offload:
+        options.append(({"optimizer_offload": False}, "optimizer_offload: false"))
+    if knobs.reference != "live":
+        options.append(({"reference": "live"}, "reference: live"))
+    if knobs.optimizer_offload and knobs.reference != "live":
+        options.append(({"optimizer_offload": False, "reference": "live"},
+                         f"no offload at all (ZeRO-{knobs.zero_stage} alone)"))
+    if knobs.gradient_checkpointing:
+        options.append(({"gradient_checkpointing": False}, "gradient_checkpointing: false"))
+    if knobs.zero_stage == 3:
+        options.append(({"zero_stage": 2}, "zero_stage: 2"))
+    if knobs.lora_rank:
+        options.append(({"lora_rank": None, "lora_targets": ()}, "no LoRA (all parameters trained)"))
+    if knobs.optimizer_offload:
+        options.append(({"optimizer_offload": False, "nodes": knobs.nodes + 1},
+                        f"nodes: {knobs.nodes + 1}, optimizer_offload: false"))
+    return [Suggestion(changes, text, False, _estimate(replace(knobs, **changes), shape, hw, rows, extra))
+            for changes, text in options]
 
 
 def _stage_model_name(spec, stage) -> str:
@@ -1117,6 +1147,11 @@ def format_plan(plans: list[StagePlan]) -> str:
             out.append(f"         {_duration(t.seconds_per_1000_rows)} per 1000 rows{pre}; {total}")
         for warning in plan.warnings:
             out.append(f"   warning: {warning}")
+        if plan.without:
+            out.append("   why these settings (the stage re-estimated without each):")
+            for s in plan.without:
+                out.append(f"     {s.description}")
+                out.append(f"        -> {_verdict(s.estimate.memory)}; {_summary(s.estimate)}")
         if plan.suggestions:
             fitting = any(s.estimate.fits for s in plan.suggestions)
             out.append("   would fit with (cheapest first):" if fitting else "   nothing tried fits; closest:")
@@ -1126,6 +1161,11 @@ def format_plan(plans: list[StagePlan]) -> str:
                 out.append(f"        -> {_verdict(s.estimate.memory)}; {_summary(s.estimate)}")
         out.append("")
     return "\n".join(out)
+
+
+def _suggestion_json(s: Suggestion) -> dict:
+    return {"changes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.changes.items()},
+            "description": s.description, "changes_training": s.changes_training, **_estimate_json(s.estimate)}
 
 
 def _estimate_json(estimate: Estimate) -> dict:
@@ -1156,9 +1196,8 @@ def plan_to_json(plans: list[StagePlan]) -> dict:
             "processes": plan.world, "trained_params": plan.trained_params, "total_params": plan.total_params,
             **_estimate_json(plan.estimate),
             "warnings": plan.warnings,
-            "suggestions": [{"changes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.changes.items()},
-                             "description": s.description, "changes_training": s.changes_training,
-                             **_estimate_json(s.estimate)} for s in plan.suggestions],
+            "suggestions": [_suggestion_json(s) for s in plan.suggestions],
+            "without": [_suggestion_json(s) for s in plan.without],
         }
         stages.append(entry)
     return {"fits": all(p.fits is not False for p in plans), "stages": stages}

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline import hardware, plan, shapes
-from pipeline.config import LoraSpec, PipelineSpec
+from pipeline.config import CONFIGS_DIR, LoraSpec, PipelineSpec, load_pipeline
+from pipeline.plan import format_plan, plan_pipeline
 from pipeline.errors import EXIT_DOES_NOT_FIT, EXIT_INVALID, DoesNotFit, InvalidInput
 
 GiB = 1024**3
@@ -633,3 +634,18 @@ def test_ppo_references_are_never_precomputed():
 def test_bf16_on_a_v100_is_flagged():
     p = plan.plan_stage(stage(), LLAMA2_7B, node(gpu="v100-32gb"))
     assert any("fp16" in w for w in p.warnings)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_pipeline_fits_its_hardware_by_the_plan(path):
+    plans = plan_pipeline(load_pipeline(str(path)))
+    assert all(plan.fits is not False for plan in plans), format_plan(plans)
+
+
+def test_the_34b_plan_says_why_offload_is_on_and_that_two_nodes_need_none():
+    dpo = plan_pipeline(load_pipeline("llama34b_dpo"))[1]
+    assert dpo.fits
+    without = {s.description: s.estimate.fits for s in dpo.without}
+    assert without["no offload at all (ZeRO-3 alone)"] is False
+    assert without["nodes: 2, optimizer_offload: false"] is True
+    assert "why these settings" in format_plan([dpo])
