@@ -17,11 +17,12 @@ BIN := $(VENV)/bin
 # stops a different ninja on PATH from forcing a rebuild every run.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup pipeline validate status test docs clean help
+.PHONY: setup pipeline validate status test test-slurm docs clean help
 
 help:
 	@echo "make pipeline [CONFIG=tiny]   run a pipeline (default: the tiny chain, locally on CPU)"
 	@echo "make test                     run the test suite"
+	@echo "make test-slurm               run the Slurm suite on a throw-away local cluster (root, Debian)"
 	@echo "make validate CONFIG=...      check a pipeline file, its models and data"
 	@echo "make status CONFIG=...        show each stage's state"
 	@echo "make setup                    create $(VENV) with the pinned stack ($(STACK))"
@@ -48,6 +49,16 @@ status: setup
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+
+# The Slurm suite on a throw-away two-node cluster on this machine (root, Debian;
+# installs slurm and munge on first use), always torn down afterwards. Only
+# SLURM_CONF is taken from the cluster's environment, not its sacct stand-in:
+# the product must work on clusters without accounting.
+test-slurm: setup
+	@trap 'slurm/testcluster/cluster.sh down' EXIT; \
+	cluster_env=$$(slurm/testcluster/cluster.sh up --nodes 2) && \
+	eval "$$(echo "$$cluster_env" | grep 'SLURM_CONF=')" && \
+	PIPELINE_REQUIRE_SLURM=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/test_slurm*.py
 
 clean:
 	rm -rf runs

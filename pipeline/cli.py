@@ -1,4 +1,4 @@
-"""python -m pipeline validate|run|status CONFIG
+"""python -m pipeline validate|run|status|cancel|prepare|run-stage CONFIG
 
 CONFIG is a path to a pipeline file or the name of one under pipeline/configs/.
 Exit codes: 0 ok, 1 a stage failed, 2 invalid pipeline file or data, 3 does not fit.
@@ -7,13 +7,17 @@ Exit codes: 0 ok, 1 a stage failed, 2 invalid pipeline file or data, 3 does not 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
 from pipeline import config as config_module
-from pipeline import graph, launch, preflight
-from pipeline.errors import PipelineError
+from pipeline import graph, launch, preflight, prepare, slurm, state
+from pipeline.errors import InvalidInput, PipelineError
+
+CANCEL_WAIT_S = 120
 
 
 def cmd_validate(args) -> int:
@@ -33,11 +37,16 @@ def cmd_run(args) -> int:
     spec = config_module.load_pipeline(args.config)
     preflight.check(spec)
     executor = args.executor or spec.cluster.executor
-    if executor != "local":
-        raise PipelineError(f"executor '{executor}' is not available yet; run with --executor local")
-    planned = graph.plan_actions(graph.build_tasks(spec))
+    pipeline_dir = spec.run_dir.resolve()
+    if executor == "slurm":
+        return run_on_slurm(spec, args.config, pipeline_dir)
+    # A Slurm chain of this pipeline may still be training into the same folders.
+    tasks = graph.build_tasks(spec)
+    if state.load(pipeline_dir) is not None:
+        state.refuse_if_live(pipeline_dir, args.config, tasks)
+    planned = graph.plan_actions(tasks)
     launch.run_local(spec, planned, echo=launch.default_echo)
-    print(f"\npipeline '{spec.name}' finished; outputs under {spec.run_dir.resolve()}:")
+    print(f"\npipeline '{spec.name}' finished; outputs under {pipeline_dir}:")
     for item in planned:
         result = Path(item.task.run_dir) / graph.RESULT_FILE
         summary = json.loads(result.read_text())
@@ -47,33 +56,133 @@ def cmd_run(args) -> int:
     return 0
 
 
+def run_on_slurm(spec, config: str, pipeline_dir: Path) -> int:
+    """Submit the chain and return; `status` follows it."""
+    launch.check_slurm_ready(spec)
+    tasks = graph.build_tasks(spec)
+    state.refuse_if_live(pipeline_dir, config, tasks)  # before the download, which may take long
+    prepare.fetch(spec, echo=launch.default_echo)
+    with state.lock(pipeline_dir) as locked:
+        if not locked:
+            raise PipelineError(f"another `run` is submitting this pipeline into {pipeline_dir} right now")
+        state.refuse_if_live(pipeline_dir, config, tasks)  # again: someone may have submitted meanwhile
+        planned = graph.plan_actions(tasks)
+        run_state = launch.submit_slurm(spec, planned, config, echo=launch.default_echo)
+    jobs = {item.task.name: run_state.stages[item.task.name].job_id for item in planned if item.action != "skip"}
+    if not jobs:
+        print(f"\npipeline '{spec.name}': every stage finished earlier; nothing submitted. Run folder: {pipeline_dir}")
+        return 0
+    listed = ", ".join(f"{name}={job}" for name, job in jobs.items())
+    print(f"\npipeline '{spec.name}': submitted {len(jobs)} Slurm job{'s' if len(jobs) > 1 else ''} ({listed}); "
+          f"run folder: {pipeline_dir}")
+    print(f"  follow: python -m pipeline status {config}    stop: python -m pipeline cancel {config}")
+    return 0
+
+
 def cmd_status(args) -> int:
     spec = config_module.load_pipeline(args.config)
-    for task in graph.build_tasks(spec):
-        run_dir = Path(task.run_dir)
-        if graph.is_finished(task):
-            state = "finished"
-        elif (run_dir / graph.SPEC_FILE).exists():
-            state = "started, not finished" if (run_dir / "checkpoints" / "latest").exists() else "submitted or failed"
-        else:
-            state = "not started"
-        print(f"  {task.name:<12} {state:<24} {run_dir}")
+    pipeline_dir = spec.run_dir.resolve()
+    run_state = state.load(pipeline_dir)
+    statuses = state.stage_statuses(graph.build_tasks(spec), run_state)
+    if run_state is not None:
+        state.refresh(run_state, statuses)
+        with state.lock(pipeline_dir) as locked:
+            if locked:  # a `run` that is submitting right now writes it itself
+                state.save(pipeline_dir, run_state)
+    if args.json:
+        print(json.dumps({"pipeline": spec.name, "run_dir": str(pipeline_dir),
+                          "stages": [dataclasses.asdict(s) for s in statuses]}, indent=2))
+    else:
+        print(f"pipeline '{spec.name}', run folder {pipeline_dir}")
+        for s in statuses:
+            job = f"job {s.job_id}" if s.job_id else ""
+            print(f"  {s.name:<12} {s.state:<12} {job:<10} {s.detail}")
+            if s.log:
+                print(f"      log: {s.log}")
+                for line in s.log_tail:
+                    print(f"      | {line}")
+    return 1 if any(s.failed for s in statuses) else 0
+
+
+def cmd_cancel(args) -> int:
+    spec = config_module.load_pipeline(args.config)
+    pipeline_dir = spec.run_dir.resolve()
+    run_state = state.load(pipeline_dir)
+    live = state.live_jobs(run_state)
+    if not live:
+        print(f"pipeline '{spec.name}': no live Slurm job to cancel ({pipeline_dir})")
+        return 0
+    slurm.cancel([info.job_id for _, info in live])
+    for name, info in live:
+        run_state.stages[name].state = state.CANCELLED
+        run_state.stages[name].detail = "cancelled by `pipeline cancel`"
+        print(f"  {name:<12} cancelled job {info.job_id} (was {info.state})")
+    state.save(pipeline_dir, run_state)
+    # Wait for Slurm to stop the processes, so a `run` right after is not refused.
+    ending = slurm.wait_until_ended([info.job_id for _, info in live], timeout_s=CANCEL_WAIT_S)
+    if ending:
+        print(f"  jobs {', '.join(ending)} are still ending after {CANCEL_WAIT_S} s; `status` shows when they are gone")
     return 0
+
+
+def cmd_prepare(args) -> int:
+    spec = config_module.load_pipeline(args.config)
+    preflight.check(spec)
+    prepare.fetch(spec, echo=launch.default_echo)
+    return 0
+
+
+def cmd_run_stage(args) -> int:
+    """One stage in this process, as one task of a job (slurm/stage.sbatch runs it under srun)."""
+    spec = config_module.load_pipeline(args.config)
+    tasks = {t.name: t for t in graph.build_tasks(spec)}
+    if args.stage not in tasks:
+        raise InvalidInput(f"{args.config}: no stage named '{args.stage}'; stages: {', '.join(tasks)}")
+    task = tasks[args.stage]
+    for up in task.stage.upstream:
+        if not graph.is_finished(tasks[up]):
+            raise InvalidInput(f"stage {task.name} starts from stage {up}, which has not finished "
+                               f"({tasks[up].run_dir})")
+    if graph.is_finished(task):
+        print(f"[{task.name}] finished earlier with the same spec: skipped ({task.run_dir})")
+        return 0
+    recorded = launch.read_spec_hash(Path(task.run_dir))
+    if recorded not in (None, task.spec_hash):
+        raise InvalidInput(f"{task.run_dir} holds the outputs of a different spec of stage {task.name}; "
+                           "move it aside, or use `python -m pipeline run`, which does")
+    if _task_rank() == 0:
+        launch.write_spec(task)
+    from stages.runner import run_stage
+
+    run_stage(task)
+    return 0
+
+
+def _task_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+COMMANDS = {
+    "validate": (cmd_validate, "check a pipeline file, its models and data; submit nothing"),
+    "run": (cmd_run, "run (locally) or submit (to Slurm) every stage that is not finished"),
+    "status": (cmd_status, "show each stage's state; for a failed stage, its log"),
+    "cancel": (cmd_cancel, "cancel the pipeline's pending and running Slurm jobs"),
+    "prepare": (cmd_prepare, "download the models and datasets named by hub id into the shared cache"),
+    "run-stage": (cmd_run_stage, "run one stage in this process (one task per GPU, e.g. under srun)"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, func, help_text in (
-        ("validate", cmd_validate, "check a pipeline file, its models and data; submit nothing"),
-        ("run", cmd_run, "run (or resume) every stage that is not finished"),
-        ("status", cmd_status, "show each stage's state"),
-    ):
-        p = sub.add_parser(name, help=help_text)
+    commands = {}
+    for name, (func, help_text) in COMMANDS.items():
+        commands[name] = p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="pipeline file, or a name under pipeline/configs/")
         p.set_defaults(func=func)
-        if name == "run":
-            p.add_argument("--executor", choices=["local", "slurm"], help="override cluster.executor")
+    commands["run"].add_argument("--executor", choices=["local", "slurm"], help="override cluster.executor")
+    commands["status"].add_argument("--json", action="store_true", help="machine-readable output")
+    commands["run-stage"].add_argument("stage", help="name of the stage to run")
     return parser
 
 

@@ -3,19 +3,34 @@
 Local executor: one job at a time on this machine (submitit's LocalExecutor,
 one process per task), its rank-0 log streamed to the console, the next stage
 submitted when the previous one succeeded.
+
+Slurm executor: the whole chain at once, one job per stage, each downstream job
+with `afterok` on its upstream jobs and `--kill-on-invalid-dep=yes`; then `run`
+returns, and nothing stays alive on the login node. A job's tasks (one per GPU)
+run `PYTHON -m submitit.core._submit`, where PYTHON is this python, or
+`apptainer exec ... IMAGE python` when the pipeline names a container. Slurm
+sends USR2 `cluster.requeue_signal_s` before the time limit (and on
+preemption); submitit then requeues the job, which resumes from the stage's
+newest complete checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
+from pipeline import slurm, state
 from pipeline.config import PipelineSpec, slurm_time_to_minutes
-from pipeline.errors import StageFailed
+from pipeline.errors import InvalidInput, StageFailed
 from pipeline.graph import SPEC_FILE, PlannedStage, StageTask
+from pipeline.prepare import hf_home
+from pipeline.rows import is_row_file
 
 POLL_S = 0.5
 
@@ -26,6 +41,14 @@ def write_spec(task: StageTask) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     payload = {"spec_hash": task.spec_hash, "task": task.model_dump(mode="json", by_alias=True)}
     (run_dir / SPEC_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def read_spec_hash(run_dir: Path) -> Optional[str]:
+    """The spec hash spec.json records for a stage folder; None without one."""
+    try:
+        return json.loads((run_dir / SPEC_FILE).read_text()).get("spec_hash")
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def job_setup_lines(spec: PipelineSpec) -> list[str]:
@@ -96,3 +119,181 @@ def failure_message(stage: str, job) -> str:
 def default_echo(line: str) -> None:
     print(line, flush=True)
     sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------- Slurm
+
+
+def check_slurm_ready(spec: PipelineSpec) -> None:
+    """What must hold before anything is submitted; raises InvalidInput."""
+    if shutil.which("sbatch") is None or shutil.which("srun") is None:
+        raise InvalidInput(
+            "cluster.executor: slurm, but sbatch/srun are not on PATH here: run from a Slurm login node, "
+            "or pass --executor local"
+        )
+    if spec.container and not Path(spec.container).expanduser().is_file():
+        raise InvalidInput(f"container: image {spec.container} not found")
+
+
+def submit_slurm(spec: PipelineSpec, planned: list[PlannedStage], config: str, echo=print) -> state.RunState:
+    """Submit every stage that is not finished, chained by afterok; record them in pipeline.json.
+
+    The caller holds the run folder's lock and has checked that no chain is live.
+    """
+    from stages.runner import StageJob
+
+    pipeline_dir = spec.run_dir.resolve()
+    run_state = state.load(pipeline_dir) or state.RunState(pipeline=spec.name, config=config)
+    run_state.config = config
+    submitted: dict[str, str] = {}  # stage -> job id, this invocation
+    for item in planned:
+        task = item.task
+        if item.action == "skip":
+            echo(f"[{task.name}] finished earlier with the same spec: skipped ({task.run_dir})")
+            continue
+        if item.moved_aside:
+            echo(f"[{task.name}] the spec changed: previous outputs moved to {item.moved_aside}")
+        write_spec(task)
+        after = [submitted[up] for up in task.stage.upstream if up in submitted]
+        try:
+            job = slurm_executor(spec, task, after).submit(StageJob(task))
+        except Exception as err:  # noqa: BLE001 -- sbatch's refusal, reported to the user
+            slurm.cancel(list(submitted.values()))
+            for name in submitted:
+                run_state.stages[name].state = state.CANCELLED
+            state.save(pipeline_dir, run_state)
+            undone = f"; cancelled the jobs already submitted ({', '.join(submitted.values())})" if submitted else ""
+            raise InvalidInput(f"sbatch refused stage {task.name}: {_first_lines(err)}{undone}") from None
+        submitted[task.name] = job.job_id
+        previous = run_state.stages.get(task.name)
+        attempts = previous.attempts + 1 if previous and previous.spec_hash == task.spec_hash else 1
+        run_state.stages[task.name] = state.StageRecord(
+            job_id=job.job_id,
+            state=state.PENDING,
+            attempts=attempts,
+            spec_hash=task.spec_hash,
+            submitted_at=state.now(),
+            after=after,
+            logs=str(Path(job.paths.folder)),
+        )
+        state.save(pipeline_dir, run_state)
+        waits = f", after job {' and '.join(after)}" if after else ""
+        latest = Path(task.run_dir) / "checkpoints" / "latest"
+        start = f" from checkpoint {latest.read_text().strip()}" if latest.is_file() else ""
+        echo(f"[{task.name}] submitted job {job.job_id}: {task.stage.kind}{start} on {task.stage.nodes} node(s) "
+             f"x {task.processes_per_node} task(s){waits}; log: {job.paths.stdout}")
+    return run_state
+
+
+def slurm_executor(spec: PipelineSpec, task: StageTask, after: list[str]):
+    """A submitit SlurmExecutor set up for one stage job."""
+    import submitit
+
+    executor = submitit.SlurmExecutor(
+        folder=Path(task.run_dir) / "logs",
+        python=job_python(spec, task),
+        max_num_timeout=spec.cluster.max_requeues,
+    )
+    executor.update_parameters(**slurm_parameters(spec, task, after))
+    return executor
+
+
+def sbatch_script(executor) -> str:
+    """The batch script the executor submits (what the golden test pins down)."""
+    return executor._make_submission_file_text(executor._submitit_command_str, "")
+
+
+def slurm_parameters(spec: PipelineSpec, task: StageTask, after: list[str]) -> dict:
+    """submitit SlurmExecutor parameters: resources from the cluster block and the stage."""
+    cluster, stage = spec.cluster, task.stage
+    params: dict = {
+        "job_name": f"{spec.name}.{task.name}",
+        "time": slurm_time_to_minutes(stage.time or cluster.time),
+        "nodes": stage.nodes,
+        "ntasks_per_node": task.processes_per_node,
+        "signal_delay_s": cluster.requeue_signal_s,
+        "setup": slurm_setup_lines(spec),
+    }
+    for name in ("partition", "account", "qos", "constraint", "cpus_per_task"):
+        if getattr(cluster, name) is not None:
+            params[name] = getattr(cluster, name)
+    if cluster.gpus_per_node:
+        params["gpus_per_node"] = cluster.gpus_per_node
+    extra: dict = {"requeue": True}  # the job requeues itself on USR2, whatever the site's default
+    if cluster.mem is not None:
+        extra["mem"] = cluster.mem
+    if after:
+        extra["dependency"] = "afterok:" + ":".join(after)
+        extra["kill-on-invalid-dep"] = "yes"
+    extra.update({k: v for k, v in cluster.sbatch.items() if v is not False})
+    params["additional_parameters"] = extra
+    return params
+
+
+def slurm_setup_lines(spec: PipelineSpec) -> list[str]:
+    """Shell lines of the batch script before srun: the user's setup, then the environment."""
+    env = {
+        "HF_HOME": str(hf_home(spec)),
+        # prepare fetched everything on the submit host; compute nodes may have no internet.
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    if spec.container is None and os.environ.get("TORCH_EXTENSIONS_DIR"):
+        # DeepSpeed's JIT-built ops, compiled once per machine image, not once per job.
+        env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+    env.update(spec.cluster.env)  # the pipeline file has the last word
+    return list(spec.cluster.setup) + [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+
+
+def job_python(spec: PipelineSpec, task: StageTask) -> str:
+    """The command that runs python for the job: this interpreter, or python inside the container."""
+    if spec.container is None:
+        return shlex.quote(sys.executable)
+    return " ".join(shlex.quote(part) for part in container_command(spec, task)) + " python"
+
+
+def container_command(spec: PipelineSpec, task: StageTask) -> list[str]:
+    """`apptainer exec [--nv] --bind ... [--env PYTHONPATH=CODE] [options] IMAGE`."""
+    command = [spec.apptainer.command, "exec"]
+    if spec.cluster.gpus_per_node:
+        command.append("--nv")
+    command += ["--bind", ",".join(container_binds(spec, task))]
+    code = code_root()
+    if code is not None:
+        # The job unpickles the stage with the same code that submitted it.
+        command += ["--env", f"PYTHONPATH={code}"]
+    command += list(spec.apptainer.options)
+    command.append(str(Path(spec.container).expanduser().resolve()))
+    return command
+
+
+def container_binds(spec: PipelineSpec, task: StageTask) -> list[str]:
+    """Folders the job reads or writes: the folder `run` ran in (the pipeline file's relative
+    paths start there), the run folder, local data and model, HF cache, code; then the user's."""
+    paths = [Path.cwd().resolve(), Path(task.pipeline_dir), hf_home(spec)]
+    data = task.stage.data
+    for name in (data.path, data.eval_split if data.eval_split and is_row_file(data.eval_split) else None,
+                 task.init_model):
+        path = Path(name).expanduser() if name else None
+        if path is not None and path.exists():
+            path = path.resolve()
+            paths.append(path if path.is_dir() else path.parent)
+    code = code_root()
+    if code is not None:
+        paths.append(code)
+    kept: list[Path] = []
+    for path in paths:
+        if not any(path == k or k in path.parents for k in kept):
+            kept = [k for k in kept if path not in k.parents] + [path]
+    return [str(p) for p in kept] + list(spec.apptainer.binds)
+
+
+def code_root() -> Optional[Path]:
+    """This project's source checkout, when it runs from one (not from an installed wheel)."""
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / "pyproject.toml").is_file() and (root / "stages").is_dir() else None
+
+
+def _first_lines(err: Exception, count: int = 3) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(lines[:count]) or type(err).__name__

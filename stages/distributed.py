@@ -1,9 +1,11 @@
 """Who am I in the job: rank, world size and master address, from wherever they come.
 
-Three ways a stage is started, each with its own variables:
+Four ways a stage is started, each with its own variables:
 - a submitit job (Slurm or local): submitit's JobEnvironment knows the tasks and
   nodes; the master is the job's first host (one task per GPU, no torchrun);
 - torchrun / deepspeed launcher: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR are set;
+- a task of a plain `srun` (slurm/stage.sbatch): SLURM_PROCID, SLURM_NTASKS,
+  SLURM_LOCALID; the master is the job's first host, the port follows the job id;
 - a plain single process: we set the variables for a world of one, since
   DeepSpeed otherwise goes looking for MPI.
 """
@@ -11,6 +13,7 @@ Three ways a stage is started, each with its own variables:
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,6 +51,17 @@ def detect() -> DistEnv:
             os.environ.get("MASTER_ADDR", "127.0.0.1"),
             int(os.environ.get("MASTER_PORT", 29500)),
         )
+    elif "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ:
+        source = "srun"
+        world = int(os.environ["SLURM_NTASKS"])
+        layout = (
+            int(os.environ["SLURM_PROCID"]),
+            world,
+            int(os.environ.get("SLURM_LOCALID", 0)),
+            world // int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", 1))),
+            os.environ.get("MASTER_ADDR") or first_host(os.environ["SLURM_JOB_NODELIST"]),
+            int(os.environ.get("MASTER_PORT", 20000 + int(os.environ["SLURM_JOB_ID"]) % 40000)),
+        )
     else:
         source = "single"
         layout = (0, 1, 0, 1, "127.0.0.1", _free_port())
@@ -63,6 +77,14 @@ def detect() -> DistEnv:
     # DeepSpeed's CPU path asks numactl for the local topology unless told the size.
     os.environ.setdefault("LOCAL_SIZE", str(local_world))
     return DistEnv(rank, world, local_rank, local_world, addr, port, source)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: gpu[003-004,007],cpu1 -> gpu003."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]\-,]+))?", nodelist)
+    if match is None:
+        raise ValueError(f"cannot read the Slurm node list '{nodelist}'")
+    return match.group(1) + (match.group(2) or "")
 
 
 def _in_submitit_job() -> bool:

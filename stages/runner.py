@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -69,6 +70,14 @@ class StageJob(Checkpointable):
         return run_stage(self.task)
 
     def checkpoint(self, *args, **kwargs) -> DelayedSubmission:
+        """Called on rank 0 when USR2 arrives (time limit near, or preemption).
+
+        No save here: the other ranks are mid-step and a DeepSpeed save needs
+        them all. The requeued job resumes from the newest complete checkpoint,
+        which the atomic `latest` file names."""
+        latest = Path(self.task.run_dir) / "checkpoints" / "latest"
+        start = f"checkpoint {latest.read_text().strip()}" if latest.is_file() else "the start (no checkpoint yet)"
+        log.warning("stage %s: requeueing; the job will resume from %s", self.task.name, start)
         return DelayedSubmission(StageJob(self.task))
 
 
@@ -89,9 +98,12 @@ def run_stage(task: StageTask) -> dict:
     )
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     _materialize_builtins(task, ctx)
-    log.info(
-        "stage %s (%s): rank %d of %d via %s, master %s:%d, device %s",
-        task.name, task.stage.kind, env.rank, env.world_size, env.source, env.master_addr, env.master_port, device,
+    # Every rank says where it is (each task has its own log): multi-node problems show here.
+    print(
+        f"stage {task.name} ({task.stage.kind}): rank {env.rank} of {env.world_size} on {socket.gethostname()} "
+        f"(local rank {env.local_rank} of {env.local_world_size}) via {env.source}, "
+        f"master {env.master_addr}:{env.master_port}, device {device}",
+        flush=True,
     )
     started = time.time()
     kind = importlib.import_module(f"stages.{task.stage.kind}")

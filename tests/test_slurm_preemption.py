@@ -1,0 +1,84 @@
+"""Preemption on a real Slurm cluster: USR2 mid-training requeues the stage's job,
+and the requeued job resumes from its newest checkpoint, not from step 0.
+
+`scancel --signal=USR2` is what Slurm sends before a time limit (--signal=USR2@N)
+and on preemption; sending it ourselves makes the moment deterministic. The same
+stage also runs uninterrupted, beside it, as the reference.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from tests.conftest import read_metrics, read_result, run_cli, write_pipeline
+from tests.slurm_support import (
+    job_ids,
+    sft_stage,
+    slurm_cluster,  # noqa: F401 -- fixture
+    slurm_pipeline,
+    wait_for_file,
+    wait_until_settled,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS, SAVE_EVERY, LOG_EVERY = 200, 20, 5
+
+
+@pytest.fixture(scope="module")
+def preempted(slurm_cluster, tmp_path_factory):
+    spec = slurm_pipeline(
+        stages=[sft_stage("sft", STEPS)],
+        defaults={"save_interval": SAVE_EVERY, "log_interval": LOG_EVERY},
+    )
+    runs = {}
+    for name in ("uninterrupted", "preempted"):
+        workdir = tmp_path_factory.mktemp(name)
+        config = write_pipeline(workdir, spec)
+        result = run_cli("run", config, cwd=workdir, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        runs[name] = (workdir, config)
+
+    workdir, config = runs["preempted"]
+    job = job_ids(workdir)["sft"]
+    stage_dir = workdir / "runs" / "t" / "sft"
+    wait_for_file(stage_dir / "checkpoints" / "latest")
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+
+    settled = {name: wait_until_settled(w, c) for name, (w, c) in runs.items()}
+    return dict(
+        job=job,
+        stage_dir=stage_dir,
+        reference_dir=runs["uninterrupted"][0] / "runs" / "t" / "sft",
+        settled=settled,
+        log=(stage_dir / "logs" / f"{job}_0_log.out").read_text(),
+    )
+
+
+def test_usr2_requeues_the_same_job(preempted):
+    stage = preempted["settled"]["preempted"]["sft"]
+    assert stage["state"] == "finished"
+    assert stage["job_id"] == preempted["job"]
+    assert stage["restarts"] == 1
+    assert "requeueing; the job will resume from checkpoint step-" in preempted["log"]
+
+
+def test_the_requeued_job_resumes_from_its_checkpoint_not_from_step_0(preempted):
+    resumed = re.findall(r"resumed from checkpoint step-(\d+)", preempted["log"])
+    assert len(resumed) == 1 and int(resumed[0]) >= SAVE_EVERY
+    assert len(re.findall(r"stage sft \(sft\): rank 0 of 2", preempted["log"])) == 2  # two starts
+    # metrics.jsonl: every training step logged once, the evaluation before training once.
+    metrics = read_metrics(preempted["stage_dir"])
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    assert [m["step"] for m in metrics if "eval_loss" in m] == [0, STEPS]
+
+
+def test_the_resumed_run_ends_where_an_uninterrupted_one_does(preempted):
+    assert preempted["settled"]["uninterrupted"]["sft"]["state"] == "finished"
+    resumed, reference = read_result(preempted["stage_dir"]), read_result(preempted["reference_dir"])
+    assert resumed["steps"] == reference["steps"] == STEPS
+    assert resumed["final_eval_loss"] < 0.5 * resumed["initial_eval_loss"]  # it did train
+    assert resumed["final_eval_loss"] == pytest.approx(reference["final_eval_loss"], rel=1e-3)
