@@ -6,6 +6,10 @@
 - `builtin:digits`: sort a short digit string. Answers are checkable, so the
   same rows serve SFT (prompt/response), preference training (chosen = sorted,
   rejected = the same digits out of order) and rule-based rewards (label).
+  `demo` is what an imperfect demonstrator wrote: the right digits, but most
+  of the time with a trailing period that an exact-match check rejects. A
+  model fine-tuned on `demo` imitates the habit, which leaves RL with an
+  exact-match reward something real to fix.
 
 Both are written deterministically; every process may call `materialize` at once:
 each writes a private temporary folder and renames it into place.
@@ -29,6 +33,7 @@ CHAT_TEMPLATE = (
 )
 DIGITS_SPLITS = {"train": 4000, "eval": 200}
 DIGITS_LENGTHS = (3, 6)
+DEMO_PERIOD_RATE = 0.6  # how often the demonstrator ends an answer with "."
 
 
 # --------------------------------------------------------------------------- task
@@ -44,9 +49,11 @@ def digits_row(rng: random.Random) -> dict:
         rng.shuffle(wrong)
         if len(set(wrong)) == 1:  # all equal digits: change one so it differs
             wrong[0] = str((int(wrong[0]) + 1) % 10)
+    period = "." if rng.random() < DEMO_PERIOD_RATE else ""
     return {
         "prompt": f"sort {''.join(digits)} =",
         "response": f" {answer}",
+        "demo": f" {answer}{period}",
         "chosen": f" {answer}",
         "rejected": f" {''.join(wrong)}",
         "label": answer,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -17,36 +16,6 @@ def run_pipeline(workdir, spec_or_name):
     result = run_cli("run", target, cwd=workdir)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
-
-
-def test_the_tiny_pipeline_chains_sft_rm_and_dpo_and_each_learns(workdir):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    run_pipeline(workdir, "tiny")
-    runs = workdir / "runs" / "tiny"
-    sft, rm, dpo = (read_result(runs / s) for s in ("sft", "rm", "dpo"))
-    assert sft["final_eval_loss"] <= 0.5 * sft["initial_eval_loss"]
-    assert rm["eval_accuracy"] >= 0.9
-    assert dpo["eval_reward_accuracy"] >= 0.9
-    # Policy == reference before DPO trains: every implicit reward is 0, the loss log 2.
-    assert dpo["initial_eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
-
-    reward_model = AutoModelForSequenceClassification.from_pretrained(runs / "rm" / "model")
-    assert reward_model.config.num_labels == 1
-    tokenizer = AutoTokenizer.from_pretrained(runs / "rm" / "model")
-    texts = ["sort 3142 = 1234</s>", "sort 3142 = 3142</s>"]
-    batch = tokenizer(texts, return_tensors="pt", padding=True)
-    with torch.no_grad():
-        chosen, rejected = reward_model(**batch).logits.squeeze(-1).tolist()
-    assert chosen > rejected
-    stats = json.loads((runs / "rm" / "model" / "reward_stats.json").read_text())
-    assert stats["std"] > 0
-
-    policy = AutoModelForCausalLM.from_pretrained(runs / "dpo" / "model")
-    prompt = tokenizer("sort 5203 =", return_tensors="pt")
-    out = policy.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    assert out.shape[1] > prompt["input_ids"].shape[1]
 
 
 def dpo_stage(name, **knobs):
