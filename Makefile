@@ -17,13 +17,14 @@ BIN := $(VENV)/bin
 # stops a different ninja on PATH from forcing a rebuild every run.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup pipeline validate status test test-slurm docs clean help
+.PHONY: setup pipeline validate plan status test test-slurm docs clean help
 
 help:
 	@echo "make pipeline [CONFIG=tiny]   run a pipeline (default: the tiny chain, locally on CPU)"
 	@echo "make test                     run the test suite"
 	@echo "make test-slurm               run the Slurm suite on a throw-away local cluster (root, Debian)"
 	@echo "make validate CONFIG=...      check a pipeline file, its models and data"
+	@echo "make plan CONFIG=...          will each stage fit its GPUs, how long will it take"
 	@echo "make status CONFIG=...        show each stage's state"
 	@echo "make setup                    create $(VENV) with the pinned stack ($(STACK))"
 
@@ -43,6 +44,9 @@ pipeline: setup
 
 validate: setup
 	$(BIN)/python -m pipeline validate $(CONFIG)
+
+plan: setup
+	$(BIN)/python -m pipeline plan $(CONFIG)
 
 status: setup
 	$(BIN)/python -m pipeline status $(CONFIG)

@@ -1,4 +1,4 @@
-"""python -m pipeline validate|run|status|cancel|prepare|run-stage CONFIG
+"""python -m pipeline validate|plan|run|status|cancel|prepare|run-stage CONFIG
 
 CONFIG is a path to a pipeline file or the name of one under pipeline/configs/.
 Exit codes: 0 ok, 1 a stage failed, 2 invalid pipeline file or data, 3 does not fit.
@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from pipeline import config as config_module
-from pipeline import graph, launch, preflight, prepare, slurm, state
+from pipeline import graph, launch, plan, preflight, prepare, slurm, state
 from pipeline.errors import InvalidInput, PipelineError
+from pipeline.rows import is_row_file
 
 CANCEL_WAIT_S = 120
 
@@ -33,9 +34,36 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    spec = config_module.load_pipeline(args.config)
+    plans = plan.plan_pipeline(spec, known_rows(spec))
+    if args.json:
+        print(json.dumps(plan.plan_to_json(plans), indent=2))
+    else:
+        print(plan.format_plan(plans))
+    return 3 if any(p.fits is False for p in plans) else 0
+
+
+def known_rows(spec) -> dict:
+    """Training rows per stage where counting is cheap (jsonl lines, the built-in task), for total times."""
+    from stages.tiny import DIGITS_SPLITS  # torch-free constants
+
+    rows = {}
+    for stage in spec.stages:
+        path = stage.data.path
+        if stage.data.is_builtin:
+            rows[stage.name] = DIGITS_SPLITS[stage.data.split] if stage.data.split in DIGITS_SPLITS else None
+        elif is_row_file(path) and path.endswith(".jsonl") and Path(path).is_file():
+            with open(path, "rb") as f:
+                rows[stage.name] = sum(1 for line in f if line.strip())
+    return {k: v for k, v in rows.items() if v}
+
+
 def cmd_run(args) -> int:
     spec = config_module.load_pipeline(args.config)
     preflight.check(spec)
+    if not args.force:  # refuse before anything is written or queued for hours
+        plan.raise_if_not_fits(plan.plan_pipeline(spec, known_rows(spec)))
     executor = args.executor or spec.cluster.executor
     pipeline_dir = spec.run_dir.resolve()
     if executor == "slurm":
@@ -164,6 +192,7 @@ def _task_rank() -> int:
 
 COMMANDS = {
     "validate": (cmd_validate, "check a pipeline file, its models and data; submit nothing"),
+    "plan": (cmd_plan, "estimate each stage's GPU and host memory and time; say what would make it fit"),
     "run": (cmd_run, "run (locally) or submit (to Slurm) every stage that is not finished"),
     "status": (cmd_status, "show each stage's state; for a failed stage, its log"),
     "cancel": (cmd_cancel, "cancel the pipeline's pending and running Slurm jobs"),
@@ -181,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config", help="pipeline file, or a name under pipeline/configs/")
         p.set_defaults(func=func)
     commands["run"].add_argument("--executor", choices=["local", "slurm"], help="override cluster.executor")
+    commands["run"].add_argument("--force", action="store_true", help="run even where the plan says a stage does not fit")
+    commands["plan"].add_argument("--json", action="store_true", help="machine-readable output")
     commands["status"].add_argument("--json", action="store_true", help="machine-readable output")
     commands["run-stage"].add_argument("stage", help="name of the stage to run")
     return parser
