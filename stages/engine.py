@@ -14,12 +14,14 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from stages import compat
 
 log = logging.getLogger("stages")
 
@@ -228,7 +230,6 @@ class Loop:
     steps_per_epoch: int
     total_steps: int
     tokens: Callable[[object], int] = lambda batch: 0  # tokens in a micro batch, for throughput
-    extra_state: dict = field(default_factory=dict)
 
 
 def train(engine, loop: Loop, stage, ctx) -> dict:
@@ -362,11 +363,13 @@ def export(engine, tokenizer, stage, out_dir: Path, is_main: bool, extra_files: 
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         is_peft = hasattr(module, "peft_config")
-        if is_peft and stage.lora.merge:
-            base = module.get_base_model()
-            base.save_pretrained(tmp, state_dict=merge_lora_state_dict(state, stage.lora.alpha / stage.lora.rank))
-        else:
-            module.save_pretrained(tmp, state_dict=state)
+        # The config as the model came, not as loading adapted it (e.g. positions capped).
+        with compat.exported_config(module):
+            if is_peft and stage.lora.merge:
+                base = module.get_base_model()
+                base.save_pretrained(tmp, state_dict=merge_lora_state_dict(state, stage.lora.alpha / stage.lora.rank))
+            else:
+                module.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
         for name, content in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(content, indent=2))

@@ -69,7 +69,8 @@ def run(task, ctx) -> dict:
     critic = None
     if stage.advantage == "gae":
         critic_stage = stage.model_copy(update={"learning_rate": stage.critic_learning_rate or stage.learning_rate})
-        critic_path = task.upstream_dirs.get(stage.reward.model, model_path) if stage.reward.model else model_path
+        # The critic starts from the reward model when there is one (it already reads rewards), else the policy.
+        critic_path = task.upstream_dirs.get(stage.reward.model or "", model_path)
         critic_model = models.load_reward_model(critic_path, critic_stage, ds_config, ctx.on_gpu, tokenizer.pad_token_id)
         critic = engine.initialize(critic_model, critic_stage, ds_config, total_steps)
     reward_model = reward_tokenizer = None
@@ -116,12 +117,15 @@ def run(task, ctx) -> dict:
         total, terms = (rules(texts, completions, [p["label"] for p in batch_prompts]) if rules.terms
                         else ([0.0] * len(responses), {}))
         if reward_model is not None:
+            # Re-tokenised with the reward model's tokenizer, formatted as it was trained.
+            rows = []
+            for text, completion in zip(texts, completions):
+                ids = (data.encode_prompt(reward_tokenizer, text, stage.data)
+                       + data.encode_response(reward_tokenizer, text, completion, stage.data))[: stage.max_len]
+                rows.append({"input_ids": ids, "loss_mask": [1] * len(ids)})
             scores = []
-            for start in range(0, len(responses), stage.micro_rollout_batch_size):
-                rows = [data.tokenize_pair({"prompt": t, "chosen": c, "rejected": c}, reward_tokenizer, stage.data,
-                                           stage.max_len) for t, c in zip(texts[start:], completions[start : start + stage.micro_rollout_batch_size])]
-                batch = data.pad_batch([{"input_ids": r["chosen_input_ids"], "loss_mask": r["chosen_loss_mask"]}
-                                        for r in rows], reward_tokenizer.pad_token_id)
+            for start in range(0, len(rows), stage.micro_rollout_batch_size):
+                batch = data.pad_batch(rows[start : start + stage.micro_rollout_batch_size], reward_tokenizer.pad_token_id)
                 logits = reward_model(input_ids=batch["input_ids"].to(ctx.device),
                                       attention_mask=batch["attention_mask"].to(ctx.device)).logits
                 scores += logits.squeeze(-1).float().tolist()
