@@ -62,12 +62,11 @@ def known_rows(spec) -> dict:
 def cmd_run(args) -> int:
     spec = config_module.load_pipeline(args.config)
     preflight.check(spec)
-    if not args.force:  # refuse before anything is written or queued for hours
-        plan.raise_if_not_fits(plan.plan_pipeline(spec, known_rows(spec)))
     executor = args.executor or spec.cluster.executor
     pipeline_dir = spec.run_dir.resolve()
     if executor == "slurm":
-        return run_on_slurm(spec, args.config, pipeline_dir)
+        return run_on_slurm(spec, args.config, pipeline_dir, args.force)
+    check_fits(spec, args.force)
     # A Slurm chain of this pipeline may still be training into the same folders.
     tasks = graph.build_tasks(spec)
     if state.load(pipeline_dir) is not None:
@@ -84,12 +83,26 @@ def cmd_run(args) -> int:
     return 0
 
 
-def run_on_slurm(spec, config: str, pipeline_dir: Path) -> int:
+def check_fits(spec, force: bool) -> None:
+    """Refuse (exit 3) a stage the plan says does not fit, before anything is written or queued."""
+    if not force:
+        plan.raise_if_not_fits(plan.plan_pipeline(spec, known_rows(spec)))
+
+
+def run_on_slurm(spec, config: str, pipeline_dir: Path, force: bool) -> int:
     """Submit the chain and return; `status` follows it."""
     launch.check_slurm_ready(spec)
     tasks = graph.build_tasks(spec)
     state.refuse_if_live(pipeline_dir, config, tasks)  # before the download, which may take long
+    try:
+        check_fits(spec, force)  # refuse before downloading tens of GB, when the shapes are known
+        checked = True
+    except InvalidInput:  # a model outside the built-in table: its shape comes with prepare
+        checked = False
     prepare.fetch(spec, echo=launch.default_echo)
+    if not checked:
+        os.environ["HF_HOME"] = str(prepare.hf_home(spec))  # where prepare put the config.json files
+        check_fits(spec, force)
     with state.lock(pipeline_dir) as locked:
         if not locked:
             raise PipelineError(f"another `run` is submitting this pipeline into {pipeline_dir} right now")

@@ -55,6 +55,18 @@ def job_setup_lines(spec: PipelineSpec) -> list[str]:
     return list(spec.cluster.setup) + [f"export {k}={shlex.quote(v)}" for k, v in spec.cluster.env.items()]
 
 
+def announce(item: PlannedStage, echo) -> bool:
+    """Say what happens to a stage; False when it is skipped. Writes spec.json for the others."""
+    task = item.task
+    if item.action == "skip":
+        echo(f"[{task.name}] finished earlier with the same spec: skipped ({task.run_dir})")
+        return False
+    if item.moved_aside:
+        echo(f"[{task.name}] the spec changed: previous outputs moved to {item.moved_aside}")
+    write_spec(task)
+    return True
+
+
 def run_local(spec: PipelineSpec, planned: list[PlannedStage], echo=print) -> None:
     """Run the stages one after another on this machine; raises StageFailed."""
     import submitit
@@ -63,12 +75,8 @@ def run_local(spec: PipelineSpec, planned: list[PlannedStage], echo=print) -> No
 
     for item in planned:
         task = item.task
-        if item.action == "skip":
-            echo(f"[{task.name}] finished earlier with the same spec: skipped ({task.run_dir})")
+        if not announce(item, echo):
             continue
-        if item.moved_aside:
-            echo(f"[{task.name}] the spec changed: previous outputs moved to {item.moved_aside}")
-        write_spec(task)
         executor = submitit.LocalExecutor(folder=Path(task.run_dir) / "logs")
         executor.update_parameters(
             timeout_min=slurm_time_to_minutes(task.stage.time or spec.cluster.time),
@@ -148,12 +156,8 @@ def submit_slurm(spec: PipelineSpec, planned: list[PlannedStage], config: str, e
     submitted: dict[str, str] = {}  # stage -> job id, this invocation
     for item in planned:
         task = item.task
-        if item.action == "skip":
-            echo(f"[{task.name}] finished earlier with the same spec: skipped ({task.run_dir})")
+        if not announce(item, echo):
             continue
-        if item.moved_aside:
-            echo(f"[{task.name}] the spec changed: previous outputs moved to {item.moved_aside}")
-        write_spec(task)
         after = [submitted[up] for up in task.stage.upstream if up in submitted]
         try:
             job = slurm_executor(spec, task, after).submit(StageJob(task))

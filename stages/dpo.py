@@ -54,11 +54,7 @@ def run(task, ctx) -> dict:
 
     # ---- the policy
     model = models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu)
-    accumulation = ds_config["gradient_accumulation_steps"]
-    steps_per_epoch = len(data.micro_batches(len(splits["train"]), stage.micro_batch_size, 0, ctx.world_size, 0, 0)) // accumulation
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(splits['train'])} training pairs are fewer than one optimizer step needs")
-    total_steps = stage.max_steps or stage.epochs * steps_per_epoch
+    steps_per_epoch, total_steps = engine.step_counts(len(splits["train"]), stage, ds_config, ctx.world_size)
     ds = engine.initialize(model, stage, ds_config, total_steps)
 
     def preference_terms(indices, split):

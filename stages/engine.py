@@ -98,6 +98,18 @@ def frozen_model_config(stage, world_size: int, hidden_size: int, on_gpu: bool, 
     }
 
 
+def step_counts(n_rows: int, stage, ds_config: dict, world_size: int) -> tuple[int, int]:
+    """(optimizer steps per epoch, total optimizer steps) for n_rows training rows."""
+    from stages.data import micro_batches
+
+    per_rank = len(micro_batches(n_rows, stage.micro_batch_size, 0, world_size, 0, 0))
+    steps_per_epoch = per_rank // ds_config["gradient_accumulation_steps"]
+    if steps_per_epoch == 0:
+        raise ValueError(f"{n_rows} training rows are fewer than one optimizer step needs "
+                         f"({ds_config['train_batch_size']} rows)")
+    return steps_per_epoch, stage.max_steps or stage.epochs * steps_per_epoch
+
+
 def learning_rate_factor(stage, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the peak rate at optimizer step s: linear warm-up, then the schedule."""
     warmup = min(stage.warmup_steps, max(total_steps - 1, 0))

@@ -25,11 +25,7 @@ def run(task, ctx) -> dict:
     # ---- model
     ds_config = ctx.deepspeed_config(stage, model_path)
     model = models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu)
-    accumulation = ds_config["gradient_accumulation_steps"]
-    steps_per_epoch = len(data.micro_batches(len(train_set), stage.micro_batch_size, 0, ctx.world_size, 0, 0)) // accumulation
-    total_steps = stage.max_steps or stage.epochs * steps_per_epoch
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(train_set)} training rows are fewer than one optimizer step needs")
+    steps_per_epoch, total_steps = engine.step_counts(len(train_set), stage, ds_config, ctx.world_size)
     ds = engine.initialize(model, stage, ds_config, total_steps)
 
     def batch_of(indices, rows):

@@ -36,8 +36,8 @@ def test_plan_json_carries_the_same_verdict(workdir):
     assert any(w["description"] == "no offload at all (ZeRO-3 alone)" and w["fits"] is False for w in stage["without"])
 
 
-def test_run_refuses_a_stage_that_does_not_fit_before_submitting_anything(workdir):
-    result = run_cli("run", write_pipeline(workdir, dpo_34b()), cwd=workdir)
+def test_run_refuses_a_stage_that_does_not_fit_before_running_anything(workdir):
+    result = run_cli("run", write_pipeline(workdir, dpo_34b()), "--executor", "local", cwd=workdir)
     assert result.returncode == 3, result.stdout + result.stderr
     assert "stage 'dpo' does not fit" in result.stderr
     assert "Traceback" not in result.stderr
