@@ -92,8 +92,9 @@ def encode_response(tokenizer, prompt: str, response: str, data: DataSpec) -> li
 
 
 def _chat_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
-    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    from stages import compat  # imports torch; this module stays torch-free until it is needed
+
+    return compat.chat_template_ids(tokenizer, messages, add_generation_prompt)
 
 
 def tokenize_sft(row: dict, tokenizer, data: DataSpec, max_len: int) -> dict:

@@ -11,7 +11,7 @@ import torch
 
 from pipeline.config import BUILTIN_PREFIX
 from pipeline.errors import InvalidInput
-from stages import tiny
+from stages import compat, tiny
 
 log = logging.getLogger("stages")
 
@@ -51,16 +51,13 @@ def attention_implementation(requested: str, on_gpu: bool) -> str:
 
 
 def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool, **kwargs):
-    """from_pretrained with the stage's dtype, attention kernel and ZeRO-3 sharding."""
-    from transformers.integrations.deepspeed import HfDeepSpeedConfig
-
+    """from_pretrained with the stage's dtype, attention kernel and ZeRO-3 sharding, through
+    stages/compat.py (argument names and load-time patches of the installed transformers)."""
     if stage.zero_stage == 3:
-        _live_ds_configs.append(HfDeepSpeedConfig(ds_config))
+        _live_ds_configs.append(compat.hf_deepspeed_config(ds_config))
     attention = attention_implementation(stage.attention, on_gpu)
     try:
-        model = auto_class.from_pretrained(
-            path, dtype=DTYPES[stage.precision], attn_implementation=attention, **kwargs
-        )
+        model = compat.from_pretrained(auto_class, path, DTYPES[stage.precision], attention, stage.max_len, **kwargs)
     except (OSError, ValueError) as err:
         raise InvalidInput(f"model {path}: cannot load: {err}") from None
     log.info("loaded %s from %s (%s, attention=%s)", type(model).__name__, path, stage.precision, attention)

@@ -105,7 +105,10 @@ def build_tokenizer():
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
     )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        # As Llama's tokenizer says; transformers 4.x would otherwise add token_type_ids,
+        # which Llama's forward and generate reject.
+        model_input_names=["input_ids", "attention_mask"],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

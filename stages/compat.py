@@ -1,0 +1,543 @@
+"""Every difference between the supported transformers / DeepSpeed versions, in one place.
+
+Supported stacks: the pinned one (transformers 4.38.2, DeepSpeed 0.13.2, peft 0.10), the
+current one (transformers 5.x, DeepSpeed 0.19), and transformers 4.37.2 for loading.
+Nothing else in the project asks which version is installed: it calls this module.
+
+Load-time patches. `prepare()` applies them (stages/models.py calls it before it builds a
+model); each one applies only where the installed versions need it and logs once what it did.
+
+- rotary_fp32: rotary embeddings keep their frequencies and cos/sin in fp32.
+  `deepspeed.zero.Init` replaces torch's tensor constructors with ones that round every
+  floating result to the training dtype, so on transformers 4.37 the cos/sin caches are
+  built from bf16 positions (wrong angles past position 256); and DeepSpeed <= 0.1x's
+  engine casts every buffer to bf16 with the parameters, so on 4.38 `inv_freq` loses
+  precision (an angle error of ~0.7 rad at position 4096). The patch builds rotary modules
+  with the real constructors and fp32 as the default dtype, and lets later dtype casts of
+  the model move those fp32 buffers between devices without converting them. The forward
+  pass is left alone, whatever its signature: 4.37 `(x, seq_len)`, 4.38 `(x, position_ids,
+  seq_len=None)`, 5.x `(x, position_ids)`; `rotary_cos_sin` reads the signature to call it.
+  Not applied where transformers re-initialises the frequencies after construction and
+  DeepSpeed casts only parameters (transformers 5.x with DeepSpeed 0.19).
+- causal_mask_cap: transformers 4.38.0-4.38.2 `LlamaModel.__init__` (and Gemma's)
+  registers a bool `causal_mask` buffer of max_position_embeddings^2 elements, which
+  ZeRO-3 materialises on every GPU for every model (200K positions: 40 GB). Where the
+  installed model class registers it, models are built with max_position_embeddings capped
+  at the stage's training length; `exported_config` puts the original back when the model
+  is saved, so the exported config.json is the model's own.
+
+Off switch: POST_TRAIN_COMPAT_OFF=rotary_fp32,causal_mask_cap (or "all") leaves the named
+patches out; the tests use it to show each patch is needed.
+
+Spellings that differ (no patching): `dtype` vs `torch_dtype` in `from_pretrained`,
+HfDeepSpeedConfig's import path, what `apply_chat_template(tokenize=True)` returns.
+
+`python -m stages.compat --self-check` reports the installed versions and which patches
+apply, and checks on the CPU that rotary cos/sin of a tiny Llama built in bf16 under
+zero.Init-style constructors (and cast as the installed DeepSpeed casts) match fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import logging
+import os
+import weakref
+
+import torch
+
+log = logging.getLogger("stages")
+
+OFF_SWITCH = "POST_TRAIN_COMPAT_OFF"
+PATCHES = ("rotary_fp32", "causal_mask_cap")
+
+# Model families whose rotary embedding classes get the rotary_fp32 patch.
+_ROTARY_MODULES = (
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.mistral.modeling_mistral",
+    "transformers.models.mixtral.modeling_mixtral",
+    "transformers.models.qwen2.modeling_qwen2",
+)
+# The constructors zero.Init intercepts (DeepSpeed 0.13 to 0.19).
+_CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
+
+_logged: set[str] = set()
+_applied: dict[str, list] = {}  # patch name -> [(owner, attribute, previous value or _ABSENT)]
+_ABSENT = object()
+_capped_configs: list[tuple[weakref.ref, dict]] = []
+
+
+def _log_once(key: str, message: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.info("compat: " + message, *args)
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of the packages whose differences this module covers."""
+    from importlib import metadata
+
+    out = {"torch": torch.__version__}
+    for name in ("transformers", "deepspeed", "peft", "accelerate", "tokenizers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def _transformers_version():
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__)
+
+
+def disabled_patches() -> set[str]:
+    """Patches switched off through POST_TRAIN_COMPAT_OFF."""
+    names = {n.strip() for n in os.environ.get(OFF_SWITCH, "").split(",") if n.strip()}
+    if "all" in names:
+        return set(PATCHES)
+    unknown = names - set(PATCHES)
+    if unknown:
+        raise ValueError(f"{OFF_SWITCH}: unknown patch {sorted(unknown)}; known: {', '.join(PATCHES)}")
+    return names
+
+
+# --------------------------------------------------------------------------- spellings
+
+
+def from_pretrained_kwargs(dtype: torch.dtype, attention: str) -> dict:
+    """Keyword arguments for `from_pretrained` that load in `dtype` with `attention`.
+
+    transformers renamed torch_dtype to dtype in 4.56: older versions take an unknown
+    `dtype` for a config field and silently build the model in fp32.
+    """
+    from packaging.version import Version
+
+    dtype_key = "dtype" if _transformers_version() >= Version("4.56") else "torch_dtype"
+    return {dtype_key: dtype, "attn_implementation": attention}
+
+
+def hf_deepspeed_config(ds_config: dict):
+    """transformers' HfDeepSpeedConfig for `ds_config`: while it is alive, from_pretrained
+    builds ZeRO-3 models already sharded (transformers.deepspeed before 4.33)."""
+    try:
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig
+    except ImportError:
+        from transformers.deepspeed import HfDeepSpeedConfig
+    return HfDeepSpeedConfig(ds_config)
+
+
+def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of a chat: transformers 5 returns a BatchEncoding, 4.x a list of ids."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def prepare() -> None:
+    """Apply the load-time patches the installed versions need (once; later calls are free)."""
+    off = disabled_patches()
+    for name in PATCHES:
+        if name in off:
+            _log_once(f"off:{name}", "%s switched off (%s)", name, OFF_SWITCH)
+            _revert(name)
+    if "rotary_fp32" not in off and "rotary_fp32" not in _applied:
+        needed, reason = rotary_patch_needed()
+        if needed:
+            classes = _apply_rotary_fp32()
+            _log_once("rotary_fp32", "rotary_fp32 applied (%s): %s", reason,
+                      ", ".join(f"{c.__name__}{rotary_signature(c)}" for c in classes))
+        else:
+            _log_once("rotary_fp32", "rotary_fp32 not needed: %s", reason)
+
+
+def from_pretrained(auto_class, path: str, dtype: torch.dtype, attention: str, max_len: int, **config_overrides):
+    """`auto_class.from_pretrained(path)` in `dtype` with `attention`, `config_overrides`
+    (e.g. num_labels=1) set on its config, and the load-time patches applied."""
+    prepare()
+    kwargs = from_pretrained_kwargs(dtype, attention)
+    capped = {}
+    if "causal_mask_cap" not in disabled_patches():
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, **config_overrides)
+        positions = getattr(config, "max_position_embeddings", None)
+        if positions and positions > max_len and registers_square_causal_mask(config):
+            capped["max_position_embeddings"] = positions
+            config.max_position_embeddings = max_len
+            _log_once(f"cap:{path}:{max_len}", "causal_mask_cap: transformers %s would register a %dx%d "
+                      "causal_mask buffer in %s; building it with max_position_embeddings=%d (the training "
+                      "length); the exported config keeps %d", versions()["transformers"], positions, positions,
+                      path, max_len, positions)
+            config_overrides = {"config": config}
+    model = auto_class.from_pretrained(path, **kwargs, **config_overrides)
+    if capped:
+        _capped_configs[:] = [(ref, orig) for ref, orig in _capped_configs if ref() is not None]
+        _capped_configs.append((weakref.ref(model.config), capped))
+    return model
+
+
+@contextlib.contextmanager
+def exported_config(model):
+    """While saving `model`: its config holds the values the model had before loading
+    capped them (e.g. max_position_embeddings), so the exported config.json is its own."""
+    configs = [getattr(model, "config", None)]
+    if hasattr(model, "get_base_model"):
+        configs.append(getattr(model.get_base_model(), "config", None))
+    restored = []
+    for ref, originals in _capped_configs:
+        config = ref()
+        if config is not None and any(config is c for c in configs):
+            current = {k: getattr(config, k) for k in originals}
+            for key, value in originals.items():
+                setattr(config, key, value)
+            restored.append((config, current))
+    try:
+        yield
+    finally:
+        for config, current in restored:
+            for key, value in current.items():
+                setattr(config, key, value)
+
+
+def registers_square_causal_mask(config) -> bool:
+    """Whether the base model class for `config` registers a (positions x positions)
+    `causal_mask` buffer in its __init__ (transformers 4.38.0-4.38.2: Llama, Gemma)."""
+    from transformers import MODEL_MAPPING
+
+    try:
+        base = MODEL_MAPPING[type(config)]
+        source = inspect.getsource(base.__init__)
+    except (KeyError, TypeError, OSError):
+        return False
+    return "causal_mask" in source and "register_buffer" in source
+
+
+# --------------------------------------------------------------------------- rotary
+
+
+def rotary_patch_needed() -> tuple[bool, str]:
+    """(needed, why): whether rotary state can leave fp32 on the installed versions."""
+    from transformers import PreTrainedModel
+
+    try:
+        reinitialised = "inv_freq" in inspect.getsource(PreTrainedModel._init_weights)
+    except (OSError, TypeError):
+        reinitialised = False
+    reasons = []
+    if not reinitialised:
+        reasons.append(f"transformers {versions()['transformers']} keeps the rotary state zero.Init built")
+    if deepspeed_casts_buffers():
+        reasons.append(f"DeepSpeed {versions()['deepspeed']} casts buffers to the training dtype")
+    if reasons:
+        return True, "; ".join(reasons)
+    return False, (f"transformers {versions()['transformers']} re-initialises rotary frequencies after "
+                   f"construction and DeepSpeed {versions()['deepspeed']} keeps fp32 buffers")
+
+
+def deepspeed_casts_buffers() -> bool:
+    """Whether the DeepSpeed engine casts buffers with the parameters to bf16/fp16
+    (DeepSpeed 0.19 casts parameters only and keeps fp32 buffers)."""
+    try:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+    except ImportError:
+        return False
+    return not hasattr(DeepSpeedEngine, "_cast_module_mixed_precision")
+
+
+def rotary_classes() -> list[type]:
+    """The installed rotary embedding classes of the model families listed above."""
+    found = []
+    for module_name in _ROTARY_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for value in vars(module).values():
+            if (isinstance(value, type) and issubclass(value, torch.nn.Module)
+                    and value.__name__.endswith("RotaryEmbedding") and value.__module__ == module_name):
+                found.append(value)
+    return found
+
+
+def rotary_signature(cls) -> str:
+    """The forward signature of a rotary class, without self: '(x, seq_len=None)', ..."""
+    signature = inspect.signature(cls.forward)
+    params = [p for name, p in signature.parameters.items() if name != "self"]
+    return str(signature.replace(parameters=params))
+
+
+def rotary_cos_sin(module, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) in fp32 for positions 0..positions-1 from a rotary module, called with
+    the arguments its forward takes: position_ids (4.38 and later) or seq_len (4.37)."""
+    parameters = inspect.signature(type(module).forward).parameters
+    device = next((b.device for b in module.buffers()), torch.device("cpu"))
+    head_dim = _rotary_dim(module)
+    x = torch.zeros(1, 1, positions, head_dim, device=device)
+    if "position_ids" in parameters:
+        cos, sin = module(x, torch.arange(positions, device=device)[None])
+    elif "seq_len" in parameters:
+        cos, sin = module(x, seq_len=positions)
+    else:
+        raise TypeError(f"{type(module).__name__}.forward{rotary_signature(type(module))}: neither position_ids "
+                        "nor seq_len; stages/compat.py does not know how to call it")
+    return cos.reshape(positions, -1).float(), sin.reshape(positions, -1).float()
+
+
+def _rotary_dim(module) -> int:
+    inv_freq = getattr(module, "inv_freq", None)
+    if inv_freq is not None:
+        return 2 * inv_freq.shape[-1]
+    return int(module.dim)
+
+
+def _apply_rotary_fp32() -> list[type]:
+    classes = rotary_classes()
+    changes = []
+    for cls in classes:
+        if "__init__" in vars(cls):
+            changes.append((cls, "__init__", vars(cls)["__init__"]))
+            cls.__init__ = _built_in_fp32(vars(cls)["__init__"])
+        if not any(issubclass(cls, other) and cls is not other for other in classes):
+            changes.append((cls, "_apply", vars(cls).get("_apply", _ABSENT)))
+            cls._apply = _fp32_buffers_follow_devices_only
+    _applied["rotary_fp32"] = changes
+    return classes
+
+
+def _revert(name: str) -> None:
+    for owner, attribute, previous in reversed(_applied.pop(name, [])):
+        if previous is _ABSENT:
+            delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, previous)
+
+
+def _built_in_fp32(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        with exact_tensor_constructors():
+            init(self, *args, **kwargs)
+
+    __init__._compat_original = init
+    return __init__
+
+
+@contextlib.contextmanager
+def exact_tensor_constructors():
+    """Inside zero.Init, torch's tensor constructors round every floating result to the
+    training dtype. In here the real constructors are back, still putting new tensors on
+    the device the intercepting ones would have used, with fp32 as the default dtype."""
+    device = torch.empty(0).device
+    replaced = {}
+    for name in _CONSTRUCTORS:
+        current, real = getattr(torch, name), getattr(torch._C._VariableFunctions, name, None)
+        if real is not None and current is not real:
+            replaced[name] = current
+            setattr(torch, name, _on_device(real, device))
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default_dtype)
+        for name, function in replaced.items():
+            setattr(torch, name, function)
+
+
+def _on_device(constructor, device):
+    @functools.wraps(constructor)
+    def construct(*args, **kwargs):
+        if kwargs.get("device") is None:
+            kwargs["device"] = device
+        return constructor(*args, **kwargs)
+
+    return construct
+
+
+def _fp32_buffers_follow_devices_only(self, fn, *args, **kwargs):
+    """Module._apply for rotary modules: parameters and other buffers as usual; fp32
+    buffers go where `fn` sends them (.to(device), .cuda()) but keep fp32
+    (.bfloat16(), .half(), .to(dtype) leave them alone)."""
+    kept = {n: b for n, b in self._buffers.items() if b is not None and b.dtype == torch.float32}
+    for name in kept:
+        self._buffers[name] = None
+    try:
+        result = torch.nn.Module._apply(self, fn, *args, **kwargs)
+    except BaseException:
+        self._buffers.update(kept)
+        raise
+    for name, buffer in kept.items():
+        target = fn(buffer).device
+        self._buffers[name] = buffer if target == buffer.device else buffer.to(target)
+    return result
+
+
+# --------------------------------------------------------------------------- self-check
+
+
+@contextlib.contextmanager
+def zero_init_style_constructors(dtype: torch.dtype):
+    """What deepspeed.zero.Init does to tensor constructors (minus sharding), for a check
+    on a machine where DeepSpeed's accelerator cannot start: floats come out in `dtype`."""
+    originals = {name: getattr(torch, name) for name in _CONSTRUCTORS}
+
+    def rounding(constructor):
+        @functools.wraps(constructor)
+        def construct(*args, **kwargs):
+            tensor = constructor(*args, **kwargs)
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
+            return tensor
+
+        return construct
+
+    default_dtype = torch.get_default_dtype()
+    for name, constructor in originals.items():
+        setattr(torch, name, rounding(constructor))
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default_dtype)
+        for name, constructor in originals.items():
+            setattr(torch, name, constructor)
+
+
+def rotary_error_under_zero3(positions: int = 4096) -> tuple[float | None, str]:
+    """(max |cos/sin difference|, how it was built) between a tiny Llama loaded in fp32 and
+    the same loaded in bf16 under ZeRO-3 and wrapped by DeepSpeed's engine; (None, why)
+    when there is nothing faithful to compare.
+
+    Uses the real zero.Init in a one-process group where DeepSpeed can start here; where
+    it cannot (DeepSpeed 0.13 without a GPU), zero.Init-style constructors around the
+    model's construction and the engine's cast, as the installed DeepSpeed does it."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=positions)
+    with tempfile.TemporaryDirectory() as folder:
+        LlamaForCausalLM(config).save_pretrained(folder)
+        reference = AutoModelForCausalLM.from_pretrained(folder, **from_pretrained_kwargs(torch.float32, "eager"))
+        try:
+            model, how = _load_under_real_zero3(AutoModelForCausalLM, folder, positions)
+        except Exception as err:  # noqa: BLE001 - any failure to start DeepSpeed: emulate instead
+            why = f"DeepSpeed could not start here: {type(err).__name__}: {str(err)[:160]}"
+            if not rotary_patch_needed()[0]:
+                # Here transformers' own ZeRO-3 loading re-initialises the frequencies, which
+                # the emulation does not reproduce: it would report an error that does not exist.
+                return None, why
+            model = _load_under_zero_init_style(AutoModelForCausalLM, LlamaForCausalLM, folder)
+            how = f"zero.Init-style constructors ({why})"
+    worst = 0.0
+    for ref_module, module in zip(_rotaries(reference), _rotaries(model)):
+        for want, got in zip(rotary_cos_sin(ref_module, positions), rotary_cos_sin(module, positions)):
+            worst = max(worst, (want - got.cpu()).abs().max().item())
+    return worst, how
+
+
+def _load_under_real_zero3(auto_class, folder: str, positions: int):
+    import socket
+
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1",
+                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+            os.environ.setdefault(key, value)
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    world = torch.distributed.get_world_size()
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world,
+                 "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    live = hf_deepspeed_config(ds_config)
+    model = from_pretrained(auto_class, folder, torch.bfloat16, "eager", positions)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    del live
+    return engine.module, f"deepspeed.zero.Init + deepspeed.initialize, DeepSpeed {versions()['deepspeed']}"
+
+
+def _load_under_zero_init_style(auto_class, model_class, folder: str):
+    init = model_class.__init__
+
+    @functools.wraps(init)
+    def init_under_zero_init(self, *args, **kwargs):
+        with zero_init_style_constructors(torch.bfloat16):
+            init(self, *args, **kwargs)
+
+    model_class.__init__ = init_under_zero_init
+    try:
+        model = auto_class.from_pretrained(folder, **from_pretrained_kwargs(torch.bfloat16, "eager"))
+    finally:
+        model_class.__init__ = init
+    if deepspeed_casts_buffers():
+        return model.bfloat16()
+    for param in model.parameters():
+        param.data = param.data.bfloat16()
+    return model
+
+
+def _rotaries(model) -> list:
+    return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+
+
+def self_check() -> int:
+    """Print versions, patches and the rotary check; 0 when every check passes."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    prepare()
+    print("versions:", "  ".join(f"{k} {v}" for k, v in versions().items()))
+    off = disabled_patches()
+    needed, reason = rotary_patch_needed()
+    state = "off (switched off)" if "rotary_fp32" in off else ("applies" if needed else "not needed")
+    print(f"rotary_fp32: {state}: {reason}")
+    for cls in rotary_classes():
+        print(f"  {cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}.forward{rotary_signature(cls)}")
+    from transformers import LlamaConfig
+
+    mask = registers_square_causal_mask(LlamaConfig())
+    state = "off (switched off)" if "causal_mask_cap" in off else ("applies" if mask else "not needed")
+    print(f"causal_mask_cap: {state}: LlamaModel {'registers' if mask else 'does not register'} a "
+          "(max_position_embeddings^2) causal_mask buffer")
+    print("from_pretrained dtype argument:", next(iter(from_pretrained_kwargs(torch.float32, "sdpa"))))
+
+    error, how = rotary_error_under_zero3()
+    if error is None:
+        print(f"rotary cos/sin under ZeRO-3: not checked ({how}); rotary_fp32 does not apply here")
+        return 0
+    ok = error < 1e-5
+    print(f"rotary cos/sin of a tiny Llama built in bf16 under ZeRO-3 vs fp32, positions 0-4095: "
+          f"max |error| {error:.3g} ({'OK' if ok else 'FAILED: above 1e-5'}); built with {how}")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m stages.compat", description=__doc__.split("\n")[0])
+    parser.add_argument("--self-check", action="store_true", help="report versions and patches; run the CPU checks")
+    args = parser.parse_args(argv)
+    if not args.self_check:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return self_check()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

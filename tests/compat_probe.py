@@ -1,0 +1,146 @@
+"""Loads a tiny Llama through the project's model loader under real DeepSpeed ZeRO-3 in a
+process of its own (one rank, gloo) and prints one JSON line of measurements.
+tests/test_compat.py runs it, with and without the compat patches (POST_TRAIN_COMPAT_OFF).
+
+    python tests/compat_probe.py rotary FOLDER          cos/sin vs an fp32 build
+    python tests/compat_probe.py train-step FOLDER      forward, one ZeRO-3 step, export, reload
+    python tests/compat_probe.py positions FOLDER       memory of a ZeRO-3 build, under an
+                                                        address-space limit (--limit-gib)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from pipeline.config import SFTStage  # noqa: E402
+from stages import compat, distributed, engine, models  # noqa: E402
+
+
+def stage(max_len: int, precision: str = "bf16") -> SFTStage:
+    return SFTStage.model_validate({
+        "name": "probe", "kind": "sft", "model": "builtin:tiny-llama", "data": {"path": "builtin:digits"},
+        "zero_stage": 3, "precision": precision, "max_len": max_len, "attention": "eager", "learning_rate": 1e-2,
+    })
+
+
+def load(folder: str, spec: SFTStage):
+    ds_config = engine.deepspeed_config(spec, world_size=1, hidden_size=64, on_gpu=False)
+    return models.load_causal_lm(folder, spec, ds_config, on_gpu=False), ds_config
+
+
+def rotary(folder: str) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    positions = AutoConfig.from_pretrained(folder).max_position_embeddings
+    # Before any ZeRO-3 config is alive: this one is built the ordinary way.
+    reference = AutoModelForCausalLM.from_pretrained(folder, **compat.from_pretrained_kwargs(torch.float32, "eager"))
+    spec = stage(max_len=positions)
+    model, ds_config = load(folder, spec)
+    ds = engine.initialize(model, spec, ds_config, total_steps=1)
+    pairs = list(zip(rotaries(reference), rotaries(ds.module)))
+    worst = 0.0
+    for want_module, got_module in pairs:
+        for want, got in zip(compat.rotary_cos_sin(want_module, positions), compat.rotary_cos_sin(got_module, positions)):
+            worst = max(worst, (want - got).abs().max().item())
+    return {"max_error": worst, "rotary_modules": len(pairs), "positions": positions,
+            "signature": compat.rotary_signature(type(pairs[0][1]))}
+
+
+def rotaries(model) -> list:
+    return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+
+
+def train_step(folder: str) -> dict:
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = stage(max_len=32)
+    model, ds_config = load(folder, spec)
+    ds = engine.initialize(model, spec, ds_config, total_steps=1)
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11, 2] * 3])
+    first = dict(ds.module.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+    with deepspeed.zero.GatheredParameters([first]):
+        before = first.detach().float().clone()
+    ds.train()
+    loss = ds(input_ids=ids, labels=ids).loss
+    ds.backward(loss)
+    ds.step()
+    with deepspeed.zero.GatheredParameters([first]):
+        changed = (first.detach().float() - before).abs().max().item()
+    out = Path(tempfile.mkdtemp(prefix="compat-export-"))
+    engine.export(ds, models.load_tokenizer(folder), spec, out / "model", is_main=True)
+    models._live_ds_configs.clear()  # ZeRO-3 off again: reload with plain transformers
+    exported = AutoModelForCausalLM.from_pretrained(out / "model")
+    with torch.no_grad():
+        logits = exported(input_ids=ids).logits
+    return {
+        "loss": loss.item(),
+        "param_dtype": str(first.dtype),
+        "weight_change": changed,
+        "loaded_max_position_embeddings": ds.module.config.max_position_embeddings,
+        "exported_max_position_embeddings": AutoConfig.from_pretrained(out / "model").max_position_embeddings,
+        "source_max_position_embeddings": AutoConfig.from_pretrained(folder).max_position_embeddings,
+        "exported_logits_finite": bool(torch.isfinite(logits).all()),
+    }
+
+
+def positions(folder: str, limit_gib: float) -> dict:
+    """Peak resident memory added by loading under ZeRO-3, and the model's buffer bytes.
+    The address-space limit makes an attempt at a huge allocation fail at once."""
+    spec = stage(max_len=64)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (_vm_kib("VmSize") * 1024 + int(limit_gib * 2**30), hard))
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
+    rss_before = _vm_kib("VmRSS")
+    model, _ = load(folder, spec)
+    peak_growth = (_vm_kib("VmHWM") - rss_before) * 1024
+    return {
+        "peak_rss_growth_bytes": peak_growth,
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+        "max_position_embeddings_built": model.config.max_position_embeddings,
+    }
+
+
+def _vm_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["rotary", "train-step", "positions"])
+    parser.add_argument("folder")
+    parser.add_argument("--limit-gib", type=float, default=4.0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    distributed.init(distributed.detect())
+    if args.scenario == "rotary":
+        result = rotary(args.folder)
+    elif args.scenario == "train-step":
+        result = train_step(args.folder)
+    else:
+        result = positions(args.folder, args.limit_gib)
+    print("PROBE " + json.dumps(result), flush=True)
+    distributed.shutdown()
+    # ZeRO-3's threads sometimes abort the interpreter's own teardown; the result is out.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
