@@ -52,6 +52,7 @@ status: setup
 	$(BIN)/python -m pipeline status $(CONFIG)
 
 test: setup
+	$(BIN)/python tests/prebuild_deepspeed_ops.py
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
 
 # The Slurm suite on a throw-away two-node cluster on this machine (root, Debian;
