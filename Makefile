@@ -17,12 +17,22 @@ BIN := $(VENV)/bin
 # stops a different ninja on PATH from forcing a rebuild every run.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup pipeline validate plan status test test-slurm docs clean help
+# The pinned stack's own venvs (see test-pinned, test-437).
+PINNED_VENV := .venv-pinned
+VENV_437 := .venv-437
+# Images for `make containers` / `make container-test`: pinned, current, or both.
+IMAGE ?= pinned current
+
+.PHONY: setup pipeline validate plan status test test-pinned test-437 test-slurm containers container-test docs clean help
 
 help:
 	@echo "make pipeline [CONFIG=tiny]   run a pipeline (default: the tiny chain, locally on CPU)"
 	@echo "make test                     run the test suite"
+	@echo "make test-pinned              run the tests on the pinned stack (transformers 4.38.2, DeepSpeed 0.13.2)"
+	@echo "make test-437                 run the compat tests on transformers 4.37.2"
 	@echo "make test-slurm               run the Slurm suite on a throw-away local cluster (root, Debian)"
+	@echo "make containers [IMAGE=pinned|current]   build the Apptainer images (containers/build.sh)"
+	@echo "make container-test [IMAGE=...]          run the images' self-tests"
 	@echo "make validate CONFIG=...      check a pipeline file, its models and data"
 	@echo "make plan CONFIG=...          will each stage fit its GPUs, how long will it take"
 	@echo "make status CONFIG=...        show each stage's state"
@@ -55,6 +65,27 @@ test: setup
 	$(BIN)/python tests/prebuild_deepspeed_ops.py
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
 
+# The whole suite again on the pinned stack (containers/requirements-pinned-ci.txt:
+# transformers 4.38.2, DeepSpeed 0.13.2, peft 0.10, on torch 2.13 CPU) in its own venv and
+# extensions folder, with the test-only shims DeepSpeed 0.13.2 needs on that torch
+# (tests/pinned_shims; an absolute path, as stage jobs run in other folders). All of it, not
+# a subset: it takes ~3.5 min on an idle 2-core machine (the current stack's ~8).
+test-pinned:
+	$(MAKE) --no-print-directory setup VENV=$(PINNED_VENV) STACK=pinned-ci
+	PYTHONPATH=$(abspath tests/pinned_shims) TORCH_EXTENSIONS_DIR=$(abspath $(PINNED_VENV))/torch_extensions \
+	  $(PINNED_VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
+
+# transformers 4.37.2 (rotary forward(x, seq_len), before 4.38 changed it) with the rest of
+# the pinned stack: the compat tests.
+test-437: $(VENV_437)/.installed-437
+	PYTHONPATH=$(abspath tests/pinned_shims) TORCH_EXTENSIONS_DIR=$(abspath $(VENV_437))/torch_extensions \
+	  $(VENV_437)/bin/python -m pytest -q $(PYTEST_ARGS) tests/test_compat.py
+
+$(VENV_437)/.installed-437: containers/requirements-pinned-ci.txt pyproject.toml
+	$(MAKE) --no-print-directory setup VENV=$(VENV_437) STACK=pinned-ci
+	$(VENV_437)/bin/pip install --quiet transformers==4.37.2 --constraint $(VENV_437)/torch-constraint.txt
+	touch $@
+
 # The Slurm suite on a throw-away two-node cluster on this machine (root, Debian;
 # installs slurm and munge on first use), always torn down afterwards. Only
 # SLURM_CONF is taken from the cluster's environment, not its sacct stand-in:
@@ -67,6 +98,12 @@ test-slurm: setup
 
 clean:
 	rm -rf runs
+
+containers:
+	for image in $(IMAGE); do containers/build.sh $$image || exit 1; done
+
+container-test:
+	for image in $(IMAGE); do containers/build.sh --test $$image || exit 1; done
 
 docs: setup
 	$(BIN)/python -m pipeline.docs

@@ -10,9 +10,9 @@ model); each one applies only where the installed versions need it and logs once
 - rotary_fp32: rotary embeddings keep their frequencies and cos/sin in fp32.
   `deepspeed.zero.Init` replaces torch's tensor constructors with ones that round every
   floating result to the training dtype, so on transformers 4.37 the cos/sin caches are
-  built from bf16 positions (wrong angles past position 256); and DeepSpeed <= 0.1x's
+  built from bf16 positions (cos off by up to 2 at position 4096); and DeepSpeed 0.13's
   engine casts every buffer to bf16 with the parameters, so on 4.38 `inv_freq` loses
-  precision (an angle error of ~0.7 rad at position 4096). The patch builds rotary modules
+  precision (cos off by up to 0.71 at position 4096). The patch builds rotary modules
   with the real constructors and fp32 as the default dtype, and lets later dtype casts of
   the model move those fp32 buffers between devices without converting them. The forward
   pass is left alone, whatever its signature: 4.37 `(x, seq_len)`, 4.38 `(x, position_ids,
@@ -30,11 +30,14 @@ Off switch: POST_TRAIN_COMPAT_OFF=rotary_fp32,causal_mask_cap (or "all") leaves 
 patches out; the tests use it to show each patch is needed.
 
 Spellings that differ (no patching): `dtype` vs `torch_dtype` in `from_pretrained`,
-HfDeepSpeedConfig's import path, what `apply_chat_template(tokenize=True)` returns.
+HfDeepSpeedConfig's import path, what `apply_chat_template(tokenize=True)` returns, and
+which attention implementation names exist (eager, sdpa, flash_attention_2 everywhere).
 
 `python -m stages.compat --self-check` reports the installed versions and which patches
-apply, and checks on the CPU that rotary cos/sin of a tiny Llama built in bf16 under
-zero.Init-style constructors (and cast as the installed DeepSpeed casts) match fp32.
+apply, then loads a tiny Llama in bf16 under ZeRO-3 (real DeepSpeed in a one-process group;
+where DeepSpeed cannot start, e.g. DeepSpeed 0.13 without a GPU, zero.Init-style
+constructors and the cast the installed DeepSpeed does) and checks that its rotary cos/sin
+match an fp32 build. Exit code 0 when they do.
 """
 
 from __future__ import annotations
@@ -121,8 +124,22 @@ def from_pretrained_kwargs(dtype: torch.dtype, attention: str) -> dict:
     """
     from packaging.version import Version
 
+    known = attention_implementations()
+    if attention not in known:
+        raise ValueError(f"attention '{attention}' is not one transformers {versions()['transformers']} "
+                         f"knows: {', '.join(known)}")
     dtype_key = "dtype" if _transformers_version() >= Version("4.56") else "torch_dtype"
     return {dtype_key: dtype, "attn_implementation": attention}
+
+
+def attention_implementations() -> list[str]:
+    """Attention implementation names the installed transformers accepts. eager, sdpa and
+    flash_attention_2 mean the same on every supported version; 5.x adds more (flex, fa3)."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # before the attention registry (4.48): a fixed set
+        return ["eager", "sdpa", "flash_attention_2"]
+    return ["eager", *sorted(ALL_ATTENTION_FUNCTIONS.valid_keys())]
 
 
 def hf_deepspeed_config(ds_config: dict):
@@ -158,6 +175,7 @@ def prepare() -> None:
             _log_once("rotary_fp32", "rotary_fp32 applied (%s): %s", reason,
                       ", ".join(f"{c.__name__}{rotary_signature(c)}" for c in classes))
         else:
+            _applied["rotary_fp32"] = []  # decided: nothing to change
             _log_once("rotary_fp32", "rotary_fp32 not needed: %s", reason)
 
 
@@ -383,6 +401,22 @@ def _fp32_buffers_follow_devices_only(self, fn, *args, **kwargs):
     return result
 
 
+# --------------------------------------------------------------------------- processes
+
+
+def remove_cpu_comm_buffer() -> None:
+    """Unlink this rank's /dev/shm buffer of DeepSpeed's CPU shared-memory allreduce.
+
+    DeepSpeed 0.19 creates deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> (~70 MB
+    of RAM) at init_distributed on CPU and never unlinks it, so every CPU process leaves
+    one behind. Call it when this process is done communicating; ranks that still map
+    the buffer keep it until they exit."""
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+            f"{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK', '0')}")
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+
+
 # --------------------------------------------------------------------------- self-check
 
 
@@ -453,7 +487,8 @@ def _load_under_real_zero3(auto_class, folder: str, positions: int):
 
     import deepspeed
 
-    if not torch.distributed.is_initialized():
+    started_here = not torch.distributed.is_initialized()
+    if started_here:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -468,6 +503,8 @@ def _load_under_real_zero3(auto_class, folder: str, positions: int):
     model = from_pretrained(auto_class, folder, torch.bfloat16, "eager", positions)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config)
     del live
+    if started_here:
+        remove_cpu_comm_buffer()  # a group of one: nobody else will open it
     return engine.module, f"deepspeed.zero.Init + deepspeed.initialize, DeepSpeed {versions()['deepspeed']}"
 
 

@@ -136,6 +136,7 @@ def main() -> None:
         result = positions(args.folder, args.limit_gib)
     print("PROBE " + json.dumps(result), flush=True)
     distributed.shutdown()
+    compat.remove_cpu_comm_buffer()
     # ZeRO-3's threads sometimes abort the interpreter's own teardown; the result is out.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -74,6 +74,12 @@ def test_from_pretrained_kwargs_load_the_requested_dtype_and_attention(tiny_llam
     assert model.config._attn_implementation == "eager"
 
 
+def test_an_attention_name_the_installed_transformers_lacks_is_refused_with_the_valid_names():
+    assert {"eager", "sdpa", "flash_attention_2"} <= set(compat.attention_implementations())
+    with pytest.raises(ValueError, match="eager, .*sdpa"):
+        compat.from_pretrained_kwargs(torch.float32, "flash_attention_9")
+
+
 def test_chat_template_ids_are_a_plain_list_of_token_ids():
     tokenizer = tiny.build_tokenizer()
     messages = [{"role": "user", "content": "sort 21"}, {"role": "assistant", "content": "12"}]

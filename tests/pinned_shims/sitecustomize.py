@@ -179,6 +179,22 @@ def _cpu_accelerator(mod):
     cls._pinned_shims_patched = True
 
 
+# (d) torch >= 2.6 loads with weights_only=True by default; DeepSpeed 0.13's checkpoints
+# hold its own classes (LossScaler, ...), which that refuses.
+@_post_import("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine")
+def _checkpoint_load_full_pickles(mod):
+    cls = getattr(mod, "TorchCheckpointEngine", None)
+    if cls is None or getattr(cls, "_pinned_shims_patched", False):
+        return
+    import torch
+
+    def load(self, path, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    cls.load = load
+    cls._pinned_shims_patched = True
+
+
 def _chain_next_sitecustomize():
     """Python imports only the first sitecustomize on sys.path; run the next
     one (a venv's or the distribution's) so putting this folder first on
