@@ -248,6 +248,9 @@ def worker(model_dir: str, out_dir: str, configs_json: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"results": results, **extra}))
     dist.barrier()
     dist.destroy_process_group()
+    from stages import compat
+
+    compat.remove_cpu_comm_buffer()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # ZeRO-3 processes occasionally abort in interpreter teardown (CONTEXT.md)

@@ -100,6 +100,20 @@ def test_lora_trains_and_exports_a_merged_plain_model(workdir):
     assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight)
 
 
+def test_a_finished_stage_leaves_no_deepspeed_buffers_in_shared_memory(workdir):
+    from pathlib import Path
+
+    def buffers():
+        return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+
+    before = buffers()
+    spec = tiny_pipeline()
+    spec["stages"][0]["max_steps"] = 2
+    run_pipeline(workdir, spec)
+    # Each CPU process's ~70 MB allreduce buffer; left behind, a test suite fills the RAM.
+    assert not (buffers() - before)
+
+
 def test_a_finished_stage_is_skipped_and_a_changed_one_starts_over(workdir):
     spec = tiny_pipeline()
     spec["stages"][0]["max_steps"] = 10
