@@ -35,7 +35,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         measured = measurement.measured.__wrapped__(_Factory(Path(tmp)))
         rows = measurement.errors_table(measured)
-    print("# Planner model states vs DeepSpeed 0.19.8 allocations\n")
+    import platform
+    from importlib.metadata import version
+
+    print(f"# Planner model states vs DeepSpeed {version('deepspeed')} allocations\n")
+    print(f"Measured on {platform.machine()} {os.cpu_count()} cores, {platform.platform()}; torch "
+          f"{version('torch')}, transformers {version('transformers')}, peft {version('peft')}.\n")
     print("Llama, hidden 256, 4 layers, vocab 4096 (~5.0M parameters), 2 gloo processes on CPU, "
           "LoRA r=8 on all 7 linear layers; bytes per process (rank 0). `backward`: after the "
           "second backward; `step`: inside the inner optimizer's second step.\n")
