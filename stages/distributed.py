@@ -113,6 +113,16 @@ def init(env: DistEnv, timeout_s: int = 600):
         torch.set_num_threads(threads)
         device, backend = torch.device("cpu"), "gloo"
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
+    if backend == "gloo":
+        # Every rank maps every rank's shared-memory allreduce buffer inside
+        # init_distributed; once all are past it the names can go, so a killed
+        # (preempted, failed) process leaves nothing behind in /dev/shm.
+        import torch.distributed as dist
+
+        from stages import compat
+
+        dist.barrier()
+        compat.remove_cpu_comm_buffer()
     return device
 
 
