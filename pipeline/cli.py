@@ -187,7 +187,7 @@ def cmd_run_stage(args) -> int:
     if graph.is_finished(task):
         print(f"[{task.name}] finished earlier with the same spec: skipped ({task.run_dir})")
         return 0
-    recorded = launch.read_spec_hash(Path(task.run_dir))
+    recorded = graph.recorded_hash(Path(task.run_dir))
     if recorded not in (None, task.spec_hash):
         raise InvalidInput(f"{task.run_dir} holds the outputs of a different spec of stage {task.name}; "
                            "move it aside, or use `python -m pipeline run`, which does")

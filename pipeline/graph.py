@@ -108,7 +108,7 @@ def plan_actions(tasks: list[StageTask], dry_run: bool = False) -> list[PlannedS
             continue
         rerun.add(task.name)
         run_dir = Path(task.run_dir)
-        recorded = _recorded_hash(run_dir)
+        recorded = recorded_hash(run_dir)
         if recorded is None and not run_dir.exists():
             planned.append(PlannedStage(task=task, action="run"))
         elif recorded == task.spec_hash:
@@ -119,7 +119,8 @@ def plan_actions(tasks: list[StageTask], dry_run: bool = False) -> list[PlannedS
     return planned
 
 
-def _recorded_hash(run_dir: Path) -> Optional[str]:
+def recorded_hash(run_dir: Path) -> Optional[str]:
+    """The spec hash spec.json records for a stage folder; None without one."""
     try:
         return json.loads((run_dir / SPEC_FILE).read_text()).get("spec_hash")
     except (OSError, json.JSONDecodeError):

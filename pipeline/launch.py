@@ -43,14 +43,6 @@ def write_spec(task: StageTask) -> None:
     (run_dir / SPEC_FILE).write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def read_spec_hash(run_dir: Path) -> Optional[str]:
-    """The spec hash spec.json records for a stage folder; None without one."""
-    try:
-        return json.loads((run_dir / SPEC_FILE).read_text()).get("spec_hash")
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
 def job_setup_lines(spec: PipelineSpec) -> list[str]:
     return list(spec.cluster.setup) + [f"export {k}={shlex.quote(v)}" for k, v in spec.cluster.env.items()]
 

@@ -8,6 +8,7 @@ imports it to submit.
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import json
 import logging
@@ -42,9 +43,7 @@ class StageContext:
         return self.rank == 0
 
     def hidden_size(self, model_path: str) -> int:
-        from transformers import AutoConfig
-
-        return getattr(AutoConfig.from_pretrained(model_path), "hidden_size", 4096)
+        return _hidden_size(model_path)
 
     def deepspeed_config(self, stage, model_path: str) -> dict:
         """DeepSpeed config of the model this stage trains."""
@@ -57,6 +56,14 @@ class StageContext:
         from stages import engine
 
         return engine.frozen_model_config(stage, self.world_size, self.hidden_size(model_path), self.on_gpu, offload)
+
+
+@functools.lru_cache(maxsize=None)
+def _hidden_size(model_path: str) -> int:
+    """From the model's config.json, read once per path (the trained and the frozen models' configs ask too)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(model_path), "hidden_size", 4096)
 
 
 class StageJob(Checkpointable):
