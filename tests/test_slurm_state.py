@@ -48,6 +48,7 @@ def slurm_world(workdir, monkeypatch):
         submitted_at=state.now(), logs=str(run_dir / "logs"))})
     state.save(workdir / "runs" / "t", record)
     command("sbatch", "exit 1")
+    command("srun", "exit 1")  # `run` checks that both are on PATH before anything else
     return dict(workdir=workdir, config=config, task=task, run_dir=run_dir, command=command, calls=calls)
 
 
