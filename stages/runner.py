@@ -113,6 +113,9 @@ def run_stage(task: StageTask) -> dict:
         flush=True,
     )
     started = time.time()
+    import torch
+
+    torch.manual_seed(task.stage.seed)  # e.g. a reward head new on top of a causal LM starts the same every run
     kind = importlib.import_module(f"stages.{task.stage.kind}")
     metrics = kind.run(task, ctx)
     result = {
