@@ -32,6 +32,8 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-llama",)
 BUILTIN_DATASETS = ("digits",)
+# Sequences in one data row of each stage kind: a preference row is a (chosen, rejected) pair.
+SEQUENCES_PER_ROW = {"sft": 1, "rm": 2, "dpo": 2, "ppo": 1}
 
 
 class Strict(BaseModel):
@@ -286,7 +288,23 @@ class TrainingKnobs(Strict):
     )
     lora: Optional[LoraSpec] = Field(None, description="Train LoRA adapters instead of all parameters.")
     max_len: int = Field(2048, ge=8, le=1_000_000, description="Longest tokenised row; longer rows are truncated.")
-    micro_batch_size: int = Field(1, ge=1, le=4096, description="Rows per process per forward pass.")
+    micro_batch_size: int = Field(
+        1, ge=1, le=4096,
+        description="Rows per process per forward pass without packing; with packing it sets the default "
+        "micro_batch_tokens.",
+    )
+    packing: bool = Field(
+        True,
+        description="sft, rm, dpo: pack rows into micro batches by a token budget (micro_batch_tokens), each "
+        "sequence kept apart by its own positions and attention, so no compute goes to padding; false pads "
+        "micro batches of micro_batch_size rows. Either way the loss is a mean over the whole global batch.",
+    )
+    micro_batch_tokens: Optional[int] = Field(
+        None, ge=8,
+        description="With packing: tokens per process per forward pass. Default: micro_batch_size x max_len "
+        "(x 2 for rm and dpo, whose rows are pairs). More fills a GPU better and costs activation memory "
+        "(see `plan`).",
+    )
     global_batch_size: Optional[int] = Field(
         None,
         ge=1,
@@ -352,6 +370,15 @@ class StageBase(TrainingKnobs):
     def _one_starting_point(self):
         if (self.model is None) == (self.from_ is None):
             raise ValueError("give exactly one of `model` (a model to start from) or `from` (an upstream stage)")
+        return self
+
+    @model_validator(mode="after")
+    def _a_row_fits_a_micro_batch(self):
+        per_row = SEQUENCES_PER_ROW.get(getattr(self, "kind", "sft"), 1)
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < self.max_len * per_row:
+            raise ValueError(f"micro_batch_tokens {self.micro_batch_tokens} cannot hold one row of max_len "
+                             f"{self.max_len} tokens{' x 2 (a pair)' if per_row == 2 else ''}: give at least "
+                             f"{self.max_len * per_row}, or lower max_len")
         return self
 
     @property

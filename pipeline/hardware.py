@@ -106,3 +106,20 @@ def gpu(name: str) -> GPU:
     if key not in GPUS:
         raise ValueError(f"unknown GPU '{name}'; known GPUs: {', '.join(GPUS)}")
     return GPUS[key]
+
+
+# How torch.cuda.get_device_name spells the catalogue's GPUs (checked in this order).
+_DEVICE_NAMES = (
+    ("h100 pcie", "h100-pcie"), ("h100", "h100-80gb"), ("h200", "h200"),
+    ("a100-sxm4-80gb", "a100-80gb"), ("a100 80gb", "a100-80gb"), ("a100-pcie-80gb", "a100-80gb"),
+    ("a100-sxm4-40gb", "a100-40gb"), ("a100-pcie-40gb", "a100-40gb"),
+    ("l40s", "l40s"), ("rtx 4090", "rtx4090"), ("rtx 3090", "rtx3090"), ("rtx a6000", "a6000"),
+    ("v100", "v100-32gb"),
+)
+
+
+def gpu_for_device(device_name: str) -> Optional[GPU]:
+    """The catalogue entry of a device as torch names it (e.g. 'NVIDIA H100 80GB HBM3'),
+    for its datasheet peak; None for a GPU the catalogue does not hold."""
+    name = device_name.lower()
+    return next((GPUS[entry] for spelled, entry in _DEVICE_NAMES if spelled in name), None)

@@ -80,6 +80,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from pipeline import hardware
+from pipeline.config import SEQUENCES_PER_ROW
 from pipeline.errors import DoesNotFit, InvalidInput
 from pipeline.shapes import ModelShape, count_text, resolve_shape
 
@@ -113,7 +114,6 @@ ZERO3_EFFICIENCY = 0.9
 COMM_OVERLAP = 0.5
 CPU_ADAM_PARAMS_PER_S = 2e9
 
-SEQUENCES_PER_ROW = {"sft": 1, "rm": 2, "dpo": 2, "ppo": 1}
 REFERENCE_PLACEMENTS = ("live", "offload", "precompute")
 
 

@@ -26,7 +26,22 @@ model); each one applies only where the installed versions need it and logs once
   at the stage's training length; `exported_config` puts the original back when the model
   is saved, so the exported config.json is the model's own.
 
-Off switch: POST_TRAIN_COMPAT_OFF=rotary_fp32,causal_mask_cap (or "all") leaves the named
+- logits_native_dtype: causal LMs of transformers before 4.45 (4.38: Llama, Mistral, Mixtral,
+  Qwen2) upcast all logits to fp32 in their forward, a (tokens x vocab) fp32 copy per micro
+  batch; the stages' passes (no cache, no labels) get logits in the model's dtype instead,
+  and stages/losses.py reads log-probs from them in fp32 chunk by chunk.
+- flash_varlen: flash attention in transformers before 4.44 reads no packed sequences from
+  position ids; `_flash_attention_forward` is patched to call flash_attn_varlen_func with
+  the boundaries of the packed batch that `sequences_apart` names.
+
+Packed batches (stages/data.py): `install_packing_hooks`, called for every model
+`from_pretrained` loads, lets each attention layer keep packed sequences apart inside
+`sequences_apart`: eager and sdpa layers get a block-diagonal causal mask (an additive 4D
+mask is what attention layers take on every supported version, below each model's own mask
+preparation, which differs between versions and model families), flash attention the
+sequence boundaries.
+
+Off switch: POST_TRAIN_COMPAT_OFF=rotary_fp32,causal_mask_cap,... (or "all") leaves the named
 patches out; the tests use it to show each patch is needed.
 
 Spellings that differ (no patching): `dtype` vs `torch_dtype` in `from_pretrained`,
@@ -43,19 +58,21 @@ match an fp32 build. Exit code 0 when they do.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
 import logging
 import os
 import weakref
+from typing import Optional
 
 import torch
 
 log = logging.getLogger("stages")
 
 OFF_SWITCH = "POST_TRAIN_COMPAT_OFF"
-PATCHES = ("rotary_fp32", "causal_mask_cap")
+PATCHES = ("rotary_fp32", "causal_mask_cap", "flash_varlen", "logits_native_dtype")
 
 # Model families whose rotary embedding classes get the rotary_fp32 patch.
 _ROTARY_MODULES = (
@@ -177,6 +194,18 @@ def prepare() -> None:
         else:
             _applied["rotary_fp32"] = []  # decided: nothing to change
             _log_once("rotary_fp32", "rotary_fp32 not needed: %s", reason)
+    if "logits_native_dtype" not in off and "logits_native_dtype" not in _applied:
+        classes = _apply_native_logits()
+        if classes:
+            _log_once("logits_native_dtype", "logits_native_dtype applied (transformers %s returns fp32 logits): %s",
+                      versions()["transformers"], ", ".join(c.__name__ for c in classes))
+    if "flash_varlen" not in off and "flash_varlen" not in _applied:
+        if _flash_varlen_patch_needed():
+            classes = _apply_flash_varlen()
+            _log_once("flash_varlen", "flash_varlen applied (transformers %s reads no packed sequences from "
+                      "positions): %s", versions()["transformers"], ", ".join(c.__name__ for c in classes))
+        else:
+            _applied["flash_varlen"] = []
 
 
 def from_pretrained(auto_class, path: str, dtype: torch.dtype, attention: str, max_len: int, **config_overrides):
@@ -199,6 +228,7 @@ def from_pretrained(auto_class, path: str, dtype: torch.dtype, attention: str, m
                       path, max_len, positions)
             config_overrides = {"config": config}
     model = auto_class.from_pretrained(path, **kwargs, **config_overrides)
+    install_packing_hooks(model)
     if capped:
         _capped_configs[:] = [(ref, orig) for ref, orig in _capped_configs if ref() is not None]
         _capped_configs.append((weakref.ref(model.config), capped))
@@ -399,6 +429,177 @@ def _fp32_buffers_follow_devices_only(self, fn, *args, **kwargs):
         target = fn(buffer).device
         self._buffers[name] = buffer if target == buffer.device else buffer.to(target)
     return result
+
+
+# --------------------------------------------------------------------------- packed sequences
+
+
+class PackedSequences:
+    """Which sequence each position of a packed batch holds: (lines, width), -1 on padding.
+
+    While a training or scoring pass of a packed batch runs (`sequences_apart`), every
+    attention layer of a model loaded through `from_pretrained` sees only its own
+    sequence: eager and sdpa layers get a block-diagonal causal mask in place of the
+    one the model built (a 4D additive mask is what their attention takes on every
+    supported version, below the model's own mask preparation, which differs); flash
+    attention layers get the sequences' boundaries (transformers 5 reads them from the
+    position ids of a single flat line; on 4.38 `_flash_attention_forward` is patched
+    to call flash_attn_varlen_func)."""
+
+    def __init__(self, sequence: torch.Tensor):
+        self.sequence = sequence
+        self._masks: dict = {}
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """(lines, 1, width, width): 0 where a query may look (its own sequence, not ahead),
+        the dtype's minimum elsewhere. Padding positions see only each other."""
+        if dtype not in self._masks:
+            seq = self.sequence
+            width = seq.shape[1]
+            causal = torch.ones(width, width, dtype=torch.bool, device=seq.device).tril()
+            allowed = (seq[:, :, None] == seq[:, None, :]) & causal
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=seq.device)
+            self._masks[dtype] = mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        return self._masks[dtype]
+
+    def cu_seqlens(self) -> tuple[torch.Tensor, int]:
+        """(cumulative sequence starts, longest sequence) of a single flat line, for varlen kernels."""
+        if self.sequence.shape[0] != 1:
+            raise ValueError("varlen attention needs the packed sequences on one line")
+        seq = self.sequence[0]
+        starts = torch.nonzero(torch.diff(seq, prepend=seq[:1] - 1) != 0).flatten()
+        bounds = torch.cat([starts, torch.tensor([seq.numel()], device=seq.device)]).to(torch.int32)
+        return bounds, int(torch.diff(bounds).max())
+
+
+_packed: contextvars.ContextVar = contextvars.ContextVar("packed_sequences", default=None)
+
+
+@contextlib.contextmanager
+def sequences_apart(sequence: Optional[torch.Tensor]):
+    """Keep the packed sequences of a batch apart in every attention layer, for a
+    forward pass and its backward (gradient checkpointing recomputes the forward
+    inside backward, so the backward must run in here too). None: nothing to do."""
+    token = _packed.set(PackedSequences(sequence) if sequence is not None else None)
+    try:
+        yield
+    finally:
+        _packed.reset(token)
+
+
+def flat_packing(attention: str) -> bool:
+    """Whether packed sequences go on one flat line (varlen kernels) rather than on
+    several lines with a block-diagonal mask."""
+    return attention.startswith("flash_attention")
+
+
+def _attention_layer(module) -> bool:
+    return type(module).__name__.endswith(("Attention", "Attention2")) and hasattr(module, "o_proj")
+
+
+def _keep_sequences_apart(module, args, kwargs):
+    packed = _packed.get()
+    if packed is None:
+        return None
+    attention = getattr(getattr(module, "config", None), "_attn_implementation", "") or type(module).__name__
+    if "flash" in attention.lower():
+        return None  # positions (5.x) or the patched _flash_attention_forward (4.38) do it
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    kwargs["attention_mask"] = packed.additive_mask(hidden.dtype)
+    return args, kwargs
+
+
+def install_packing_hooks(model) -> int:
+    """Make every attention layer of `model` honour `sequences_apart`; returns how many."""
+    count = 0
+    for module in model.modules():
+        if _attention_layer(module) and not getattr(module, "_packing_hook", False):
+            module.register_forward_pre_hook(_keep_sequences_apart, with_kwargs=True)
+            module._packing_hook = True
+            count += 1
+    return count
+
+
+def _flash_varlen_patch_needed() -> bool:
+    """transformers before 4.44 cannot read packed sequences from position ids in flash attention."""
+    try:
+        from transformers.modeling_flash_attention_utils import _flash_attention_forward
+    except ImportError:
+        return True
+    return "position_ids" not in inspect.signature(_flash_attention_forward).parameters
+
+
+def _apply_flash_varlen() -> list:
+    changes = []
+    for module_name in _ROTARY_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for value in list(vars(module).values()):
+            if (isinstance(value, type) and value.__module__ == module_name
+                    and "_flash_attention_forward" in vars(value)):
+                original = vars(value)["_flash_attention_forward"]
+                changes.append((value, "_flash_attention_forward", original))
+                value._flash_attention_forward = _varlen_when_packed(original, module)
+    _applied["flash_varlen"] = changes
+    return [c[0] for c in changes]
+
+
+def _varlen_when_packed(original, module):
+    @functools.wraps(original)
+    def _flash_attention_forward(self, query, key, value, attention_mask, query_length, dropout=0.0,
+                                 softmax_scale=None, *args, **kwargs):
+        packed = _packed.get()
+        if packed is None or attention_mask is not None:
+            return original(self, query, key, value, attention_mask, query_length, dropout, softmax_scale,
+                            *args, **kwargs)
+        bounds, longest = packed.cu_seqlens()
+        out = module.flash_attn_varlen_func(
+            query[0], key[0], value[0], cu_seqlens_q=bounds, cu_seqlens_k=bounds, max_seqlen_q=longest,
+            max_seqlen_k=longest, dropout_p=dropout, softmax_scale=softmax_scale, causal=True)
+        return out.unsqueeze(0)
+
+    return _flash_attention_forward
+
+
+# --------------------------------------------------------------------------- logits
+
+
+def _apply_native_logits() -> list:
+    """Causal LMs of transformers before 4.45 upcast every logit to fp32 in their forward: with
+    a 128K vocabulary that is a (tokens x vocab) fp32 copy, and its fp32 gradient, per micro
+    batch. The stages' loss reads log-probs chunk by chunk in fp32 itself (stages/losses.py),
+    so their training and scoring passes (no cache, no labels) keep the model's dtype."""
+    changes = []
+    for module_name in _ROTARY_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for value in list(vars(module).values()):
+            if (isinstance(value, type) and value.__module__ == module_name and value.__name__.endswith("ForCausalLM")
+                    and "forward" in vars(value) and "logits = logits.float()" in inspect.getsource(value.forward)):
+                changes.append((value, "forward", vars(value)["forward"]))
+                value.forward = _logits_in_model_dtype(vars(value)["forward"])
+    _applied["logits_native_dtype"] = changes
+    return [c[0] for c in changes]
+
+
+def _logits_in_model_dtype(original):
+    @functools.wraps(original)
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=None, **kwargs):
+        asked = {k for k, v in kwargs.items() if v is not None}  # peft passes labels=None, return_dict=None, ...
+        if use_cache is not False or asked or getattr(self.config, "pretraining_tp", 1) > 1:
+            return original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=use_cache, **kwargs)  # generation, labels: transformers' own
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False)[0]
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden))
+
+    return forward
 
 
 # --------------------------------------------------------------------------- processes

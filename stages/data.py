@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import BUILTIN_PREFIX, DataSpec
@@ -71,10 +72,6 @@ def _load_dataset_split(path: str, split: str) -> list[dict]:
 # --------------------------------------------------------------------------- tokenising
 
 
-def prompt_messages(row: dict, data: DataSpec) -> list[dict]:
-    return [{"role": "user", "content": row[data.prompt_key]}]
-
-
 def encode_prompt(tokenizer, prompt: str, data: DataSpec) -> list[int]:
     if data.chat_template:
         return _chat_ids(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
@@ -133,57 +130,193 @@ def tokenize_pair(row: dict, tokenizer, data: DataSpec, max_len: int) -> dict:
 # --------------------------------------------------------------------------- batching
 
 
-def pad_batch(rows: list[dict], pad_id: int, keys=("input_ids", "loss_mask")) -> dict:
-    """Right-pad lists to the longest row; adds attention_mask. Returns torch tensors."""
+def sequences_of(row: dict) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask) of each sequence of a tokenised row: one for SFT rows,
+    chosen then rejected for preference pairs."""
+    if "input_ids" in row:
+        return [(row["input_ids"], row["loss_mask"])]
+    return [(row[f"{side}_input_ids"], row[f"{side}_loss_mask"]) for side in ("chosen", "rejected")]
+
+
+def row_tokens(row: dict) -> int:
+    """Tokens of a tokenised row, all its sequences together: what packing budgets."""
+    return sum(len(ids) for ids, _ in sequences_of(row))
+
+
+def trained_tokens(row: dict) -> int:
+    """Positions whose next token the loss learns (the first token of a sequence never is)."""
+    return sum(sum(mask[1:]) for _, mask in sequences_of(row))
+
+
+@dataclass
+class Batch:
+    """Token tensors for one forward pass, padded or packed, and where each sequence is.
+
+    Sequences are numbered in row order (a pair: chosen 2k, rejected 2k+1). Padded:
+    one sequence per line, right-padded, a 2D padding mask. Packed: several sequences
+    per line, each with positions from 0, and an attention mask (or, for flash
+    attention, the positions alone) that keeps them apart; see stages/compat.py.
+    """
+
+    input_ids: object  # (lines, width) torch.long
+    position_ids: object  # (lines, width): each sequence counts from 0
+    loss_mask: object  # (lines, width): 1 on tokens the model learns to produce; 0 on padding and sequence starts
+    sequence: object  # (lines, width): index of the sequence at each position, -1 on padding
+    packed: bool
+    lengths: list  # tokens of each sequence, in sequence order (host-side)
+
+    @property
+    def n_sequences(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def processed_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def apart(self):
+        """Context in which a model's forward (and the backward that may recompute it)
+        keeps this batch's packed sequences apart (stages/compat.py)."""
+        from stages import compat
+
+        return compat.sequences_apart(self.sequence if self.packed else None)
+
+    @property
+    def attention_mask(self):
+        """The 2D padding mask of a padded batch (1 on tokens); None for a packed one."""
+        return None if self.packed else (self.sequence >= 0).long()
+
+    def forward(self, model):
+        """The model's output on this batch. No KV cache in training passes (transformers 5
+        would build one, and then read no packed positions)."""
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        if not self.packed:
+            inputs["attention_mask"] = self.attention_mask
+        with self.apart():
+            return model(**inputs)
+
+    def per_sequence(self, per_token):
+        """Sum a (lines, width - 1) per-target-token tensor (e.g. token_logprobs) into (sequences,)."""
+        import torch
+
+        owner = self.sequence[:, 1:].reshape(-1)
+        values = per_token.reshape(-1)
+        keep = owner >= 0
+        out = torch.zeros(self.n_sequences, dtype=values.dtype, device=values.device)
+        return out.index_add(0, owner[keep], values[keep])
+
+    def last_tokens(self, skip_id=None):
+        """Flat index (line * width + position) of each sequence's last token; with
+        skip_id, of its last token that is not skip_id (how transformers' sequence
+        classifiers pick the token they score when the pad id is also the eos id)."""
+        import torch
+
+        flat = self.sequence.reshape(-1)
+        keep = flat >= 0
+        if skip_id is not None:
+            keep &= self.input_ids.reshape(-1) != skip_id
+        index = torch.arange(flat.numel(), device=flat.device)
+        out = torch.full((self.n_sequences,), -1, dtype=torch.long, device=flat.device)
+        return out.scatter_reduce(0, flat[keep], index[keep], reduce="amax")
+
+    def to(self, device) -> "Batch":
+        moved = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in vars(self).items()}
+        return Batch(**moved)
+
+
+def padded_batch(rows: list[dict], pad_id: int) -> Batch:
+    """The rows' sequences one per line, right-padded to the longest."""
     import torch
 
-    ids_key = keys[0]
-    width = max(len(r[ids_key]) for r in rows)
-    batch = {}
-    for key in keys:
-        fill = pad_id if key.endswith("input_ids") else 0
-        batch[key] = torch.tensor([r[key] + [fill] * (width - len(r[key])) for r in rows])
-    batch["attention_mask"] = torch.tensor([[1] * len(r[ids_key]) + [0] * (width - len(r[ids_key])) for r in rows])
-    return batch
+    seqs = [s for row in rows for s in sequences_of(row)]
+    width = max(len(ids) for ids, _ in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    sequence = torch.full((len(seqs), width), -1, dtype=torch.long)
+    for k, (seq_ids, seq_mask) in enumerate(seqs):
+        n = len(seq_ids)
+        ids[k, :n] = torch.tensor(seq_ids)
+        mask[k, 1:n] = torch.tensor(seq_mask[1:])
+        sequence[k, :n] = k
+    positions = torch.arange(width).expand(len(seqs), width).clone()
+    return Batch(ids, positions, mask, sequence, False, [len(s) for s, _ in seqs])
 
 
-def pad_pairs(pairs: list[dict], pad_id: int, device) -> dict:
-    """Chosen rows then rejected rows of tokenize_pair outputs, in one padded batch of 2B."""
-    rows = [{"input_ids": p[f"{side}_input_ids"], "loss_mask": p[f"{side}_loss_mask"]}
-            for side in ("chosen", "rejected") for p in pairs]
-    return {k: v.to(device) for k, v in pad_batch(rows, pad_id).items()}
+def packed_batch(rows: list[dict], pad_id: int, line_tokens: int) -> Batch:
+    """The rows' sequences packed on lines (stages/batching.py pack_lines), with no
+    padding but what evens the lines out; line_tokens 0 puts them on one line."""
+    import torch
+
+    from stages.batching import pack_lines
+
+    seqs = [s for row in rows for s in sequences_of(row)]
+    lines = pack_lines([len(ids) for ids, _ in seqs], line_tokens)
+    width = max(sum(len(seqs[k][0]) for k in line) for line in lines)
+    shape = (len(lines), width)
+    ids = torch.full(shape, pad_id, dtype=torch.long)
+    mask = torch.zeros(shape, dtype=torch.long)
+    sequence = torch.full(shape, -1, dtype=torch.long)
+    positions = torch.zeros(shape, dtype=torch.long)
+    for j, line in enumerate(lines):
+        at = 0
+        for k in line:
+            seq_ids, seq_mask = seqs[k]
+            n = len(seq_ids)
+            ids[j, at : at + n] = torch.tensor(seq_ids)
+            mask[j, at + 1 : at + n] = torch.tensor(seq_mask[1:])  # a sequence's first token is never a target
+            sequence[j, at : at + n] = k
+            positions[j, at : at + n] = torch.arange(n)
+            at += n
+        positions[j, at:] = torch.arange(width - at)  # the tail: a padding "sequence" of its own
+    return Batch(ids, positions, mask, sequence, True, [len(s) for s, _ in seqs])
 
 
-def micro_batches(n_rows: int, micro_batch_size: int, rank: int, world_size: int, seed: int, epoch: int):
-    """This rank's micro batches (lists of row indices) for one epoch.
+class TokenRows:
+    """A split's tokenised rows, and how they become this process's batches: packed by
+    a token budget (stage.packing) or padded micro batches of micro_batch_size rows."""
 
-    Every rank shuffles with the same seed, drops the ragged tail so all ranks
-    take the same number of steps, and takes every world_size-th micro batch.
-    The order depends only on (seed, epoch): resuming at micro batch k of an
-    epoch sees exactly what an uninterrupted run would have seen.
-    """
-    order = list(range(n_rows))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    per_round = micro_batch_size * world_size
-    usable = (n_rows // per_round) * per_round
-    return [
-        order[start + rank * micro_batch_size : start + (rank + 1) * micro_batch_size]
-        for start in range(0, usable, per_round)
-    ]
+    def __init__(self, rows: list[dict], stage, ctx, pad_id: int, attention: str, sequences_per_row: int):
+        from stages import compat
+
+        self.rows, self.stage, self.ctx, self.pad_id = rows, stage, ctx, pad_id
+        self.lengths = [row_tokens(r) for r in rows]
+        self.trained = [trained_tokens(r) for r in rows]
+        self.budget = token_budget(stage, sequences_per_row) if stage.packing else None
+        # Varlen kernels take every sequence on one line; masks want lines about max_len long.
+        self.line_tokens = 0 if compat.flat_packing(attention) else stage.max_len
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def steps(self, epoch: int, rows_per_step: int) -> list:
+        from stages import batching
+
+        return batching.epoch_steps(
+            len(self.rows), rows_per_step=rows_per_step, micro_batch_size=self.stage.micro_batch_size,
+            rank=self.ctx.rank, world_size=self.ctx.world_size, seed=self.stage.seed, epoch=epoch,
+            lengths=self.lengths, token_budget=self.budget)
+
+    def eval_micro_batches(self) -> list:
+        from stages import batching
+
+        return batching.eval_micro_batches(
+            len(self.rows), micro_batch_size=self.stage.micro_batch_size, rank=self.ctx.rank,
+            world_size=self.ctx.world_size, lengths=self.lengths, token_budget=self.budget)
+
+    def batch(self, micro) -> Batch:
+        rows = [self.rows[i] for i in micro.rows]
+        built = packed_batch(rows, self.pad_id, self.line_tokens) if self.budget else padded_batch(rows, self.pad_id)
+        return built.to(self.ctx.device)
+
+    def trained_in(self, rows) -> int:
+        """Trained tokens of these rows (a step's: the normaliser of per-token means)."""
+        return sum(self.trained[i] for i in rows)
 
 
-def eval_batches(n_rows: int, micro_batch_size: int, rank: int, world_size: int):
-    """(row indices, weights) micro batches covering every eval row once over all ranks.
-
-    Every rank gets the same number of batches, because under ZeRO-3 each forward
-    pass needs all ranks; the padding entries repeat row 0 with weight 0.
-    """
-    per_round = micro_batch_size * world_size
-    total = -(-n_rows // per_round) * per_round
-    indices = list(range(n_rows)) + [0] * (total - n_rows)
-    weights = [1.0] * n_rows + [0.0] * (total - n_rows)
-    out = []
-    for start in range(0, total, per_round):
-        mine = slice(start + rank * micro_batch_size, start + (rank + 1) * micro_batch_size)
-        out.append((indices[mine], weights[mine]))
-    return out
+def token_budget(stage, sequences_per_row: int) -> int:
+    """Tokens per process per packed micro batch: micro_batch_tokens, else what a padded
+    micro batch of micro_batch_size rows of max_len tokens would hold."""
+    return stage.micro_batch_tokens or stage.micro_batch_size * stage.max_len * sequences_per_row

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from pipeline.flops import sequence_flops
 from stages import data, engine, models
-from stages.losses import dpo_loss, sequence_logprobs
+from stages.losses import dpo_loss, token_logprobs
 
 
 def run(task, ctx) -> dict:
@@ -28,69 +29,77 @@ def run(task, ctx) -> dict:
     model_path = models.resolve(task.init_model, ctx.builtin_root)
     tokenizer = models.load_tokenizer(model_path)
     train_rows, eval_rows = data.load_splits(stage.data, "dpo", ctx.builtin_root, stage.seed)
-    splits = {
+    tokens = {
         "train": [data.tokenize_pair(r, tokenizer, stage.data, stage.max_len) for r in train_rows],
         "eval": [data.tokenize_pair(r, tokenizer, stage.data, stage.max_len) for r in eval_rows],
     }
 
-    def pair_logps(forward, indices, split):
-        """Summed response log-probs (chosen, rejected) and the batch, for the pairs at indices."""
-        batch = data.pad_pairs([splits[split][i] for i in indices], tokenizer.pad_token_id, ctx.device)
-        logits = forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logps = sequence_logprobs(logits, batch["input_ids"], batch["loss_mask"])
-        return logps[: len(indices)], logps[len(indices):], logits, batch
+    def pair_logps(forward, batch):
+        """Summed response log-probs of each pair's (chosen, rejected), the logits and the token counts."""
+        logits = batch.forward(forward).logits
+        per_sequence = batch.per_sequence(token_logprobs(logits, batch.input_ids, batch.loss_mask))
+        return per_sequence[0::2], per_sequence[1::2], batch
+
+    attention = models.attention_implementation(stage.attention, ctx.on_gpu)
+    splits = {name: data.TokenRows(rows, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=2)
+              for name, rows in tokens.items()}
 
     # ---- the reference
     ds_config = ctx.deepspeed_config(stage, model_path)
     frozen_config = ctx.frozen_model_config(stage, model_path, offload=stage.reference == "offload")
     if stage.reference == "precompute":
         cached = _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_config)
-        reference_logps = lambda indices, split: tuple(cached[split][indices].to(ctx.device).unbind(1))  # noqa: E731
+
+        def reference_logps(batch, micro, split):
+            return tuple(cached[split][list(micro.rows)].to(ctx.device).unbind(1))
     else:
         reference = models.load_frozen(
             AutoModelForCausalLM, model_path, stage, frozen_config, ctx.device, stage.reference == "offload"
         )
-        reference_logps = lambda indices, split: pair_logps(reference, indices, split)[:2]  # noqa: E731
+
+        def reference_logps(batch, micro, split):
+            chosen, rejected, _ = pair_logps(reference, batch)
+            return chosen, rejected
 
     # ---- the policy
     model = models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu)
-    steps_per_epoch, total_steps = engine.step_counts(len(splits["train"]), stage, ds_config, ctx.world_size)
+    steps_per_epoch, total_steps = engine.step_counts(len(tokens["train"]), ds_config, ctx.world_size, stage)
     ds = engine.initialize(model, stage, ds_config, total_steps)
 
-    def preference_terms(indices, split):
-        policy_chosen, policy_rejected, logits, batch = pair_logps(ds, indices, split)
-        ref_chosen, ref_rejected = reference_logps(indices, split)
+    def preference_terms(batch, micro, split):
+        policy_chosen, policy_rejected, _ = pair_logps(ds, batch)
+        ref_chosen, ref_rejected = reference_logps(batch, micro, split)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             policy_chosen, policy_rejected, ref_chosen, ref_rejected,
             beta=stage.beta, label_smoothing=stage.label_smoothing, loss_type=stage.loss_type,
         )
         if stage.chosen_nll_coef:
-            n = len(indices)
-            chosen_nll = -sequence_logprobs(logits[:n], batch["input_ids"][:n], batch["loss_mask"][:n], average=True)
-            losses = losses + stage.chosen_nll_coef * chosen_nll
+            counts = batch.per_sequence(batch.loss_mask[:, 1:].to(policy_chosen.dtype))[0::2]
+            losses = losses - stage.chosen_nll_coef * policy_chosen / counts.clamp(min=1)
         return losses, chosen_rewards, rejected_rewards
 
     # ---- loss and evaluation
-    def loss(indices):
-        losses, chosen, rejected = preference_terms(indices, "train")
-        return losses.mean(), {
-            "reward_accuracy": (chosen > rejected).float().mean().item(),
-            "reward_margin": (chosen - rejected).mean().item(),
-            "chosen_reward": chosen.mean().item(),
-            "rejected_reward": rejected.mean().item(),
+    def loss(batch, micro, step):
+        losses, chosen, rejected = preference_terms(batch, micro, "train")
+        weight = micro.weight / len(step.rows)
+        return losses.sum() * weight, {
+            "loss": losses.detach().sum() * weight,
+            "reward_accuracy": (chosen > rejected).float().sum() * weight,
+            "reward_margin": (chosen - rejected).sum() * weight,
+            "chosen_reward": chosen.sum() * weight,
+            "rejected_reward": rejected.sum() * weight,
         }
 
     @torch.no_grad()
     def evaluate():
         ds.eval()
-        sums = [0.0] * 6  # loss, correct, margin, chosen, rejected, count
-        for indices, weights in data.eval_batches(len(splits["eval"]), stage.micro_batch_size, ctx.rank, ctx.world_size):
-            losses, chosen, rejected = preference_terms(indices, "eval")
-            w = torch.tensor(weights, device=losses.device)
-            sums = [a + float(b) for a, b in zip(sums, (
-                (losses * w).sum(), ((chosen > rejected).float() * w).sum(), ((chosen - rejected) * w).sum(),
-                (chosen * w).sum(), (rejected * w).sum(), w.sum(),
-            ))]
+        sums = torch.zeros(6, dtype=torch.float64, device=ctx.device)  # loss, correct, margin, chosen, rejected, pairs
+        for micro in splits["eval"].eval_micro_batches():
+            losses, chosen, rejected = preference_terms(splits["eval"].batch(micro), micro, "eval")
+            sums += micro.weight * torch.stack([
+                losses.sum(), (chosen > rejected).float().sum(), (chosen - rejected).sum(),
+                chosen.sum(), rejected.sum(), torch.tensor(float(len(chosen)), device=ctx.device),
+            ]).double()
         loss_sum, correct, margin, chosen_sum, rejected_sum, count = engine.all_reduce_sums(sums)
         return {
             "loss": loss_sum / count,
@@ -101,17 +110,22 @@ def run(task, ctx) -> dict:
         }
 
     # ---- train, export
+    shape, lora = models.shape_of(model_path), models.lora_params(model)
+    live_reference = stage.reference != "precompute"
+
+    def flops(batch):
+        return sum(sequence_flops(shape, "lm", n, trained=True, lora_params=lora)
+                   + (sequence_flops(shape, "lm", n, trained=False) if live_reference else 0.0)
+                   for n in batch.lengths)
+
     loop = engine.Loop(
+        batch=splits["train"].batch,
         loss=loss,
         evaluate=evaluate,
-        micro_batches=lambda epoch: data.micro_batches(
-            len(splits["train"]), stage.micro_batch_size, ctx.rank, ctx.world_size, stage.seed, epoch
-        ),
+        steps=lambda epoch: splits["train"].steps(epoch, ds_config["train_batch_size"]),
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
-        tokens=lambda indices: sum(
-            len(splits["train"][i]["chosen_input_ids"]) + len(splits["train"][i]["rejected_input_ids"]) for i in indices
-        ),
+        flops=flops,
     )
     outcome = engine.train(ds, loop, stage, ctx)
     engine.export(ds, tokenizer, stage, ctx.run_dir / "model", ctx.is_main)
@@ -131,7 +145,7 @@ def run(task, ctx) -> dict:
 def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_config) -> dict:
     """Reference log-probs (chosen, rejected) of every row, per split, computed once.
 
-    Every rank computes a share of the rows (equal batch counts, as ZeRO-3 needs),
+    Every rank computes a share of the rows (equal pass counts, as ZeRO-3 needs),
     the shares are summed into full tables, and rank 0 caches them on disk, so a
     resumed stage does not recompute them.
     """
@@ -143,15 +157,16 @@ def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_con
             return saved["logps"]
     reference = models.load_frozen(AutoModelForCausalLM, model_path, stage, frozen_config, ctx.device, offload=False)
     tables = {}
-    for split, rows in splits.items():
-        table = torch.zeros(len(rows), 2, dtype=torch.float64, device=ctx.device)
-        for indices, weights in data.eval_batches(len(rows), stage.micro_batch_size, ctx.rank, ctx.world_size):
-            chosen, rejected, _, _ = pair_logps(reference, indices, split)
-            for i, w, c, r in zip(indices, weights, chosen.tolist(), rejected.tolist()):
-                if w:
-                    table[i, 0], table[i, 1] = c, r
-        dist.all_reduce(table)
-        tables[split] = table.float().cpu()
+    with torch.no_grad():
+        for split, rows in splits.items():
+            table = torch.zeros(len(rows), 2, dtype=torch.float64, device=ctx.device)
+            for micro in rows.eval_micro_batches():
+                chosen, rejected, _ = pair_logps(reference, rows.batch(micro))
+                if micro.weight:
+                    index = torch.tensor(micro.rows, device=ctx.device)
+                    table[index] = torch.stack([chosen, rejected], dim=1).double()
+            dist.all_reduce(table)
+            tables[split] = table.float().cpu()
     reference.release()
     if ctx.is_main:
         tmp = cache.with_suffix(".tmp")

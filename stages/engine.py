@@ -8,6 +8,7 @@ every stage, which is what makes resume and metrics uniform.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from stages import compat
+from stages import batching, compat
 
 log = logging.getLogger("stages")
 
@@ -98,15 +99,12 @@ def frozen_model_config(stage, world_size: int, hidden_size: int, on_gpu: bool, 
     }
 
 
-def step_counts(n_rows: int, stage, ds_config: dict, world_size: int) -> tuple[int, int]:
+def step_counts(n_rows: int, ds_config: dict, world_size: int, stage) -> tuple[int, int]:
     """(optimizer steps per epoch, total optimizer steps) for n_rows training rows."""
-    from stages.data import micro_batches
-
-    per_rank = len(micro_batches(n_rows, stage.micro_batch_size, 0, world_size, 0, 0))
-    steps_per_epoch = per_rank // ds_config["gradient_accumulation_steps"]
+    rows_per_step = ds_config["train_batch_size"]
+    steps_per_epoch = batching.steps_per_epoch(n_rows, rows_per_step)
     if steps_per_epoch == 0:
-        raise ValueError(f"{n_rows} training rows are fewer than one optimizer step needs "
-                         f"({ds_config['train_batch_size']} rows)")
+        raise ValueError(f"{n_rows} training rows are fewer than one optimizer step needs ({rows_per_step} rows)")
     return steps_per_epoch, stage.max_steps or stage.epochs * steps_per_epoch
 
 
@@ -234,21 +232,29 @@ class Checkpoints:
 
 @dataclass
 class Loop:
-    """What a stage hands to `train`."""
+    """What a stage hands to `train`.
 
-    loss: Callable[[dict], tuple[torch.Tensor, dict]]  # micro batch -> (loss, per-batch metrics)
+    `loss(batch, micro, step)` returns this micro batch's share of the step's mean
+    loss over the whole global batch (every process, every micro batch: e.g. its
+    summed token losses over all the step's trained tokens), and the same kind of
+    share of each metric to log, as detached tensors on the device. Shares add up
+    to the step's means whatever the packing, micro batch size or process count.
+    """
+
+    batch: Callable[[batching.MicroBatch], object]  # micro batch -> data.Batch on the device
+    loss: Callable[[object, batching.MicroBatch, batching.Step], tuple[torch.Tensor, dict]]
     evaluate: Callable[[], dict]  # -> eval metrics, same on every rank
-    micro_batches: Callable[[int], list]  # epoch -> this rank's micro batches (any objects)
+    steps: Callable[[int], list[batching.Step]]  # epoch -> this process's steps
     steps_per_epoch: int
     total_steps: int
-    tokens: Callable[[object], int] = lambda batch: 0  # tokens in a micro batch, for throughput
+    flops: Callable[[object], float] = lambda batch: 0.0  # model FLOPs of a batch, for MFU
 
 
 def train(engine, loop: Loop, stage, ctx) -> dict:
     """Run (or resume) the optimizer steps; returns initial and final eval metrics."""
     checkpoints = Checkpoints(ctx.run_dir / "checkpoints", stage.keep_checkpoints, ctx.is_main)
     metrics = Metrics(ctx.run_dir / "metrics.jsonl", ctx.is_main)
-    accumulation = engine.gradient_accumulation_steps()
+    world = dist.get_world_size()
 
     state = checkpoints.load(engine)
     if state is None:
@@ -262,54 +268,113 @@ def train(engine, loop: Loop, stage, ctx) -> dict:
         metrics.truncate_after(start_step)
 
     engine.train()
-    step, t_last, tokens = start_step, time.time(), 0
-    sums: dict[str, float] = {}
+    step = start_step
+    window = Window(ctx)
     while step < loop.total_steps:
         epoch, offset = divmod(step, loop.steps_per_epoch)
-        batches = loop.micro_batches(epoch)
-        start = offset * accumulation
-        for micro in batches[start : start + accumulation]:
-            loss, batch_metrics = loop.loss(micro)
-            engine.backward(loss)
-            engine.step()
-            tokens += loop.tokens(micro)
-            for k, v in {"loss": loss.item(), **batch_metrics}.items():
-                sums[k] = sums.get(k, 0.0) + float(v) / accumulation
-        step += 1
-        if step % stage.log_interval == 0 or step == loop.total_steps:
-            elapsed = time.time() - t_last
-            # Means over the window and over every rank, so the numbers do not depend
-            # on how the global batch is split into processes and micro batches.
-            window = _steps_in_window(step, stage.log_interval) * dist.get_world_size()
-            averaged = all_reduce_sums(list(sums.values()) + [float(tokens)])
-            tokens = averaged.pop()
-            record = {"step": step, **{k: v / window for k, v in zip(sums, averaged)}}
-            record["lr"] = engine.get_lr()[0]
-            norm = engine.get_global_grad_norm()
-            if norm is not None:
-                record["grad_norm"] = float(norm)
-            record["tokens_per_s"] = tokens / max(elapsed, 1e-9)
-            record["epoch"] = epoch
-            metrics.write(record)
-            sums, tokens, t_last = {}, 0, time.time()
-        if stage.eval_interval and step % stage.eval_interval == 0 and step < loop.total_steps:
-            metrics.write({"step": step, **{f"eval_{k}": v for k, v in loop.evaluate().items()}})
-            engine.train()
-        if stage.save_interval and step % stage.save_interval == 0 and step < loop.total_steps:
-            checkpoints.save(engine, step, {"step": step, "initial_eval": initial, "rng": torch.get_rng_state()})
+        for planned in loop.steps(epoch)[offset:]:
+            last = len(planned.micro_batches) - 1
+            for j, micro in enumerate(planned.micro_batches):
+                # Packed steps vary in micro batch count: the last one is the boundary, and
+                # the shares are already means over the step (no division by accumulation).
+                engine.set_gradient_accumulation_boundary(j == last)
+                batch = loop.batch(micro)
+                with batch.apart():
+                    loss, shares = loop.loss(batch, micro, planned)
+                    # DeepSpeed averages gradients over processes; the shares add up over them.
+                    engine.backward(loss * world, scale_wrt_gas=False)
+                engine.step()
+                window.add(batch, shares, loop.flops(batch) if micro.weight else 0.0)
+            step += 1
+            if step % stage.log_interval == 0 or step == loop.total_steps:
+                record = {"step": step, **window.close(step, stage.log_interval)}
+                record["lr"] = engine.get_lr()[0]
+                norm = engine.get_global_grad_norm()
+                if norm is not None:
+                    record["grad_norm"] = float(norm)
+                record["epoch"] = epoch
+                metrics.write(record)
+            paused = time.time()  # evaluation and saving are not training time
+            if stage.eval_interval and step % stage.eval_interval == 0 and step < loop.total_steps:
+                metrics.write({"step": step, **{f"eval_{k}": v for k, v in loop.evaluate().items()}})
+                engine.train()
+            if stage.save_interval and step % stage.save_interval == 0 and step < loop.total_steps:
+                checkpoints.save(engine, step, {"step": step, "initial_eval": initial, "rng": torch.get_rng_state()})
+            window.started += time.time() - paused
+            if step >= loop.total_steps:
+                break
 
     final = loop.evaluate()
     metrics.write({"step": step, **{f"eval_{k}": v for k, v in final.items()}})
     return {"initial": initial, "final": final, "steps": step}
 
 
+class Window:
+    """What happened since the last metrics record: the stage's metric shares (summed on
+    the device, read once per record), tokens, model FLOPs, time and peak memory."""
+
+    def __init__(self, ctx):
+        self.device, self.on_gpu = ctx.device, ctx.on_gpu
+        self.peak_flops = _device_peak_flops(ctx)
+        self.restart()
+
+    def restart(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.real = self.processed = 0
+        self.flops = 0.0
+        self.started = time.time()
+        if self.on_gpu:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def add(self, batch, shares: dict, flops: float) -> None:
+        for key, value in shares.items():
+            value = value.detach().float()
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+        self.real += batch.real_tokens
+        self.processed += batch.processed_tokens
+        self.flops += flops
+
+    def close(self, step: int, interval: int) -> dict:
+        """The record's numbers (means over the window's steps and every process); restarts the window."""
+        elapsed = max(time.time() - self.started, 1e-9)
+        steps = _steps_in_window(step, interval)
+        names = list(self.sums)
+        local = torch.stack([self.sums[k] for k in names] + [
+            torch.tensor(float(v), device=self.device) for v in (self.real, self.processed, self.flops)])
+        totals = all_reduce_sums(local.double())
+        *means, real, processed, flops = totals
+        record = {k: v / steps for k, v in zip(names, means)}
+        world = dist.get_world_size()
+        record.update(
+            tokens_per_s=real / elapsed,
+            token_efficiency=real / max(processed, 1.0),
+            step_s=elapsed / steps,
+            mfu=flops / (elapsed * world * self.peak_flops) if self.peak_flops else None,
+            gpu_mem_peak_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if self.on_gpu else None,
+            gpu_mem_reserved_gib=torch.cuda.max_memory_reserved(self.device) / 2**30 if self.on_gpu else None,
+        )
+        self.restart()
+        return record
+
+
+def _device_peak_flops(ctx) -> Optional[float]:
+    """Datasheet dense peak of this process's GPU in the stage's precision; None on CPU
+    or for a GPU outside the catalogue."""
+    if not ctx.on_gpu:
+        return None
+    from pipeline.hardware import gpu_for_device
+
+    gpu = gpu_for_device(torch.cuda.get_device_name(ctx.device))
+    return gpu.peak_tflops(ctx.task.stage.precision) * 1e12 if gpu else None
+
+
 def _steps_in_window(step: int, interval: int) -> int:
     return step % interval or interval
 
 
-def all_reduce_sums(values: list[float]) -> list[float]:
-    """Sum a few numbers over all ranks (for eval means)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
+def all_reduce_sums(values) -> list[float]:
+    """Sum a few numbers (a list, or a tensor already on the device) over all ranks."""
+    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
     if dist.get_backend() == "nccl":
         tensor = tensor.cuda()
     dist.all_reduce(tensor)
@@ -327,7 +392,7 @@ def gather_state_dict(module, is_main: bool) -> Optional[dict]:
     state = {}
     for name, param in module.named_parameters():
         sharded = hasattr(param, "ds_id")
-        context = deepspeed.zero.GatheredParameters([param], modifier_rank=None) if sharded else _nullcontext()
+        context = deepspeed.zero.GatheredParameters([param], modifier_rank=None) if sharded else contextlib.nullcontext()
         with context:
             if is_main:
                 state[name] = param.detach().to("cpu", copy=True)
@@ -335,14 +400,6 @@ def gather_state_dict(module, is_main: bool) -> Optional[dict]:
         if is_main and name in module.state_dict():
             state[name] = buffer.detach().to("cpu", copy=True)
     return state if is_main else None
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def merge_lora_state_dict(state: dict, scaling: float, adapter: str = "default") -> dict:

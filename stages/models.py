@@ -3,6 +3,7 @@ attention kernel, gradient checkpointing, ZeRO-3 sharded construction."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 from pathlib import Path
@@ -27,6 +28,20 @@ def resolve(model: str, builtin_root: Path) -> str:
     if model.startswith(BUILTIN_PREFIX):
         return str(tiny.materialize(model[len(BUILTIN_PREFIX):], builtin_root))
     return model
+
+
+def shape_of(path: str):
+    """The model's architecture as the planner reads it (pipeline/shapes.py), for its FLOPs."""
+    from pipeline.shapes import resolve_shape
+
+    return resolve_shape(path)
+
+
+def lora_params(model):
+    """Trained parameters of a LoRA model (its adapters); None when all parameters train."""
+    if not hasattr(model, "peft_config"):
+        return None
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)  # ZeRO-3: whole size
 
 
 def load_tokenizer(path: str):
@@ -111,6 +126,32 @@ def load_reward_model(path: str, stage, ds_config: dict, on_gpu: bool, pad_token
     # The reward is read at the last token that is not padding: the model must know the pad id.
     model.config.pad_token_id = pad_token_id
     return prepare_for_training(model, stage, "SEQ_CLS", modules_to_save=["score"])
+
+
+def score_head(model):
+    """The scalar head of a sequence classifier (reward model, critic), inside peft's wrapper if any."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.score
+
+
+class _Output:
+    value = None
+
+
+@contextlib.contextmanager
+def output_of(module):
+    """Capture what `module` returns during the forward passes run inside (the last one):
+    e.g. a classifier head's score at every position, before transformers picks one."""
+    captured = _Output()
+
+    def keep(_module, _inputs, output):
+        captured.value = output
+
+    handle = module.register_forward_hook(keep)
+    try:
+        yield captured
+    finally:
+        handle.remove()
 
 
 class FrozenModel:

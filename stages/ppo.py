@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from stages import data, engine, models
+from stages import batching, data, engine, models
 from stages import losses as L
 from stages.rewards import RuleReward, RunningMoments
 
@@ -125,10 +125,9 @@ def run(task, ctx) -> dict:
                 rows.append({"input_ids": ids, "loss_mask": [1] * len(ids)})
             scores = []
             for start in range(0, len(rows), stage.micro_rollout_batch_size):
-                batch = data.pad_batch(rows[start : start + stage.micro_rollout_batch_size], reward_tokenizer.pad_token_id)
-                logits = reward_model(input_ids=batch["input_ids"].to(ctx.device),
-                                      attention_mask=batch["attention_mask"].to(ctx.device)).logits
-                scores += logits.squeeze(-1).float().tolist()
+                batch = data.padded_batch(rows[start : start + stage.micro_rollout_batch_size],
+                                          reward_tokenizer.pad_token_id).to(ctx.device)
+                scores += batch.forward(reward_model).logits.squeeze(-1).float().tolist()
             total = [t + stage.reward.model_weight * s for t, s in zip(total, scores)]
             terms["reward_model"] = sum(scores) / len(scores)
         return total, terms
@@ -137,17 +136,17 @@ def run(task, ctx) -> dict:
         rows = [{"input_ids": (p["ids"] + r)[: stage.max_len],
                  "loss_mask": ([0] * len(p["ids"]) + [1] * len(r))[: stage.max_len]}
                 for p, r in zip(batch_prompts, responses)]
-        return {k: v.to(ctx.device) for k, v in data.pad_batch(rows, tokenizer.pad_token_id).items()}
+        return data.padded_batch(rows, tokenizer.pad_token_id).to(ctx.device)
 
     def logprobs_of(model, batch):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return L.token_logprobs(logits.float() / stage.temperature, batch["input_ids"], batch["loss_mask"]), logits
+        logits = batch.forward(model).logits
+        return L.token_logprobs(logits.float() / stage.temperature, batch.input_ids, batch.loss_mask), logits
 
     def values_of(model, batch):
         """The critic's value per position, aligned with token_logprobs (predicting token t+1)."""
         base = model.module.get_base_model() if hasattr(model.module, "get_base_model") else model.module
         hidden = getattr(base, base.base_model_prefix)(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
         return base.score(hidden).squeeze(-1).float()[:, :-1]
 
     def gathered_mean(values):
@@ -184,7 +183,9 @@ def run(task, ctx) -> dict:
     # ---- the loop
     for rollout in range(start_rollout, total_rollouts):
         epoch, position = divmod(rollout, rollouts_per_epoch)
-        order = data.micro_batches(len(prompts), per_rank_prompts, ctx.rank, world, stage.seed, epoch)[position]
+        order = batching.epoch_steps(len(prompts), rows_per_step=stage.rollout_batch_size,
+                                     micro_batch_size=per_rank_prompts, rank=ctx.rank, world_size=world,
+                                     seed=stage.seed, epoch=epoch)[position].micro_batches[0].rows
         batch_prompts = [prompts[i] for i in order for _ in range(stage.n_samples_per_prompt)]
 
         # rollout: sample, score, and the frozen models' views of the samples
@@ -207,7 +208,7 @@ def run(task, ctx) -> dict:
             for start in range(0, len(batch_prompts), stage.micro_batch_size):
                 sl = slice(start, start + stage.micro_batch_size)
                 batch = sequences(batch_prompts[sl], responses[sl])
-                mask = batch["loss_mask"][:, 1:].float()
+                mask = batch.loss_mask[:, 1:].float()
                 old, _ = logprobs_of(actor, batch)
                 ref, _ = logprobs_of(reference, batch)
                 kl = L.kl_penalty(old, ref, stage.kl_estimator) * mask

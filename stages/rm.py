@@ -1,16 +1,19 @@
 """Reward model: a scalar head on a language model, trained so chosen outscores rejected.
 
-Loss (Bradley-Terry): -log sigmoid(r_chosen - r_rejected - margin), per pair.
-Chosen and rejected go through the model in one batch of 2B rows.
+Loss (Bradley-Terry): -log sigmoid(r_chosen - r_rejected - margin), averaged over
+the pairs of the global batch. A sequence's reward is the head's score at the
+token transformers' sequence classifier reads (its last token that is not the pad
+id), so the exported model scores as it was trained, packed or padded.
 result.json: eval_accuracy (held-out pairs where r_chosen > r_rejected),
 eval_margin, and the mean/std of rewards over the eval set, also saved beside
-the model as reward_stats.json (PPO normalises rewards with them).
+the model as reward_stats.json.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pipeline.flops import sequence_flops
 from stages import data, engine, models
 from stages.losses import reward_pair_loss
 
@@ -22,47 +25,52 @@ def run(task, ctx) -> dict:
     model_path = models.resolve(task.init_model, ctx.builtin_root)
     tokenizer = models.load_tokenizer(model_path)
     train_rows, eval_rows = data.load_splits(stage.data, "rm", ctx.builtin_root, stage.seed)
-    train_set = [data.tokenize_pair(r, tokenizer, stage.data, stage.max_len) for r in train_rows]
-    eval_set = [data.tokenize_pair(r, tokenizer, stage.data, stage.max_len) for r in eval_rows]
+    train_tokens = [data.tokenize_pair(r, tokenizer, stage.data, stage.max_len) for r in train_rows]
+    eval_tokens = [data.tokenize_pair(r, tokenizer, stage.data, stage.max_len) for r in eval_rows]
 
     # ---- model
     ds_config = ctx.deepspeed_config(stage, model_path)
     model = models.load_reward_model(model_path, stage, ds_config, ctx.on_gpu, tokenizer.pad_token_id)
-    steps_per_epoch, total_steps = engine.step_counts(len(train_set), stage, ds_config, ctx.world_size)
+    steps_per_epoch, total_steps = engine.step_counts(len(train_tokens), ds_config, ctx.world_size, stage)
     ds = engine.initialize(model, stage, ds_config, total_steps)
+    attention = models.attention_implementation(stage.attention, ctx.on_gpu)
+    train_set = data.TokenRows(train_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=2)
+    eval_set = data.TokenRows(eval_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=2)
+    score_head = models.score_head(ds.module)
 
-    def rewards(indices, rows):
-        """(chosen rewards, rejected rewards) for the pairs at `indices`."""
-        pairs = [rows[i] for i in indices]
-        batch = data.pad_pairs(pairs, tokenizer.pad_token_id, ctx.device)
-        scores = ds(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1).float()
-        return scores[: len(pairs)], scores[len(pairs):]
+    def rewards(batch):
+        """(chosen rewards, rejected rewards) of the batch's pairs."""
+        with models.output_of(score_head) as scores:
+            batch.forward(ds)
+        read = scores.value.squeeze(-1).float().reshape(-1)[batch.last_tokens(skip_id=tokenizer.pad_token_id)]
+        return read[0::2], read[1::2]
 
     # ---- loss and evaluation
-    def loss(indices):
-        chosen, rejected = rewards(indices, train_set)
+    def loss(batch, micro, step):
+        chosen, rejected = rewards(batch)
+        weight = micro.weight / len(step.rows)
         losses = reward_pair_loss(chosen, rejected, margin=stage.margin or None)
-        return losses.mean(), {
-            "accuracy": (chosen > rejected).float().mean().item(),
-            "margin": (chosen - rejected).mean().item(),
+        return losses.sum() * weight, {
+            "loss": losses.detach().sum() * weight,
+            "accuracy": (chosen > rejected).float().sum() * weight,
+            "margin": (chosen - rejected).detach().sum() * weight,
         }
 
     @torch.no_grad()
     def evaluate():
         ds.eval()
-        sums = [0.0] * 6  # loss, correct, margin, count, reward sum, reward square sum
-        for indices, weights in data.eval_batches(len(eval_set), stage.micro_batch_size, ctx.rank, ctx.world_size):
-            chosen, rejected = rewards(indices, eval_set)
-            w = torch.tensor(weights, device=chosen.device)
+        sums = torch.zeros(6, dtype=torch.float64, device=ctx.device)  # loss, correct, margin, pairs, r, r^2
+        for micro in eval_set.eval_micro_batches():
+            chosen, rejected = rewards(eval_set.batch(micro))
             both = torch.cat([chosen, rejected])
-            sums = [a + float(b) for a, b in zip(sums, (
-                (reward_pair_loss(chosen, rejected, margin=stage.margin or None) * w).sum(),
-                ((chosen > rejected).float() * w).sum(),
-                ((chosen - rejected) * w).sum(),
-                w.sum(),
-                (both * w.repeat(2)).sum(),
-                (both.square() * w.repeat(2)).sum(),
-            ))]
+            sums += micro.weight * torch.stack([
+                reward_pair_loss(chosen, rejected, margin=stage.margin or None).sum(),
+                (chosen > rejected).float().sum(),
+                (chosen - rejected).sum(),
+                torch.tensor(float(len(chosen)), device=ctx.device),
+                both.sum(),
+                both.square().sum(),
+            ]).double()
         loss_sum, correct, margin, count, r_sum, r_sq = engine.all_reduce_sums(sums)
         mean = r_sum / (2 * count)
         return {
@@ -74,16 +82,16 @@ def run(task, ctx) -> dict:
         }
 
     # ---- train, export
+    shape, lora = models.shape_of(model_path), models.lora_params(model)
     loop = engine.Loop(
+        batch=train_set.batch,
         loss=loss,
         evaluate=evaluate,
-        micro_batches=lambda epoch: data.micro_batches(
-            len(train_set), stage.micro_batch_size, ctx.rank, ctx.world_size, stage.seed, epoch
-        ),
+        steps=lambda epoch: train_set.steps(epoch, ds_config["train_batch_size"]),
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
-        tokens=lambda indices: sum(len(train_set[i]["chosen_input_ids"]) + len(train_set[i]["rejected_input_ids"])
-                                   for i in indices),
+        flops=lambda batch: sum(sequence_flops(shape, "scalar", n, trained=True, lora_params=lora)
+                                for n in batch.lengths),
     )
     outcome = engine.train(ds, loop, stage, ctx)
     final = outcome["final"]

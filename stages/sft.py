@@ -1,15 +1,18 @@
 """Supervised fine-tuning: next-token cross-entropy on the response tokens only.
 
 Rows are prompt/response pairs or chat `messages` (every assistant turn is
-learned). result.json: initial_eval_loss (before training), final_eval_loss.
+learned). The loss is the mean over every response token of the global batch,
+so packing, micro batch size and process count do not change it.
+result.json: initial_eval_loss (before training), final_eval_loss.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from pipeline.flops import sequence_flops
 from stages import data, engine, models
+from stages.losses import token_logprobs
 
 
 def run(task, ctx) -> dict:
@@ -19,53 +22,51 @@ def run(task, ctx) -> dict:
     model_path = models.resolve(task.init_model, ctx.builtin_root)
     tokenizer = models.load_tokenizer(model_path)
     train_rows, eval_rows = data.load_splits(stage.data, "sft", ctx.builtin_root, stage.seed)
-    train_set = [data.tokenize_sft(r, tokenizer, stage.data, stage.max_len) for r in train_rows]
-    eval_set = [data.tokenize_sft(r, tokenizer, stage.data, stage.max_len) for r in eval_rows]
+    train_tokens = [data.tokenize_sft(r, tokenizer, stage.data, stage.max_len) for r in train_rows]
+    eval_tokens = [data.tokenize_sft(r, tokenizer, stage.data, stage.max_len) for r in eval_rows]
 
     # ---- model
     ds_config = ctx.deepspeed_config(stage, model_path)
     model = models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu)
-    steps_per_epoch, total_steps = engine.step_counts(len(train_set), stage, ds_config, ctx.world_size)
+    steps_per_epoch, total_steps = engine.step_counts(len(train_tokens), ds_config, ctx.world_size, stage)
     ds = engine.initialize(model, stage, ds_config, total_steps)
+    attention = models.attention_implementation(stage.attention, ctx.on_gpu)
+    train_set = data.TokenRows(train_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=1)
+    eval_set = data.TokenRows(eval_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=1)
 
-    def batch_of(indices, rows):
-        return {k: v.to(ctx.device) for k, v in data.pad_batch([rows[i] for i in indices], tokenizer.pad_token_id).items()}
-
-    def token_losses(batch):
-        """Per-token loss on response positions: (sum, count) over the micro batch."""
-        logits = ds(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        targets = batch["input_ids"][:, 1:]
-        mask = batch["loss_mask"][:, 1:].float()
-        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, reduction="none")
-        return (nll * mask).sum(dim=1), mask.sum(dim=1)
+    def summed_nll(batch):
+        """(summed negative log-likelihood of the response tokens, their count)."""
+        logps = token_logprobs(batch.forward(ds).logits, batch.input_ids, batch.loss_mask)
+        return -logps.sum(), batch.loss_mask[:, 1:].sum()
 
     # ---- loss and evaluation
-    def loss(indices):
-        total, count = token_losses(batch_of(indices, train_set))
-        return total.sum() / count.sum().clamp(min=1), {}
+    def loss(batch, micro, step):
+        nll, _ = summed_nll(batch)
+        share = nll * (micro.weight / max(train_set.trained_in(step.rows), 1))
+        return share, {"loss": share}
 
     @torch.no_grad()
     def evaluate():
         ds.eval()
-        loss_sum, token_count = 0.0, 0.0
-        for indices, weights in data.eval_batches(len(eval_set), stage.micro_batch_size, ctx.rank, ctx.world_size):
-            total, count = token_losses(batch_of(indices, eval_set))
-            w = torch.tensor(weights, device=total.device)
-            loss_sum += float((total * w).sum())
-            token_count += float((count * w).sum())
-        loss_sum, token_count = engine.all_reduce_sums([loss_sum, token_count])
-        return {"loss": loss_sum / max(token_count, 1.0)}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        count = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        for micro in eval_set.eval_micro_batches():
+            nll, n = summed_nll(eval_set.batch(micro))
+            loss_sum += nll * micro.weight
+            count += n * micro.weight
+        loss_sum, count = engine.all_reduce_sums(torch.stack([loss_sum, count]))
+        return {"loss": loss_sum / max(count, 1.0)}
 
     # ---- train, export
+    shape, lora = models.shape_of(model_path), models.lora_params(model)
     loop = engine.Loop(
+        batch=train_set.batch,
         loss=loss,
         evaluate=evaluate,
-        micro_batches=lambda epoch: data.micro_batches(
-            len(train_set), stage.micro_batch_size, ctx.rank, ctx.world_size, stage.seed, epoch
-        ),
+        steps=lambda epoch: train_set.steps(epoch, ds_config["train_batch_size"]),
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
-        tokens=lambda indices: sum(len(train_set[i]["input_ids"]) for i in indices),
+        flops=lambda batch: sum(sequence_flops(shape, "lm", n, trained=True, lora_params=lora) for n in batch.lengths),
     )
     outcome = engine.train(ds, loop, stage, ctx)
     engine.export(ds, tokenizer, stage, ctx.run_dir / "model", ctx.is_main)

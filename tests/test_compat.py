@@ -9,6 +9,7 @@ do exactly that on purpose, and are skipped on stacks that do not need the patch
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -179,3 +180,64 @@ def test_causal_mask_cap_is_needed_where_it_applies(tiny_llama):
     assert code != 0 and result is None
     attempted = re.search(r"tried to allocate (\d+) bytes", output)
     assert attempted and int(attempted.group(1)) >= 200_000**2, output[-3000:]
+
+
+# --------------------------------------------------------------------------- logits and packed flash attention
+
+
+def test_training_passes_return_logits_in_the_model_dtype_with_the_same_values(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    from stages import data, models
+
+    model = compat.from_pretrained(AutoModelForCausalLM, str(tiny_llama), torch.bfloat16, "sdpa", 48)
+    tokenizer = models.load_tokenizer(str(tiny_llama))
+    row = data.tokenize_sft({"prompt": "sort 21 =", "response": " 12"}, tokenizer, data.DataSpec(path="x.jsonl"), 48)
+    batch = data.padded_batch([row], tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = batch.forward(model).logits  # no cache, no labels: what the stages pass
+        own = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # transformers' own path
+    assert logits.dtype == torch.bfloat16  # no (tokens x vocab) fp32 copy on any stack
+    torch.testing.assert_close(logits.float(), own.float(), rtol=0, atol=0)
+
+
+def test_packed_flash_attention_on_transformers_4_38_calls_the_varlen_kernel_per_sequence(tiny_llama, monkeypatch):
+    """transformers 4.38's flash attention reads no packed sequences from positions; the
+    flash_varlen patch hands flash_attn_varlen_func the sequence boundaries. flash-attn needs
+    CUDA, so a stand-in varlen kernel (causal sdpa per sequence) checks the plumbing here."""
+    if not compat._flash_varlen_patch_needed():
+        pytest.skip(f"transformers {compat.versions()['transformers']} reads packed sequences from positions")
+    from transformers import AutoConfig
+    from transformers.models.llama import modeling_llama
+
+    calls = []
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal):
+        calls.append(cu_seqlens_q.tolist())
+        out = []
+        for a, b in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # (heads, n, dim)
+            ks, vs = (t.repeat_interleave(qs.shape[0] // t.shape[0], 0) for t in (ks, vs))
+            out.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+        return torch.cat(out)
+
+    monkeypatch.setattr(modeling_llama, "flash_attn_varlen_func", varlen, raising=False)
+    compat.prepare()
+    config = AutoConfig.from_pretrained(tiny_llama)
+    torch.manual_seed(0)
+    flash = modeling_llama.LlamaFlashAttention2(config, layer_idx=0).eval()
+    sdpa = modeling_llama.LlamaSdpaAttention(config, layer_idx=0).eval()
+    sdpa.load_state_dict(flash.state_dict())
+    lengths = [5, 3, 7]
+    sequence = torch.cat([torch.full((n,), k) for k, n in enumerate(lengths)])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    hidden = torch.randn(1, sum(lengths), config.hidden_size)
+    packed = compat.PackedSequences(sequence)
+    with torch.no_grad(), compat.sequences_apart(sequence):
+        got = flash(hidden_states=hidden, attention_mask=None, position_ids=positions)[0]
+        extra = {"cache_position": torch.arange(sum(lengths))} if "cache_position" in inspect.signature(
+            sdpa.forward).parameters else {}  # 4.38 indexes the mask with it; 4.37 has none
+        want = sdpa(hidden_states=hidden, attention_mask=packed.additive_mask(hidden.dtype), position_ids=positions,
+                    **extra)[0]
+    assert calls == [[0, 5, 8, 15]]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

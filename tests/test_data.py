@@ -1,4 +1,4 @@
-"""Tokenisation, loss masks and the data order."""
+"""Tokenisation and loss masks (the data order: tests/test_packing.py)."""
 
 from __future__ import annotations
 
@@ -35,23 +35,6 @@ def test_truncation_keeps_ids_and_mask_aligned():
     row = data.tokenize_sft({"prompt": "sort 987654321 =", "response": " 123456789"}, tokenizer,
                             DataSpec(path="builtin:digits"), max_len=20)
     assert len(row["input_ids"]) == len(row["loss_mask"]) == 20
-
-
-def test_micro_batches_split_an_epoch_between_ranks_without_overlap():
-    rank0 = data.micro_batches(103, 4, rank=0, world_size=2, seed=1, epoch=0)
-    rank1 = data.micro_batches(103, 4, rank=1, world_size=2, seed=1, epoch=0)
-    seen = [i for b in rank0 + rank1 for i in b]
-    assert len(rank0) == len(rank1) == 12  # 103 // 8 rounds; the ragged tail is dropped
-    assert len(set(seen)) == len(seen) == 96
-    assert data.micro_batches(103, 4, 0, 2, 1, 0) == rank0  # deterministic
-    assert data.micro_batches(103, 4, 0, 2, 1, 1) != rank0  # a new order each epoch
-
-
-def test_eval_batches_cover_every_row_once_with_equal_counts_per_rank():
-    per_rank = [data.eval_batches(11, 2, rank, 3) for rank in range(3)]
-    assert len({len(b) for b in per_rank}) == 1
-    weighted = [i for batches in per_rank for idx, w in batches for i, x in zip(idx, w) if x]
-    assert sorted(weighted) == list(range(11))
 
 
 def test_the_digits_task_rejected_answers_are_wrong_and_chosen_are_right(tmp_path):

@@ -41,6 +41,7 @@ def dpo_variants(tmp_path_factory):
         dpo_stage("precompute", reference="precompute"),
         dpo_stage("offload", reference="offload"),
         dpo_stage("accumulate", micro_batch_size=4),
+        dpo_stage("padded", packing=False),
     ])
     run_pipeline(workdir, spec)
     return workdir / "runs" / "t"
@@ -80,6 +81,10 @@ def test_offloaded_reference_equals_the_live_reference(dpo_variants):
 def test_micro_batch_times_accumulation_does_not_change_the_curve(dpo_variants):
     # 8 rows x 2 processes x 1 step  vs  4 rows x 2 processes x 2 accumulated steps
     assert_same_curve(dpo_variants / "live", dpo_variants / "accumulate", rel=1e-4)
+
+
+def test_packing_does_not_change_the_dpo_curve(dpo_variants):
+    assert_same_curve(dpo_variants / "live", dpo_variants / "padded", rel=1e-4)
 
 
 PAIRS = [

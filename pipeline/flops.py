@@ -1,0 +1,42 @@
+"""FLOPs of a model's passes: the one formula behind the planner's predicted time and
+MFU and the MFU a running stage measures, so a wrong prediction shows in the run's
+own numbers. Pure Python (no torch).
+
+A forward pass costs, per token of a sequence of n tokens, 2 FLOPs per matmul
+parameter (the input embedding is a lookup; a tied output embedding is a matmul)
+plus 4 * layers * q_width * n for the attention scores and their weighted sum
+(counted in full, as PaLM and Megatron count them). The backward pass costs twice
+the forward; with LoRA the frozen weights need no gradient of their own, so it
+costs one forward plus 2 FLOPs per trained parameter. Gradient checkpointing's
+recomputed forward is executed work, not model work: it is not counted in MFU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pipeline.shapes import ModelShape
+
+
+def forward_flops_per_token(shape: ModelShape, head: str, length: int) -> float:
+    """Forward FLOPs per token of a sequence of `length` tokens ("lm" or "scalar" head)."""
+    matmul = shape.params_with_head(head) - shape.embedding_params
+    if head == "lm" and shape.tied_embeddings:
+        matmul += shape.embedding_params  # the tied table is also the output matmul
+    return 2 * matmul + 4 * shape.layers * shape.q_width * length
+
+
+def backward_flops_per_token(shape: ModelShape, head: str, length: int, lora_params: Optional[int] = None) -> float:
+    """Backward FLOPs per token: twice the forward, or with LoRA one forward (the
+    activation gradients) plus the adapters' weight gradients."""
+    forward = forward_flops_per_token(shape, head, length)
+    return forward + 2 * lora_params if lora_params is not None else 2 * forward
+
+
+def sequence_flops(shape: ModelShape, head: str, length: int, trained: bool,
+                   lora_params: Optional[int] = None) -> float:
+    """Model FLOPs of one sequence: forward, plus backward when the model is trained."""
+    total = forward_flops_per_token(shape, head, length)
+    if trained:
+        total += backward_flops_per_token(shape, head, length, lora_params)
+    return total * length

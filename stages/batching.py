@@ -1,0 +1,167 @@
+"""Which rows each process trains on, in which micro batch, at each optimizer step.
+
+Torch-free: the planner (pipeline/plan) simulates packing with the same code.
+
+An optimizer step takes the next `rows_per_step` rows of the epoch's shuffled
+order (the global batch); the order depends only on (seed, epoch), so a resumed
+run sees exactly the rows an uninterrupted one would. How those rows are split
+into micro batches does not change what is learned, because every stage
+normalises its loss by the whole step (per-token or per-row means over the
+global batch, over all processes):
+
+- padded (packing off): each process takes `micro_batch_size` rows per micro
+  batch, round-robin, and each micro batch is padded to its longest row;
+- packed (packing on): rows go to processes so that each gets about the same
+  number of tokens, and each process fills micro batches up to a token budget
+  (first-fit decreasing). The sequences of a micro batch are laid out without
+  padding and kept apart by their own positions (see `pack_lines`).
+
+ZeRO needs every process to run the same number of forward passes per step:
+processes with fewer packed micro batches split their fullest ones, and where
+that cannot help, run a filler pass whose loss counts zero (`weight` 0).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Row indices for one forward/backward pass of one process."""
+
+    rows: tuple[int, ...]
+    weight: float = 1.0  # 0: a filler pass that keeps processes in lockstep and counts nothing
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step as one process sees it."""
+
+    micro_batches: tuple[MicroBatch, ...]  # this process's
+    rows: tuple[int, ...]  # every row of the step, over all processes
+
+
+def shuffled(n_rows: int, seed: int, epoch: int) -> list[int]:
+    """The epoch's row order: depends only on (seed, epoch)."""
+    order = list(range(n_rows))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def steps_per_epoch(n_rows: int, rows_per_step: int) -> int:
+    """Optimizer steps in an epoch; the ragged tail of the shuffled order is left out."""
+    return n_rows // rows_per_step
+
+
+def epoch_steps(n_rows: int, *, rows_per_step: int, micro_batch_size: int, rank: int, world_size: int,
+                seed: int, epoch: int, lengths: Optional[Sequence[int]] = None,
+                token_budget: Optional[int] = None) -> list[Step]:
+    """This process's steps of one epoch. Packed when a token budget (and each row's
+    token length) is given, padded micro batches of micro_batch_size rows otherwise."""
+    order = shuffled(n_rows, seed, epoch)
+    steps = []
+    for k in range(steps_per_epoch(n_rows, rows_per_step)):
+        rows = order[k * rows_per_step : (k + 1) * rows_per_step]
+        if token_budget is None:
+            mine = _round_robin(rows, micro_batch_size, rank, world_size)
+        else:
+            mine = pack_rows(rows, lengths, world_size, token_budget)[rank]
+        steps.append(Step(tuple(mine), tuple(rows)))
+    return steps
+
+
+def eval_micro_batches(n_rows: int, *, micro_batch_size: int, rank: int, world_size: int,
+                       lengths: Optional[Sequence[int]] = None,
+                       token_budget: Optional[int] = None) -> list[MicroBatch]:
+    """This process's share of the evaluation rows: every row once over all processes,
+    the same number of passes on every process (fillers have weight 0)."""
+    rows = list(range(n_rows))
+    if token_budget is not None:
+        return list(pack_rows(rows, lengths, world_size, token_budget)[rank])
+    per_round = micro_batch_size * world_size
+    total = -(-n_rows // per_round) * per_round
+    padded = rows + [None] * (total - n_rows)
+    out = []
+    for start in range(0, total, per_round):
+        mine = padded[start + rank * micro_batch_size : start + (rank + 1) * micro_batch_size]
+        real = tuple(i for i in mine if i is not None)
+        out.append(MicroBatch(real, 1.0) if real else MicroBatch((0,), 0.0))
+    return out
+
+
+def _round_robin(rows: list[int], micro_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:
+    per_round = micro_batch_size * world_size
+    return [MicroBatch(tuple(rows[start + rank * micro_batch_size : start + (rank + 1) * micro_batch_size]))
+            for start in range(0, len(rows), per_round)]
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def pack_rows(rows: Sequence[int], lengths: Sequence[int], world_size: int,
+              token_budget: int) -> list[list[MicroBatch]]:
+    """Every process's micro batches for these rows: about equal tokens per process,
+    micro batches of at most token_budget tokens, the same count on every process."""
+    if not rows:
+        raise ValueError("no rows to pack")
+    # Longest first, each to the process with the fewest tokens so far (ties: lowest rank).
+    by_length = sorted(rows, key=lambda i: -lengths[i])
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for i in by_length:
+        p = min(range(world_size), key=lambda r: (load[r], r))
+        shares[p].append(i)
+        load[p] += lengths[i]
+    bins = [_first_fit_decreasing(share, lengths, token_budget) for share in shares]
+    count = max(len(b) for b in bins)
+    out = []
+    for share, mine in zip(shares, bins):
+        while len(mine) < count and any(len(b) > 1 for b in mine):
+            fullest = max(range(len(mine)), key=lambda j: (len(mine[j]), -j))
+            half = len(mine[fullest]) // 2
+            mine[fullest:fullest + 1] = [mine[fullest][:half], mine[fullest][half:]]
+        batches = [MicroBatch(tuple(b)) for b in mine]
+        filler = min(share or rows, key=lambda i: lengths[i])
+        batches += [MicroBatch((filler,), 0.0)] * (count - len(batches))
+        out.append(batches)
+    return out
+
+
+def _first_fit_decreasing(rows: list[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(rows, key=lambda r: -lengths[r]):
+        size = lengths[i]
+        j = next((j for j, free in enumerate(room) if free >= size), None)
+        if j is None:  # a row longer than the budget still gets a micro batch of its own
+            bins.append([i])
+            room.append(budget - size)
+        else:
+            bins[j].append(i)
+            room[j] -= size
+    return bins
+
+
+def pack_lines(lengths: Sequence[int], line_tokens: int, max_padding: float = 0.03) -> list[list[int]]:
+    """Sequences (by index) laid out on lines of one packed (lines x width) tensor.
+
+    Every line is as wide as the longest, so a line that lacks tokens is padding;
+    attention (with a block-diagonal mask) costs about lines x width^2. So: the
+    most lines, each about line_tokens long (the stage's max_len) or longer, that
+    keep padding within max_padding; sequences go longest first onto the shortest
+    line. One line (no padding at all) is the limit; line_tokens=0 asks for it."""
+    total = sum(lengths)
+    most = max(1, min(len(lengths), total // line_tokens if line_tokens else 1))
+    for count in range(most, 0, -1):
+        lines: list[list[int]] = [[] for _ in range(count)]
+        load = [0] * count
+        for i in sorted(range(len(lengths)), key=lambda s: -lengths[s]):
+            j = min(range(count), key=lambda k: (load[k], k))
+            lines[j].append(i)
+            load[j] += lengths[i]
+        if total >= (1 - max_padding) * count * max(load):
+            break
+    return [sorted(line) for line in lines]
