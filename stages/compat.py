@@ -29,6 +29,10 @@ model); each one applies only where the installed versions need it and logs once
 Off switch: POST_TRAIN_COMPAT_OFF=rotary_fp32,causal_mask_cap (or "all") leaves the named
 patches out; the tests use it to show each patch is needed.
 
+DeepSpeed's op builds: `normalize_arch_list_env()` rewrites TORCH_CUDA_ARCH_LIST into the
+entries DeepSpeed's op builder can read (9.0a -> 9.0; stages/distributed.py calls it before
+DeepSpeed starts).
+
 Spellings that differ (no patching): `dtype` vs `torch_dtype` in `from_pretrained`,
 HfDeepSpeedConfig's import path, what `apply_chat_template(tokenize=True)` returns, and
 which attention implementation names exist (eager, sdpa, flash_attention_2 everywhere).
@@ -48,6 +52,7 @@ import importlib
 import inspect
 import logging
 import os
+import re
 import weakref
 
 import torch
@@ -415,6 +420,52 @@ def remove_cpu_comm_buffer() -> None:
             f"{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK', '0')}")
     with contextlib.suppress(OSError):
         os.unlink(name)
+
+
+# --------------------------------------------------------------------------- DeepSpeed ops
+
+ARCH_LIST = "TORCH_CUDA_ARCH_LIST"
+# MAJOR.MINOR, an optional arch-specific / family suffix (9.0a, 10.0f), an optional +PTX.
+_ARCH_ENTRY = re.compile(r"^(\d+)\.(\d+)[a-z]?(\+PTX)?$", re.IGNORECASE)
+
+
+def deepspeed_arch_list(value: str | None) -> str | None:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builders read it: MAJOR.MINOR[+PTX] entries
+    separated by `;`. None (unset) and blank values are returned as they are.
+
+    torch accepts NVIDIA's arch-specific and family suffixes (9.0a, 10.0f); DeepSpeed 0.19's
+    builder fails on them ("invalid literal for int() with base 10: '0a'"), so they lose the
+    suffix (DeepSpeed's kernels use no arch-specific instruction). Spaces become `;` (NGC
+    images write "8.0 8.6 9.0+PTX"), duplicates go. Entries DeepSpeed cannot read at all
+    (torch's named arches such as Hopper, `native`) are left out; with none left the result
+    is None, and DeepSpeed compiles for the GPUs it sees. DeepSpeed 0.13 reads the variable
+    only when ops are built at install time; its JIT builds use the visible GPUs."""
+    if value is None or not value.strip():
+        return value
+    kept: list[str] = []
+    for entry in re.split(r"[;\s]+", value.strip()):
+        match = _ARCH_ENTRY.match(entry)
+        if match:
+            major, minor, ptx = match.groups()
+            readable = f"{major}.{minor}{'+PTX' if ptx else ''}"
+            if readable not in kept:
+                kept.append(readable)
+    return ";".join(kept) or None
+
+
+def normalize_arch_list_env() -> None:
+    """Rewrite this process's TORCH_CUDA_ARCH_LIST so DeepSpeed can build an op with it (call
+    it before DeepSpeed builds anything); logs once what it changed."""
+    before = os.environ.get(ARCH_LIST)
+    after = deepspeed_arch_list(before)
+    if after == before:
+        return
+    if after is None:
+        del os.environ[ARCH_LIST]
+    else:
+        os.environ[ARCH_LIST] = after
+    _log_once("arch_list", "%s=%r rewritten to %s: DeepSpeed's op builder reads only MAJOR.MINOR[+PTX] entries",
+              ARCH_LIST, before, repr(after) if after is not None else "unset (DeepSpeed builds for the GPUs it sees)")
 
 
 # --------------------------------------------------------------------------- self-check

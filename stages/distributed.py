@@ -104,6 +104,9 @@ def init(env: DistEnv, gpus_per_node: int, timeout_s: int = 600):
     """Start torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPU. Returns the device.
 
     A job that asked for GPUs fails here when it finds none, rather than train on the CPU."""
+    from stages import compat
+
+    compat.normalize_arch_list_env()  # before DeepSpeed builds any op
     import deepspeed
     import torch
 
@@ -126,8 +129,6 @@ def init(env: DistEnv, gpus_per_node: int, timeout_s: int = 600):
         # init_distributed; once all are past it the names can go, so a killed
         # (preempted, failed) process leaves nothing behind in /dev/shm.
         import torch.distributed as dist
-
-        from stages import compat
 
         dist.barrier()
         compat.remove_cpu_comm_buffer()

@@ -118,6 +118,77 @@ def test_rotary_cos_sin_is_called_with_the_installed_signature():
     torch.testing.assert_close(cos.square() + sin.square(), torch.ones(128, 16))
 
 
+# --------------------------------------------------------------------------- DeepSpeed ops
+
+
+@pytest.mark.parametrize("value,rewritten", [
+    ("9.0a", "9.0"),
+    ("9.0a;8.0", "9.0;8.0"),
+    ("8.0 8.6 9.0+PTX", "8.0;8.6;9.0+PTX"),
+    ("7.0;7.5;8.0;8.6+PTX", "7.0;7.5;8.0;8.6+PTX"),
+    ("9.0a+PTX", "9.0+PTX"),
+    ("10.0f;12.0a+PTX", "10.0;12.0+PTX"),
+    ("9.0;9.0a", "9.0"),
+    ("Hopper;8.0", "8.0"),
+    ("native", None),
+    ("", ""),
+    (None, None),
+])
+def test_arch_lists_are_rewritten_into_what_deepspeeds_op_builder_reads(value, rewritten):
+    assert compat.deepspeed_arch_list(value) == rewritten
+
+
+def compiled_archs(arch_list: str, jit: bool) -> list[str]:
+    """What the installed DeepSpeed's CUDA op builder makes of TORCH_CUDA_ARCH_LIST (no GPU
+    needed: it only reads the list): the sm_XY it compiles for."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    saved = os.environ.get(compat.ARCH_LIST)
+    os.environ[compat.ARCH_LIST] = arch_list
+    try:
+        builder = FusedAdamBuilder()
+        builder.jit_mode = jit
+        args = builder.compute_capability_args()
+        if args:
+            archs = re.findall(r"code=sm_(\d+)", " ".join(args))
+        else:  # a JIT build hands torch the list back in the variable instead of flags
+            archs = [entry.split("+")[0].replace(".", "") for entry in os.environ[compat.ARCH_LIST].split(";")]
+    finally:
+        if saved is None:
+            os.environ.pop(compat.ARCH_LIST, None)
+        else:
+            os.environ[compat.ARCH_LIST] = saved
+    return sorted({f"sm_{arch}" for arch in archs})
+
+
+@pytest.mark.parametrize("value", ["9.0a", "9.0a;8.0", "8.0 8.6 9.0+PTX", "7.0;7.5;8.0;8.6+PTX"])
+def test_the_installed_deepspeed_builds_for_every_arch_of_a_rewritten_list(value):
+    wanted = sorted({f"sm_{m.group(1)}{m.group(2)}" for m in re.finditer(r"(\d+)\.(\d+)", value)})
+    assert compiled_archs(compat.deepspeed_arch_list(value), jit=False) == wanted
+
+
+def test_deepspeeds_jit_builder_fails_on_9_0a_and_reads_its_rewrite():
+    try:
+        compiled_archs("8.0", jit=True)
+    except (IndexError, RuntimeError):
+        pytest.skip("this DeepSpeed's JIT builder ignores TORCH_CUDA_ARCH_LIST and asks the GPUs")
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        compiled_archs("9.0a", jit=True)
+    assert compiled_archs(compat.deepspeed_arch_list("9.0a"), jit=True) == ["sm_90"]
+
+
+def test_the_stage_process_rewrites_its_arch_list_once_and_says_so(monkeypatch, caplog):
+    monkeypatch.setenv(compat.ARCH_LIST, "8.0 9.0a")
+    monkeypatch.setattr(compat, "_logged", set())
+    with caplog.at_level("INFO", logger="stages"):
+        compat.normalize_arch_list_env()
+        compat.normalize_arch_list_env()
+    assert os.environ[compat.ARCH_LIST] == "8.0;9.0"
+    assert [r.getMessage() for r in caplog.records] == [
+        "compat: TORCH_CUDA_ARCH_LIST='8.0 9.0a' rewritten to '8.0;9.0': "
+        "DeepSpeed's op builder reads only MAJOR.MINOR[+PTX] entries"]
+
+
 # --------------------------------------------------------------------------- under ZeRO-3
 
 
