@@ -38,7 +38,9 @@ HfDeepSpeedConfig's import path, what `apply_chat_template(tokenize=True)` retur
 which attention implementation names exist (eager, sdpa, flash_attention_2 everywhere).
 
 `python -m stages.compat --self-check` reports the installed versions and which patches
-apply, then loads a tiny Llama in bf16 under ZeRO-3 (real DeepSpeed in a one-process group;
+apply; which DeepSpeed ops are prebuilt (compiled in at install) or already JIT-built in
+torch's extension cache, which optimizer a GPU stage gets and whether it needs a build, and
+the TORCH_CUDA_ARCH_LIST rewrite stage jobs would make. It then loads a tiny Llama in bf16 under ZeRO-3 (real DeepSpeed in a one-process group;
 where DeepSpeed cannot start, e.g. DeepSpeed 0.13 without a GPU, zero.Init-style
 constructors and the cast the installed DeepSpeed does) and checks that its rotary cos/sin
 match an fp32 build. Exit code 0 when they do.
@@ -53,7 +55,9 @@ import inspect
 import logging
 import os
 import re
+import sys
 import weakref
+from pathlib import Path
 
 import torch
 
@@ -468,6 +472,85 @@ def normalize_arch_list_env() -> None:
               ARCH_LIST, before, repr(after) if after is not None else "unset (DeepSpeed builds for the GPUs it sees)")
 
 
+def prebuilt_ops() -> tuple[list[str], str | None]:
+    """The ops compiled into the installed DeepSpeed (DS_BUILD_<OP>=1 at install time), and the
+    accelerator they were built for (None where DeepSpeed does not record it: 0.13)."""
+    from deepspeed import git_version_info as info
+
+    built = sorted(name for name, on in info.installed_ops.items() if on)
+    return built, getattr(info, "accelerator_name", None)
+
+
+def torch_extensions_dir() -> Path:
+    """Where torch keeps JIT-built extensions, by torch's own rule (cpp_extension's
+    _get_build_directory, which also creates the folder)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is not None:
+        return Path(root)
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def jit_built_ops() -> list[str]:
+    """Extensions JIT-built earlier into torch's cache: DeepSpeed loads them from there."""
+    root = torch_extensions_dir()
+    return sorted(so.parent.name for so in root.glob("*/*.so") if so.stem == so.parent.name)
+
+
+def optimizer_op(ds_config: dict) -> str | None:
+    """The DeepSpeed op a config's optimizer needs, as DeepSpeed's engine picks it (0.13 and 0.19
+    alike): none for torch's AdamW (torch_adam), cpu_adam with optimizer offload, else fused_adam."""
+    if ds_config["optimizer"]["params"].get("torch_adam"):
+        return None
+    return "cpu_adam" if "offload_optimizer" in ds_config["zero_optimization"] else "fused_adam"
+
+
+def _report_deepspeed_ops() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    from pipeline.config import SFTStage
+    from stages import engine
+
+    built, built_for = prebuilt_ops()
+    here = get_accelerator()._name  # what DeepSpeed's op loader compares with built_for
+    usable = built if built_for in (None, here) else []
+    where = f" for {built_for}" if built and built_for else ""
+    unusable = (f"; not loaded here, where the accelerator is {here}: DeepSpeed JIT-builds them"
+                if built and not usable else "")
+    print(f"DeepSpeed ops prebuilt{where}: {', '.join(built) or 'none'}{unusable}")
+    cached = jit_built_ops()
+    print(f"JIT-built extensions in {torch_extensions_dir()}: {', '.join(cached) or 'none'}")
+
+    def status(op):
+        if op in usable:
+            return "prebuilt"
+        return "JIT-built earlier, cached" if op in cached else "not built: compiled at the first step"
+
+    choices = []
+    for offload in (False, True):
+        stage = SFTStage.model_validate({"name": "check", "kind": "sft", "model": "builtin:tiny-llama",
+                                         "data": {"path": "builtin:digits"}, "optimizer_offload": offload})
+        config = engine.deepspeed_config(stage, world_size=8, hidden_size=4096, on_gpu=True)
+        op = optimizer_op(config)
+        params = config["optimizer"]["params"]
+        choice = (f"torch.optim.AdamW(fused={params.get('fused', False)}), no build" if op is None
+                  else f"DeepSpeed {op} ({status(op)})")
+        choices.append(f"{'with' if offload else 'without'} optimizer_offload: {choice}")
+    print("optimizer of a GPU stage: " + "; ".join(choices))
+    before = os.environ.get(ARCH_LIST)
+    after = deepspeed_arch_list(before)
+    change = "left as it is" if after == before else f"stage jobs use {after!r}" if after else "stage jobs unset it"
+    print(f"{ARCH_LIST}: {'unset' if before is None else repr(before)}: {change}")
+
+
 # --------------------------------------------------------------------------- self-check
 
 
@@ -603,6 +686,7 @@ def self_check() -> int:
     print(f"causal_mask_cap: {state}: LlamaModel {'registers' if mask else 'does not register'} a "
           "(max_position_embeddings^2) causal_mask buffer")
     print("from_pretrained dtype argument:", next(iter(from_pretrained_kwargs(torch.float32, "sdpa"))))
+    _report_deepspeed_ops()
 
     error, how = rotary_error_under_zero3()
     if error is None:

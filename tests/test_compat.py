@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,6 +178,38 @@ def test_deepspeeds_jit_builder_fails_on_9_0a_and_reads_its_rewrite():
     assert compiled_archs(compat.deepspeed_arch_list("9.0a"), jit=True) == ["sm_90"]
 
 
+def test_the_jit_cache_is_where_torch_itself_puts_extensions(monkeypatch, tmp_path):
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compat.torch_extensions_dir() == Path(_get_build_directory("probe", verbose=False)).parent
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert compat.torch_extensions_dir() == tmp_path / "mine"
+
+
+def test_only_extensions_whose_library_was_built_count_as_jit_built(monkeypatch, tmp_path):
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    (tmp_path / "fused_adam").mkdir()  # a build that stopped before linking
+    (tmp_path / "fused_adam" / "build.ninja").write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert compat.jit_built_ops() == ["cpu_adam"]
+
+
+def test_the_gpu_optimizer_needs_no_deepspeed_op_and_offload_needs_cpu_adam():
+    from pipeline.config import SFTStage
+    from stages import engine
+
+    def op(**knobs):
+        stage = SFTStage.model_validate({"name": "s", "kind": "sft", "model": "builtin:tiny-llama",
+                                         "data": {"path": "builtin:digits"}, **knobs})
+        return compat.optimizer_op(engine.deepspeed_config(stage, 8, 4096, on_gpu=True))
+
+    assert op() is None
+    assert op(optimizer_offload=True) == "cpu_adam"
+
+
 def test_the_stage_process_rewrites_its_arch_list_once_and_says_so(monkeypatch, caplog):
     monkeypatch.setenv(compat.ARCH_LIST, "8.0 9.0a")
     monkeypatch.setattr(compat, "_logged", set())
@@ -194,12 +227,18 @@ def test_the_stage_process_rewrites_its_arch_list_once_and_says_so(monkeypatch, 
 
 @pytest.mark.slow
 def test_self_check_reports_versions_and_passes():
-    done = subprocess.run([sys.executable, "-m", "stages.compat", "--self-check"], cwd=REPO,
+    env = {**os.environ, compat.ARCH_LIST: "8.0 9.0a"}
+    done = subprocess.run([sys.executable, "-m", "stages.compat", "--self-check"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"transformers {compat.versions()['transformers']}" in done.stdout
     assert "rotary_fp32:" in done.stdout and "causal_mask_cap:" in done.stdout
     assert "max |error| 0 (OK)" in done.stdout
+    assert "DeepSpeed ops prebuilt" in done.stdout
+    assert f"JIT-built extensions in {compat.torch_extensions_dir()}: " in done.stdout
+    assert ("optimizer of a GPU stage: without optimizer_offload: torch.optim.AdamW(fused=True), no build; "
+            "with optimizer_offload: DeepSpeed cpu_adam (") in done.stdout
+    assert "TORCH_CUDA_ARCH_LIST: '8.0 9.0a': stage jobs use '8.0;9.0'" in done.stdout
 
 
 @pytest.mark.slow
