@@ -68,8 +68,8 @@ def cmd_run(args) -> int:
     pipeline_dir = spec.run_dir.resolve()
     if executor == "slurm":
         return run_on_slurm(spec, args.config, pipeline_dir, args.force)
-    launch.check_local_gpus(spec)
     check_fits(spec, args.force)
+    launch.check_local_gpus(spec)
     # A Slurm chain of this pipeline may still be training into the same folders.
     tasks = graph.build_tasks(spec)
     if state.load(pipeline_dir) is not None:
