@@ -40,10 +40,11 @@ which attention implementation names exist (eager, sdpa, flash_attention_2 every
 `python -m stages.compat --self-check` reports the installed versions and which patches
 apply; which DeepSpeed ops are prebuilt (compiled in at install) or already JIT-built in
 torch's extension cache, which optimizer a GPU stage gets and whether it needs a build, and
-the TORCH_CUDA_ARCH_LIST rewrite stage jobs would make. It then loads a tiny Llama in bf16 under ZeRO-3 (real DeepSpeed in a one-process group;
-where DeepSpeed cannot start, e.g. DeepSpeed 0.13 without a GPU, zero.Init-style
-constructors and the cast the installed DeepSpeed does) and checks that its rotary cos/sin
-match an fp32 build. Exit code 0 when they do.
+the TORCH_CUDA_ARCH_LIST rewrite stage jobs would make. It then loads a tiny Llama in bf16
+under ZeRO-3 (real DeepSpeed in a one-process group; where DeepSpeed cannot start, e.g.
+DeepSpeed 0.13 without a GPU, zero.Init-style constructors and the cast the installed
+DeepSpeed does) and checks that its rotary cos/sin match an fp32 build. Exit code 0 when
+they do.
 """
 
 from __future__ import annotations
@@ -439,7 +440,7 @@ def deepspeed_arch_list(value: str | None) -> str | None:
 
     torch accepts NVIDIA's arch-specific and family suffixes (9.0a, 10.0f); DeepSpeed 0.19's
     builder fails on them ("invalid literal for int() with base 10: '0a'"), so they lose the
-    suffix (DeepSpeed's kernels use no arch-specific instruction). Spaces become `;` (NGC
+    suffix (sm_90 code runs on the GPUs sm_90a code is for). Spaces become `;` (NGC
     images write "8.0 8.6 9.0+PTX"), duplicates go. Entries DeepSpeed cannot read at all
     (torch's named arches such as Hopper, `native`) are left out; with none left the result
     is None, and DeepSpeed compiles for the GPUs it sees. DeepSpeed 0.13 reads the variable
