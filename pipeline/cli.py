@@ -24,6 +24,8 @@ CANCEL_WAIT_S = 120
 def cmd_validate(args) -> int:
     spec = config_module.load_pipeline(args.config)
     preflight.check(spec)
+    if spec.cluster.executor == "local":
+        launch.check_local_gpus(spec)
     tasks = graph.build_tasks(spec)
     print(f"{config_module.resolve_config_path(args.config)}: valid pipeline '{spec.name}', "
           f"{len(tasks)} stage{'s' if len(tasks) > 1 else ''}:")
@@ -67,6 +69,7 @@ def cmd_run(args) -> int:
     if executor == "slurm":
         return run_on_slurm(spec, args.config, pipeline_dir, args.force)
     check_fits(spec, args.force)
+    launch.check_local_gpus(spec)
     # A Slurm chain of this pipeline may still be training into the same folders.
     tasks = graph.build_tasks(spec)
     if state.load(pipeline_dir) is not None:

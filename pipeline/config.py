@@ -122,7 +122,12 @@ class ClusterSpec(Strict):
         None, description="GPU type of the nodes (e.g. a100-80gb, h100-80gb, rtx4090), used to plan memory."
     )
     gpus_per_node: int = Field(
-        0, ge=0, le=16, description="GPUs per node; each stage runs one process (task) per GPU."
+        0,
+        ge=0,
+        le=16,
+        description="GPUs per node; each stage runs one process (task) per GPU, each on its own GPU. The local "
+        "executor takes them from this machine (from CUDA_VISIBLE_DEVICES when it is set); validate and run "
+        "refuse more than torch sees here.",
     )
     tasks_per_node: Optional[int] = Field(
         None,

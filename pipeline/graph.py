@@ -38,6 +38,7 @@ class StageTask(BaseModel):
     init_model: str
     upstream_dirs: dict[str, str]
     processes_per_node: int
+    gpus_per_node: int  # asked for: a job that finds none fails rather than train on the CPU
     spec_hash: str
 
     @property
@@ -81,6 +82,7 @@ def build_tasks(spec: PipelineSpec) -> list[StageTask]:
                 init_model=init_model,
                 upstream_dirs=upstream_dirs,
                 processes_per_node=spec.cluster.processes_per_node,
+                gpus_per_node=spec.cluster.gpus_per_node,
                 spec_hash=digest,
             )
         )

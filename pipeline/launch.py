@@ -16,10 +16,12 @@ newest complete checkpoint.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,21 +63,13 @@ def announce(item: PlannedStage, echo) -> bool:
 
 def run_local(spec: PipelineSpec, planned: list[PlannedStage], echo=print) -> None:
     """Run the stages one after another on this machine; raises StageFailed."""
-    import submitit
-
     from stages.runner import StageJob
 
     for item in planned:
         task = item.task
         if not announce(item, echo):
             continue
-        executor = submitit.LocalExecutor(folder=Path(task.run_dir) / "logs")
-        executor.update_parameters(
-            timeout_min=slurm_time_to_minutes(task.stage.time or spec.cluster.time),
-            tasks_per_node=task.processes_per_node,
-            setup=job_setup_lines(spec),
-        )
-        job = executor.submit(StageJob(task))
+        job = local_executor(spec, task).submit(StageJob(task))
         verb = "resuming" if item.action == "resume" else "running"
         echo(f"[{task.name}] {verb} {task.stage.kind} as local job {job.job_id} "
              f"({task.processes_per_node} processes); log: {job.paths.stdout}")
@@ -87,6 +81,61 @@ def run_local(spec: PipelineSpec, planned: list[PlannedStage], echo=print) -> No
         if job.state != "FINISHED" or job.exception() is not None:
             raise StageFailed(failure_message(task.name, job))
         echo(f"[{task.name}] done: {Path(task.run_dir) / 'result.json'}")
+
+
+def local_executor(spec: PipelineSpec, task: StageTask):
+    """A submitit LocalExecutor set up for one stage job: one process per task, and the GPUs."""
+    import submitit
+
+    executor = submitit.LocalExecutor(folder=Path(task.run_dir) / "logs")
+    executor.update_parameters(**local_parameters(spec, task))
+    return executor
+
+
+def local_parameters(spec: PipelineSpec, task: StageTask) -> dict:
+    """submitit LocalExecutor parameters. Every task of the job sees the job's GPUs and takes
+    the one of its local rank (stages/distributed.py), as on Slurm. submitit sets the job's
+    CUDA_VISIBLE_DEVICES to the first gpus_per_node of `visible_gpus`, or to 0..n-1 without
+    them, and to "" when no GPU is asked for: this machine's own CUDA_VISIBLE_DEVICES (e.g.
+    4,5,6,7 of a shared node) is passed on, or the job would take GPUs not given to us."""
+    params = {
+        "timeout_min": slurm_time_to_minutes(task.stage.time or spec.cluster.time),
+        "tasks_per_node": task.processes_per_node,
+        "setup": job_setup_lines(spec),
+    }
+    gpus = spec.cluster.gpus_per_node
+    if gpus:
+        params["gpus_per_node"] = gpus
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if all(d.isdigit() for d in visible):
+            params["visible_gpus"] = tuple(int(d) for d in visible)
+        else:  # GPU or MIG UUIDs, which submitit's integer visible_gpus cannot carry
+            params["setup"].append(f"export CUDA_VISIBLE_DEVICES={shlex.quote(','.join(visible[:gpus]))}")
+    return params
+
+
+def check_local_gpus(spec: PipelineSpec) -> None:
+    """Refuse (exit 2) a local run that asks for more GPUs than this machine shows, before
+    anything runs or is written. torch answers, in a child process of the python the stages
+    run with: what it sees is what training would see, and this process stays torch-free."""
+    asked = spec.cluster.gpus_per_node
+    if not asked:
+        return
+    stages_root = Path(importlib.util.find_spec("stages").origin).parent.parent
+    code = (f"import sys; sys.path.insert(0, {str(stages_root)!r}); "
+            f"from stages.distributed import missing_gpus; print(missing_gpus({asked}) or '')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lines = (done.stdout if done.returncode == 0 else done.stderr).strip().splitlines()
+    problem = lines[-1] if lines else ""
+    if done.returncode != 0:
+        problem = f"torch could not say how many GPUs it sees here: {problem or f'exit code {done.returncode}'}"
+    if problem:
+        raise InvalidInput(
+            f"cluster.gpus_per_node: {asked} GPU{'s' if asked > 1 else ''} asked of this machine (local executor), "
+            f"but {problem}. "
+            "To train on this machine's CPU, set gpus_per_node: 0 (and tasks_per_node: N for N processes); "
+            "to train on GPUs, run on a GPU node, or with cluster.executor: slurm."
+        )
 
 
 def _follow(job, echo) -> None:

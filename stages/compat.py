@@ -25,7 +25,6 @@ model); each one applies only where the installed versions need it and logs once
   installed model class registers it, models are built with max_position_embeddings capped
   at the stage's training length; `exported_config` puts the original back when the model
   is saved, so the exported config.json is the model's own.
-
 - logits_native_dtype: causal LMs of transformers before 4.45 (4.38: Llama, Mistral, Mixtral,
   Qwen2) upcast all logits to fp32 in their forward, a (tokens x vocab) fp32 copy per micro
   batch; the stages' passes (no cache, no labels) get logits in the model's dtype instead,
@@ -44,15 +43,22 @@ sequence boundaries.
 Off switch: POST_TRAIN_COMPAT_OFF=rotary_fp32,causal_mask_cap,... (or "all") leaves the named
 patches out; the tests use it to show each patch is needed.
 
+DeepSpeed's op builds: `normalize_arch_list_env()` rewrites TORCH_CUDA_ARCH_LIST into the
+entries DeepSpeed's op builder can read (9.0a -> 9.0; stages/distributed.py calls it before
+DeepSpeed starts).
+
 Spellings that differ (no patching): `dtype` vs `torch_dtype` in `from_pretrained`,
 HfDeepSpeedConfig's import path, what `apply_chat_template(tokenize=True)` returns, and
 which attention implementation names exist (eager, sdpa, flash_attention_2 everywhere).
 
 `python -m stages.compat --self-check` reports the installed versions and which patches
-apply, then loads a tiny Llama in bf16 under ZeRO-3 (real DeepSpeed in a one-process group;
-where DeepSpeed cannot start, e.g. DeepSpeed 0.13 without a GPU, zero.Init-style
-constructors and the cast the installed DeepSpeed does) and checks that its rotary cos/sin
-match an fp32 build. Exit code 0 when they do.
+apply; which DeepSpeed ops are prebuilt (compiled in at install) or already JIT-built in
+torch's extension cache, which optimizer a GPU stage gets and whether it needs a build, and
+the TORCH_CUDA_ARCH_LIST rewrite stage jobs would make. It then loads a tiny Llama in bf16
+under ZeRO-3 (real DeepSpeed in a one-process group; where DeepSpeed cannot start, e.g.
+DeepSpeed 0.13 without a GPU, zero.Init-style constructors and the cast the installed
+DeepSpeed does) and checks that its rotary cos/sin match an fp32 build. Exit code 0 when
+they do.
 """
 
 from __future__ import annotations
@@ -64,7 +70,10 @@ import importlib
 import inspect
 import logging
 import os
+import re
+import sys
 import weakref
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -74,8 +83,8 @@ log = logging.getLogger("stages")
 OFF_SWITCH = "POST_TRAIN_COMPAT_OFF"
 PATCHES = ("rotary_fp32", "causal_mask_cap", "flash_varlen", "logits_native_dtype")
 
-# Model families whose rotary embedding classes get the rotary_fp32 patch.
-_ROTARY_MODULES = (
+# Model families the load-time patches cover (rotary_fp32, logits_native_dtype, flash_varlen).
+_MODEL_MODULES = (
     "transformers.models.llama.modeling_llama",
     "transformers.models.mistral.modeling_mistral",
     "transformers.models.mixtral.modeling_mixtral",
@@ -306,7 +315,7 @@ def deepspeed_casts_buffers() -> bool:
 def rotary_classes() -> list[type]:
     """The installed rotary embedding classes of the model families listed above."""
     found = []
-    for module_name in _ROTARY_MODULES:
+    for module_name in _MODEL_MODULES:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
@@ -531,7 +540,7 @@ def _flash_varlen_patch_needed() -> bool:
 
 def _apply_flash_varlen() -> list:
     changes = []
-    for module_name in _ROTARY_MODULES:
+    for module_name in _MODEL_MODULES:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
@@ -572,7 +581,7 @@ def _apply_native_logits() -> list:
     batch. The stages' loss reads log-probs chunk by chunk in fp32 itself (stages/losses.py),
     so their training and scoring passes (no cache, no labels) keep the model's dtype."""
     changes = []
-    for module_name in _ROTARY_MODULES:
+    for module_name in _MODEL_MODULES:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
@@ -616,6 +625,131 @@ def remove_cpu_comm_buffer() -> None:
             f"{os.environ.get('MASTER_PORT')}_{os.environ.get('RANK', '0')}")
     with contextlib.suppress(OSError):
         os.unlink(name)
+
+
+# --------------------------------------------------------------------------- DeepSpeed ops
+
+ARCH_LIST = "TORCH_CUDA_ARCH_LIST"
+# MAJOR.MINOR, an optional arch-specific / family suffix (9.0a, 10.0f), an optional +PTX.
+_ARCH_ENTRY = re.compile(r"^(\d+)\.(\d+)[a-z]?(\+PTX)?$", re.IGNORECASE)
+
+
+def deepspeed_arch_list(value: str | None) -> str | None:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builders read it: MAJOR.MINOR[+PTX] entries
+    separated by `;`. None (unset) and blank values are returned as they are.
+
+    torch accepts NVIDIA's arch-specific and family suffixes (9.0a, 10.0f); DeepSpeed 0.19's
+    builder fails on them ("invalid literal for int() with base 10: '0a'"), so they lose the
+    suffix (sm_90 code runs on the GPUs sm_90a code is for). Spaces become `;` (NGC
+    images write "8.0 8.6 9.0+PTX"), duplicates go. Entries DeepSpeed cannot read at all
+    (torch's named arches such as Hopper, `native`) are left out; with none left the result
+    is None, and DeepSpeed compiles for the GPUs it sees. DeepSpeed 0.13 reads the variable
+    only when ops are built at install time; its JIT builds use the visible GPUs."""
+    if value is None or not value.strip():
+        return value
+    kept: list[str] = []
+    for entry in re.split(r"[;\s]+", value.strip()):
+        match = _ARCH_ENTRY.match(entry)
+        if match:
+            major, minor, ptx = match.groups()
+            readable = f"{major}.{minor}{'+PTX' if ptx else ''}"
+            if readable not in kept:
+                kept.append(readable)
+    return ";".join(kept) or None
+
+
+def normalize_arch_list_env() -> None:
+    """Rewrite this process's TORCH_CUDA_ARCH_LIST so DeepSpeed can build an op with it (call
+    it before DeepSpeed builds anything); logs once what it changed."""
+    before = os.environ.get(ARCH_LIST)
+    after = deepspeed_arch_list(before)
+    if after == before:
+        return
+    if after is None:
+        del os.environ[ARCH_LIST]
+    else:
+        os.environ[ARCH_LIST] = after
+    _log_once("arch_list", "%s=%r rewritten to %s: DeepSpeed's op builder reads only MAJOR.MINOR[+PTX] entries",
+              ARCH_LIST, before, repr(after) if after is not None else "unset (DeepSpeed builds for the GPUs it sees)")
+
+
+def prebuilt_ops() -> tuple[list[str], str | None]:
+    """The ops compiled into the installed DeepSpeed (DS_BUILD_<OP>=1 at install time), and the
+    accelerator they were built for (None where DeepSpeed does not record it: 0.13)."""
+    from deepspeed import git_version_info as info
+
+    built = sorted(name for name, on in info.installed_ops.items() if on)
+    return built, getattr(info, "accelerator_name", None)
+
+
+def torch_extensions_dir() -> Path:
+    """Where torch keeps JIT-built extensions, by torch's own rule (cpp_extension's
+    _get_build_directory, which also creates the folder)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is not None:
+        return Path(root)
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def jit_built_ops() -> list[str]:
+    """Extensions JIT-built earlier into torch's cache: DeepSpeed loads them from there."""
+    root = torch_extensions_dir()
+    return sorted(so.parent.name for so in root.glob("*/*.so") if so.stem == so.parent.name)
+
+
+def optimizer_op(ds_config: dict) -> str | None:
+    """The DeepSpeed op a config's optimizer needs, as DeepSpeed's engine picks it (0.13 and 0.19
+    alike): none for torch's AdamW (torch_adam), cpu_adam with optimizer offload, else fused_adam."""
+    if ds_config["optimizer"]["params"].get("torch_adam"):
+        return None
+    return "cpu_adam" if "offload_optimizer" in ds_config["zero_optimization"] else "fused_adam"
+
+
+def _report_deepspeed_ops() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    from pipeline.config import SFTStage
+    from stages import engine
+
+    built, built_for = prebuilt_ops()
+    here = get_accelerator()._name  # what DeepSpeed's op loader compares with built_for
+    usable = built if built_for in (None, here) else []
+    where = f" for {built_for}" if built and built_for else ""
+    unusable = (f"; not loaded here, where the accelerator is {here}: DeepSpeed JIT-builds them"
+                if built and not usable else "")
+    print(f"DeepSpeed ops prebuilt{where}: {', '.join(built) or 'none'}{unusable}")
+    cached = jit_built_ops()
+    print(f"JIT-built extensions in {torch_extensions_dir()}: {', '.join(cached) or 'none'}")
+
+    def status(op):
+        if op in usable:
+            return "prebuilt"
+        return "JIT-built earlier, cached" if op in cached else "not built: compiled at the first step"
+
+    choices = []
+    for offload in (False, True):
+        stage = SFTStage.model_validate({"name": "check", "kind": "sft", "model": "builtin:tiny-llama",
+                                         "data": {"path": "builtin:digits"}, "optimizer_offload": offload})
+        config = engine.deepspeed_config(stage, world_size=8, hidden_size=4096, on_gpu=True)
+        op = optimizer_op(config)
+        params = config["optimizer"]["params"]
+        choice = (f"torch.optim.AdamW(fused={params.get('fused', False)}), no build" if op is None
+                  else f"DeepSpeed {op} ({status(op)})")
+        choices.append(f"{'with' if offload else 'without'} optimizer_offload: {choice}")
+    print("optimizer of a GPU stage: " + "; ".join(choices))
+    before = os.environ.get(ARCH_LIST)
+    after = deepspeed_arch_list(before)
+    change = "left as it is" if after == before else f"stage jobs use {after!r}" if after else "stage jobs unset it"
+    print(f"{ARCH_LIST}: {'unset' if before is None else repr(before)}: {change}")
 
 
 # --------------------------------------------------------------------------- self-check
@@ -753,6 +887,7 @@ def self_check() -> int:
     print(f"causal_mask_cap: {state}: LlamaModel {'registers' if mask else 'does not register'} a "
           "(max_position_embeddings^2) causal_mask buffer")
     print("from_pretrained dtype argument:", next(iter(from_pretrained_kwargs(torch.float32, "sdpa"))))
+    _report_deepspeed_ops()
 
     error, how = rotary_error_under_zero3()
     if error is None:

@@ -13,9 +13,12 @@ Four ways a stage is started, each with its own variables:
 from __future__ import annotations
 
 import os
+import platform
 import re
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -92,18 +95,26 @@ def _in_submitit_job() -> bool:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def init(env: DistEnv, timeout_s: int = 600):
-    """Start torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPU. Returns the device."""
+def init(env: DistEnv, gpus_per_node: int, timeout_s: int = 600):
+    """Start torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPU. Returns the device.
+
+    A job that asked for GPUs fails here when it finds none, rather than train on the CPU."""
+    from stages import compat
+
+    compat.normalize_arch_list_env()  # before DeepSpeed builds any op
     import deepspeed
     import torch
 
+    if gpus_per_node:
+        problem = missing_gpus(1)  # per task: a site may bind one GPU to each
+        if problem:
+            raise RuntimeError(f"stage task on {socket.gethostname()} asked for GPUs (cluster.gpus_per_node: "
+                               f"{gpus_per_node}), but {problem}; it does not fall back to the CPU")
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
@@ -119,11 +130,49 @@ def init(env: DistEnv, timeout_s: int = 600):
         # (preempted, failed) process leaves nothing behind in /dev/shm.
         import torch.distributed as dist
 
-        from stages import compat
-
         dist.barrier()
         compat.remove_cpu_comm_buffer()
     return device
+
+
+def missing_gpus(asked: int) -> Optional[str]:
+    """What keeps this process from using `asked` GPUs, as torch sees them; None when nothing does.
+
+    The one place that says it: a stage task checks itself with it, and `validate` / `run` ask
+    it in a child process of the same python before a local run (the pipeline stays torch-free)."""
+    import torch
+
+    if torch.version.cuda is None and torch.version.hip is None:
+        return f"torch {torch.__version__} has no CUDA support"
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = "unset" if visible is None else repr(visible)
+        return f"no CUDA device visible (CUDA_VISIBLE_DEVICES={where})"
+    if found < asked:
+        return f"{found} visible, {asked} asked"
+    return None
+
+
+def devices(device, world_size: int) -> dict:
+    """What the job trains on, for the log and result.json: the device type, its model, and how
+    many over the whole job (one per process)."""
+    if device.type == "cuda":
+        import torch
+
+        return {"type": "cuda", "name": torch.cuda.get_device_name(device), "count": world_size}
+    return {"type": "cpu", "name": cpu_model(), "count": world_size}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def shutdown() -> None:

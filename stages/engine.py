@@ -64,8 +64,12 @@ def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool) -> 
     if stage.optimizer_offload and stage.zero_stage >= 1:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
     adam = {"lr": stage.learning_rate, "betas": list(stage.betas), "eps": 1e-8, "weight_decay": stage.weight_decay}
-    if not on_gpu and not (stage.optimizer_offload and stage.zero_stage >= 1):
-        adam["torch_adam"] = True  # no fused CUDA kernel to build on a CPU
+    if not (stage.optimizer_offload and stage.zero_stage >= 1):
+        # torch's AdamW (fused into one kernel on GPU), not DeepSpeed's FusedAdam, which nvcc
+        # compiles at the first step on every fresh node. Offload steps with DeepSpeed's CPU Adam.
+        adam["torch_adam"] = True
+        if on_gpu:
+            adam["fused"] = True
     config = {
         "train_micro_batch_size_per_gpu": stage.micro_batch_size,
         "gradient_accumulation_steps": accumulation,

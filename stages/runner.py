@@ -93,7 +93,8 @@ def run_stage(task: StageTask) -> dict:
 
     env = distributed.detect()
     _configure_logging(env.rank)
-    device = distributed.init(env)
+    device = distributed.init(env, task.gpus_per_node)
+    devices = distributed.devices(device, env.world_size)
     ctx = StageContext(
         task=task,
         run_dir=Path(task.run_dir),
@@ -109,7 +110,7 @@ def run_stage(task: StageTask) -> dict:
     print(
         f"stage {task.name} ({task.stage.kind}): rank {env.rank} of {env.world_size} on {socket.gethostname()} "
         f"(local rank {env.local_rank} of {env.local_world_size}) via {env.source}, "
-        f"master {env.master_addr}:{env.master_port}, device {device}",
+        f"master {env.master_addr}:{env.master_port}, device {device} ({devices['name']})",
         flush=True,
     )
     started = time.time()
@@ -124,6 +125,7 @@ def run_stage(task: StageTask) -> dict:
         "spec_hash": task.spec_hash,
         "model": str(ctx.run_dir / "model"),
         "world_size": env.world_size,
+        "devices": devices,
         "seconds": round(time.time() - started, 1),
         **metrics,
     }

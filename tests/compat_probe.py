@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--limit-gib", type=float, default=4.0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    distributed.init(distributed.detect())
+    distributed.init(distributed.detect(), gpus_per_node=0)  # on the CPU
     if args.scenario == "rotary":
         result = rotary(args.folder)
     elif args.scenario == "train-step":

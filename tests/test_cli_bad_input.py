@@ -101,6 +101,23 @@ def test_validate_accepts_the_tiny_pipeline_and_writes_nothing(workdir):
     assert not (workdir / "runs").exists()
 
 
+def test_gpus_asked_of_a_machine_that_shows_none_are_refused_before_anything_runs(workdir, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # none visible, whatever this machine has
+    path = write_pipeline(workdir, tiny_pipeline(cluster={"gpus_per_node": 2}))
+    for command in ("validate", "run"):
+        result = run_cli(command, path, cwd=workdir)
+        assert_rejected(result, "cluster.gpus_per_node: 2 GPUs asked", "set gpus_per_node: 0", workdir=workdir)
+        # What was found: a CPU-only torch, or a CUDA torch with every device hidden.
+        assert "has no CUDA support" in result.stderr or "no CUDA device visible (CUDA_VISIBLE_DEVICES='')" \
+            in result.stderr, result.stderr
+
+
+def test_validate_of_a_slurm_pipeline_does_not_look_for_its_gpus_here(workdir):
+    path = write_pipeline(workdir, tiny_pipeline(cluster={"executor": "slurm", "gpus_per_node": 8}))
+    result = run_cli("validate", path, cwd=workdir)
+    assert result.returncode == 0, result.stderr
+
+
 def test_the_pipeline_package_imports_no_gpu_libraries():
     code = (
         "import sys, pipeline.cli, pipeline.launch, pipeline.graph, pipeline.preflight, stages.runner;"

@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,17 +120,126 @@ def test_rotary_cos_sin_is_called_with_the_installed_signature():
     torch.testing.assert_close(cos.square() + sin.square(), torch.ones(128, 16))
 
 
+# --------------------------------------------------------------------------- DeepSpeed ops
+
+
+@pytest.mark.parametrize("value,rewritten", [
+    ("9.0a", "9.0"),
+    ("9.0a;8.0", "9.0;8.0"),
+    ("8.0 8.6 9.0+PTX", "8.0;8.6;9.0+PTX"),
+    ("7.0;7.5;8.0;8.6+PTX", "7.0;7.5;8.0;8.6+PTX"),
+    ("9.0a+PTX", "9.0+PTX"),
+    ("10.0f;12.0a+PTX", "10.0;12.0+PTX"),
+    ("9.0;9.0a", "9.0"),
+    ("Hopper;8.0", "8.0"),
+    ("native", None),
+    ("", ""),
+    (None, None),
+])
+def test_arch_lists_are_rewritten_into_what_deepspeeds_op_builder_reads(value, rewritten):
+    assert compat.deepspeed_arch_list(value) == rewritten
+
+
+def compiled_archs(arch_list: str, jit: bool) -> list[str]:
+    """What the installed DeepSpeed's CUDA op builder makes of TORCH_CUDA_ARCH_LIST (no GPU
+    needed: it only reads the list): the sm_XY it compiles for."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    saved = os.environ.get(compat.ARCH_LIST)
+    os.environ[compat.ARCH_LIST] = arch_list
+    try:
+        builder = FusedAdamBuilder()
+        builder.jit_mode = jit
+        args = builder.compute_capability_args()
+        if args:
+            archs = re.findall(r"code=sm_(\d+)", " ".join(args))
+        else:  # a JIT build hands torch the list back in the variable instead of flags
+            archs = [entry.split("+")[0].replace(".", "") for entry in os.environ[compat.ARCH_LIST].split(";")]
+    finally:
+        if saved is None:
+            os.environ.pop(compat.ARCH_LIST, None)
+        else:
+            os.environ[compat.ARCH_LIST] = saved
+    return sorted({f"sm_{arch}" for arch in archs})
+
+
+@pytest.mark.parametrize("value", ["9.0a", "9.0a;8.0", "8.0 8.6 9.0+PTX", "7.0;7.5;8.0;8.6+PTX"])
+def test_the_installed_deepspeed_builds_for_every_arch_of_a_rewritten_list(value):
+    wanted = sorted({f"sm_{m.group(1)}{m.group(2)}" for m in re.finditer(r"(\d+)\.(\d+)", value)})
+    assert compiled_archs(compat.deepspeed_arch_list(value), jit=False) == wanted
+
+
+def test_deepspeeds_jit_builder_fails_on_9_0a_and_reads_its_rewrite():
+    try:
+        compiled_archs("8.0", jit=True)
+    except (IndexError, RuntimeError):
+        pytest.skip("this DeepSpeed's JIT builder ignores TORCH_CUDA_ARCH_LIST and asks the GPUs")
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        compiled_archs("9.0a", jit=True)
+    assert compiled_archs(compat.deepspeed_arch_list("9.0a"), jit=True) == ["sm_90"]
+
+
+def test_the_jit_cache_is_where_torch_itself_puts_extensions(monkeypatch, tmp_path):
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compat.torch_extensions_dir() == Path(_get_build_directory("probe", verbose=False)).parent
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert compat.torch_extensions_dir() == tmp_path / "mine"
+
+
+def test_only_extensions_whose_library_was_built_count_as_jit_built(monkeypatch, tmp_path):
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    (tmp_path / "fused_adam").mkdir()  # a build that stopped before linking
+    (tmp_path / "fused_adam" / "build.ninja").write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert compat.jit_built_ops() == ["cpu_adam"]
+
+
+def test_the_gpu_optimizer_needs_no_deepspeed_op_and_offload_needs_cpu_adam():
+    from pipeline.config import SFTStage
+    from stages import engine
+
+    def op(**knobs):
+        stage = SFTStage.model_validate({"name": "s", "kind": "sft", "model": "builtin:tiny-llama",
+                                         "data": {"path": "builtin:digits"}, **knobs})
+        return compat.optimizer_op(engine.deepspeed_config(stage, 8, 4096, on_gpu=True))
+
+    assert op() is None
+    assert op(optimizer_offload=True) == "cpu_adam"
+
+
+def test_the_stage_process_rewrites_its_arch_list_once_and_says_so(monkeypatch, caplog):
+    monkeypatch.setenv(compat.ARCH_LIST, "8.0 9.0a")
+    monkeypatch.setattr(compat, "_logged", set())
+    with caplog.at_level("INFO", logger="stages"):
+        compat.normalize_arch_list_env()
+        compat.normalize_arch_list_env()
+    assert os.environ[compat.ARCH_LIST] == "8.0;9.0"
+    assert [r.getMessage() for r in caplog.records] == [
+        "compat: TORCH_CUDA_ARCH_LIST='8.0 9.0a' rewritten to '8.0;9.0': "
+        "DeepSpeed's op builder reads only MAJOR.MINOR[+PTX] entries"]
+
+
 # --------------------------------------------------------------------------- under ZeRO-3
 
 
 @pytest.mark.slow
 def test_self_check_reports_versions_and_passes():
-    done = subprocess.run([sys.executable, "-m", "stages.compat", "--self-check"], cwd=REPO,
+    env = {**os.environ, compat.ARCH_LIST: "8.0 9.0a"}
+    done = subprocess.run([sys.executable, "-m", "stages.compat", "--self-check"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"transformers {compat.versions()['transformers']}" in done.stdout
     assert "rotary_fp32:" in done.stdout and "causal_mask_cap:" in done.stdout
     assert "max |error| 0 (OK)" in done.stdout
+    assert "DeepSpeed ops prebuilt" in done.stdout
+    assert f"JIT-built extensions in {compat.torch_extensions_dir()}: " in done.stdout
+    assert ("optimizer of a GPU stage: without optimizer_offload: torch.optim.AdamW(fused=True), no build; "
+            "with optimizer_offload: DeepSpeed cpu_adam (") in done.stdout
+    assert "TORCH_CUDA_ARCH_LIST: '8.0 9.0a': stage jobs use '8.0;9.0'" in done.stdout
 
 
 @pytest.mark.slow

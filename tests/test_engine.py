@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from pipeline.config import SFTStage
 from stages import engine
+from tests.conftest import REPO
 
 
 def stage(**knobs):
@@ -29,10 +33,49 @@ def test_zero3_partitions_matrices_but_keeps_vectors_whole():
     assert 4096 < threshold < 4096 * 4096
 
 
-def test_optimizer_offload_goes_to_the_cpu_and_uses_deepspeeds_cpu_adam():
-    config = engine.deepspeed_config(stage(zero_stage=2, optimizer_offload=True), 2, 64, on_gpu=False)
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "gpu"])
+def test_optimizer_offload_goes_to_the_cpu_and_uses_deepspeeds_cpu_adam(on_gpu):
+    config = engine.deepspeed_config(stage(zero_stage=2, optimizer_offload=True), 2, 64, on_gpu=on_gpu)
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert "torch_adam" not in config["optimizer"]["params"]
+    assert "fused" not in config["optimizer"]["params"]
+
+
+def test_a_gpu_run_without_offload_steps_with_torchs_fused_adamw_and_builds_no_op():
+    params = engine.deepspeed_config(stage(zero_stage=2), 8, 4096, on_gpu=True)["optimizer"]["params"]
+    assert params["torch_adam"] is True  # not DeepSpeed's FusedAdam, which nvcc would compile
+    assert params["fused"] is True
+
+
+def test_a_cpu_run_without_offload_steps_with_torchs_plain_adamw():
+    params = engine.deepspeed_config(stage(zero_stage=2), 2, 64, on_gpu=False)["optimizer"]["params"]
+    assert params["torch_adam"] is True
+    assert "fused" not in params
+
+
+@pytest.mark.slow
+def test_deepspeed_hands_the_gpu_optimizer_settings_to_torch_adamw():
+    # Real DeepSpeed, one process on the CPU (torch's fused AdamW runs there too): the GPU
+    # config's optimizer section becomes torch.optim.AdamW(fused=True), and it steps.
+    code = """
+import json, torch, deepspeed
+from tests.test_engine import stage
+from stages import distributed, engine
+distributed.detect()  # a world of one, on a free port
+config = engine.deepspeed_config(stage(zero_stage=0, precision="fp32"), 1, 8, on_gpu=True)
+deepspeed.init_distributed(dist_backend="gloo")
+model = torch.nn.Linear(8, 8)
+ds, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+before = model.weight.detach().clone()
+ds.backward(ds(torch.randn(4, 8)).square().mean())
+ds.step()
+print("RESULT", json.dumps({"optimizer": type(ds.optimizer).__qualname__, "fused": ds.optimizer.defaults["fused"],
+                            "stepped": not torch.equal(before, model.weight.detach())}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads(lines[-1][len("RESULT "):]) == {"optimizer": "AdamW", "fused": True, "stepped": True}
 
 
 def test_precision_sections():

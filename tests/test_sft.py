@@ -27,10 +27,14 @@ def test_sft_eval_loss_falls_and_the_model_reloads_and_generates(workdir, zero_s
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = tiny_pipeline(defaults={"zero_stage": zero_stage, "precision": precision, "optimizer_offload": offload})
-    run_pipeline(workdir, spec)
+    output = run_pipeline(workdir, spec).stdout
     run_dir = workdir / "runs" / "t" / "sft"
     result = read_result(run_dir)
     assert result["world_size"] == 2
+    # No GPUs asked for: two CPU processes, and the log and result say so.
+    assert result["devices"]["type"] == "cpu" and result["devices"]["count"] == 2
+    assert result["devices"]["name"]
+    assert f"device cpu ({result['devices']['name']})" in output
     assert result["final_eval_loss"] < 0.5 * result["initial_eval_loss"]
 
     steps = [m for m in read_metrics(run_dir) if "loss" in m]
