@@ -136,6 +136,47 @@ def test_packed_and_padded_give_the_same_log_probs_and_gradients(tiny_model_dir,
         torch.testing.assert_close(grads_packed[name], grad, **TOL, msg=name)
 
 
+def rm_loss(model, batch, pad_id):
+    with models.output_of(models.score_head(model)) as scores:
+        batch.forward(model)
+    rewards = scores.value.squeeze(-1).reshape(-1)[batch.last_tokens(skip_id=pad_id)]
+    return reward_pair_loss(rewards[0::2], rewards[1::2]).mean()
+
+
+def dpo_loss_against_a_fixed_reference(model, batch, pad_id):
+    from stages.losses import dpo_loss
+
+    logps = sequence_logps(model, batch)
+    reference = torch.linspace(-30, -10, len(logps))  # any fixed numbers: the reference is frozen
+    return dpo_loss(logps[0::2], logps[1::2], reference[0::2], reference[1::2], beta=0.1)[0].mean()
+
+
+@pytest.mark.parametrize("kind", ["rm", "dpo"])
+def test_packed_and_padded_pairs_give_the_same_loss_and_gradients(tiny_model_dir, kind):
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer = models.load_tokenizer(str(tiny_model_dir))
+    rows = pair_rows(tokenizer, n=6)
+    results = []
+    for batch in (data.padded_batch(rows, tokenizer.pad_token_id), data.packed_batch(rows, tokenizer.pad_token_id, 48)):
+        if kind == "rm":
+            model = load(tiny_model_dir, "sdpa", AutoModelForSequenceClassification, num_labels=1)
+            model.config.pad_token_id = tokenizer.pad_token_id
+            loss_of = rm_loss
+        else:
+            model = load(tiny_model_dir, "sdpa")
+            loss_of = dpo_loss_against_a_fixed_reference
+        with batch.apart():
+            loss = loss_of(model, batch, tokenizer.pad_token_id)
+            loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_padded, grads_padded), (loss_packed, grads_packed) = results
+    torch.testing.assert_close(loss_packed, loss_padded, **TOL)
+    assert set(grads_packed) == set(grads_padded)
+    for name, grad in grads_padded.items():
+        torch.testing.assert_close(grads_packed[name], grad, **TOL, msg=name)
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_one_packed_sequence_cannot_see_another(tiny_model_dir, attention):
     tokenizer = models.load_tokenizer(str(tiny_model_dir))

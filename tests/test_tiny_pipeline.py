@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import read_result, run_cli
+from tests.conftest import read_metrics, read_result, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -19,6 +19,11 @@ def tiny_runs(tmp_path_factory):
     result = run_cli("run", "tiny", cwd=workdir)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return workdir / "runs" / "tiny"
+
+
+def test_the_sft_stage_trains_packed_with_almost_no_padding(tiny_runs):
+    records = [m for m in read_metrics(tiny_runs / "sft") if "loss" in m]
+    assert records and all(m["token_efficiency"] >= 0.97 for m in records)
 
 
 def test_sft_halves_the_eval_loss_and_generates(tiny_runs):
