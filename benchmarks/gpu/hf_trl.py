@@ -179,6 +179,10 @@ def _missing(knobs: dict, on_gpu: bool):
     """Why the case cannot run here, or None."""
     if importlib.util.find_spec("trl") is None:
         return "trl is not installed"
+    try:  # trl imports lazily: its trainers are where a missing dependency shows
+        from trl import DPOTrainer, SFTTrainer  # noqa: F401
+    except ImportError as err:
+        return f"trl is installed but cannot be imported here: {err}"
     if knobs["liger"]:
         if not on_gpu:
             return "Liger's Triton kernels need a GPU"

@@ -66,7 +66,8 @@ def render(results: dict) -> str:
             "> **CPU dry run. The GPU rows are not yet measured.** The numbers below come from "
             f"`--device cpu --shape {runs[-1].get('shape')}` on a CPU: they show that every case runs end to "
             "end and that the tables fill in, and say nothing about GPU speed or memory (no GPU memory, no "
-            "MFU on a CPU).",
+            "MFU on a CPU). The planner columns say what the planner predicts for the tiny model on a "
+            "hypothetical GPU (h100-80gb unless --gpu named another), only to exercise that path.",
             "",
         ]
         if "cuda" in devices:
@@ -214,7 +215,7 @@ def _throughput(cases: dict, results: dict) -> list[str]:
             _pct(r.get("padding_share")), _num(r.get("step_s"), ".3f"), _pct(mfu), _pct(against_ceiling),
             _pct(r.get("stage_mfu")), _num(r.get("gpu_mem_peak_gib"), ".1f"),
             _num(r.get("gpu_mem_reserved_gib"), ".1f"), _num(r.get("device_mem_used_peak_gib"), ".1f"),
-            planner_cell, _num(r.get("planner_step_s"), ".2f"),
+            planner_cell, _num(r.get("planner_step_s"), ".3g"),
         ])
     lines = ["### Throughput (one GPU, same model, rows, batch and precision)", ""]
     lines += _table(THROUGHPUT_COLUMNS, rows, "(no throughput case measured)") + [""]
@@ -317,6 +318,9 @@ def _notes(cases: dict) -> list[str]:
         "",
         "### How the numbers are made",
         "",
+        "- Settings: `4x8` is micro batch x gradient accumulation, one process (32 rows a step); TRL's "
+        "`packing bfd, 1 pack xN`: N packs of up to max_len tokens a step, N chosen to hold the tokens of "
+        "32 average rows; seq/step counts the sequences actually trained on.",
         "- Real tokens: prompt and response tokens of every sequence (chosen and rejected both for DPO), "
         "<s> and </s> included, no padding; the project's count comes from its metrics.jsonl, TRL's from "
         "the micro batches the trainer actually trained on (`input_ids != <pad>`). Padding share: 1 - real "
