@@ -106,8 +106,9 @@ def _header(results: dict) -> list[str]:
     dates = sorted(c.get("finished_at", "") for c in cases.values())
     if dates:
         lines.append(f"- Date: {dates[0][:16].replace('T', ' ')} to {dates[-1][:16].replace('T', ' ')}.")
-    for run in runs:
-        lines.append(f"- Command: `{run.get('command')}`")
+    commands = [c for run in runs for c in run.get("commands", [run.get("command")])]
+    for command in dict.fromkeys(commands):
+        lines.append(f"- Command: `{command}`")
     timed = sorted((c for c in cases.values() if c.get("seconds")), key=_listed)
     if timed:
         lines.append("- Wall time per case (process start to end): "

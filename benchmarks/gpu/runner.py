@@ -46,6 +46,8 @@ def run(settings: dict, names: str, force: bool) -> list[dict]:
     out, work = Path(settings["out"]), Path(settings["work"])
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
+    earlier = (read_json(out / "settings.json") or {}).get("commands", [])
+    settings["commands"] = list(dict.fromkeys(earlier + [settings["command"]]))  # every run into this folder
     (out / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
     deadline = time.monotonic() + settings["budget_s"] if settings.get("budget_s") else None
     selected = case_list.resolve(names)
