@@ -23,7 +23,8 @@ VENV_437 := .venv-437
 # Images for `make containers` / `make container-test`: pinned, current, or both.
 IMAGE ?= pinned current
 
-.PHONY: setup pipeline validate plan status test test-pinned test-437 test-slurm containers container-test docs clean help
+.PHONY: setup pipeline validate plan status test test-pinned test-437 test-slurm containers container-test docs clean help \
+	bench-gpu bench-gpu-dry
 
 help:
 	@echo "make pipeline [CONFIG=tiny]   run a pipeline (default: the tiny chain, locally on CPU)"
@@ -37,6 +38,8 @@ help:
 	@echo "make plan CONFIG=...          will each stage fit its GPUs, how long will it take"
 	@echo "make status CONFIG=...        show each stage's state"
 	@echo "make setup                    create $(VENV) with the pinned stack ($(STACK))"
+	@echo "make bench-gpu [BENCH_ARGS=]  the GPU benchmark (project vs TRL, planner vs memory) -> benchmarks/RESULTS.md"
+	@echo "make bench-gpu-dry            the same cases on this CPU, tiny shape: checks the harness, measures nothing"
 
 setup: $(VENV)/.installed-$(STACK)
 
@@ -107,3 +110,21 @@ container-test:
 
 docs: setup
 	$(BIN)/python -m pipeline.docs
+
+# The GPU benchmark (benchmarks/gpu_bench.py): every case into BENCH_OUT, then the tables of
+# benchmarks/RESULTS.md. Deliberately not tied to `setup`: on the lent GPU machine there is no
+# .venv, only python3 with PYTHONPATH from `. .gpu-wheels/env.sh` (README: "GPU benchmark").
+# BENCH_ARGS goes to `run`, e.g. BENCH_ARGS="--cases throughput --budget-s 480".
+BENCH_PYTHON ?= python3
+BENCH_ARGS ?=
+BENCH_OUT ?= benchmarks/out/gpu-$(shell date +%Y%m%d)
+
+bench-gpu:
+	$(BENCH_PYTHON) benchmarks/gpu_bench.py run --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(BENCH_PYTHON) benchmarks/gpu_bench.py report $(BENCH_OUT) --results benchmarks/RESULTS.md
+
+# The same cases on this machine's CPU with the tiny shape (~10 min on 2 cores): proves the harness
+# end to end, measures nothing. Its tables go to benchmarks/out/cpu-dry/RESULTS.md, not to
+# benchmarks/RESULTS.md. TRL cases run when trl is importable, and are skipped (with the reason) if not.
+bench-gpu-dry: setup
+	$(BIN)/python benchmarks/gpu_bench.py run --device cpu --out benchmarks/out/cpu-dry $(BENCH_ARGS)

@@ -1,0 +1,342 @@
+"""Case JSONs -> the tables of benchmarks/RESULTS.md.
+
+Reads one or more output folders of `gpu_bench.py run` (a later folder's result
+for a case replaces an earlier one's), and writes one section between the
+markers below; whatever else the file holds is kept. Torch-free: the report can
+be regenerated anywhere from fetched JSONs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.gpu.cases import GROUPS, read_json
+
+START, END = "<!-- gpu-bench:start -->", "<!-- gpu-bench:end -->"
+PREAMBLE = """# Benchmark results
+
+The GPU benchmark (`make bench-gpu`, benchmarks/gpu_bench.py) writes the section
+below; the planner-vs-DeepSpeed model-state table (CPU) is in
+[plan_vs_deepspeed.md](plan_vs_deepspeed.md).
+
+"""
+NOT_CASES = {"settings.json", "workload.json"}
+GOAL_RATIO = 1.3
+GOAL_PADDING = 0.03
+GOAL_PLANNER = 0.10
+GOAL_MFU = 0.40
+
+
+def load(dirs: list[Path]) -> dict:
+    runs, cases, workload = [], {}, None
+    for folder in dirs:
+        settings = read_json(folder / "settings.json")
+        if settings:
+            runs.append(settings)
+        workload = read_json(folder / "workload.json") or workload
+        for path in sorted(folder.glob("*.json")):
+            if path.name in NOT_CASES:
+                continue
+            record = read_json(path)
+            if record and "case" in record:
+                cases[record["case"]] = record
+    return {"runs": runs, "cases": cases, "workload": workload}
+
+
+def write(results: dict, path: Path) -> None:
+    section = f"{START}\n{render(results)}\n{END}\n"
+    text = path.read_text() if path.is_file() else PREAMBLE
+    if START in text and END in text:
+        text = text[: text.index(START)] + section + text[text.index(END) + len(END):].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def render(results: dict) -> str:
+    cases, runs = results["cases"], results["runs"]
+    devices = {r.get("device") for r in runs}
+    dry = "cpu" in devices
+    lines = ["## GPU benchmark: the project's stages vs TRL, the planner vs measured memory", ""]
+    if dry:
+        lines += [
+            "> **CPU dry run. The GPU rows are not yet measured.** The numbers below come from "
+            f"`--device cpu --shape {runs[-1].get('shape')}` on a CPU: they show that every case runs end to "
+            "end and that the tables fill in, and say nothing about GPU speed or memory (no GPU memory, no "
+            "MFU on a CPU). The planner columns say what the planner predicts for the tiny model on a "
+            "hypothetical GPU (h100-80gb unless --gpu named another), only to exercise that path.",
+            "",
+        ]
+        if "cuda" in devices:
+            lines += ["> Warning: these tables mix CPU dry-run and GPU results.", ""]
+    lines += _header(results)
+    lines += _throughput(cases, results)
+    lines += _memory(cases)
+    lines += _goals(cases, results, dry)
+    lines += _notes(cases)
+    return "\n".join(lines).rstrip("\n")
+
+
+def _header(results: dict) -> list[str]:
+    cases, runs, info = results["cases"], results["runs"], results["workload"]
+    env = (cases.get("env") or {}).get("facts") or {}
+    matmul = cases.get("matmul") or {}
+    lines = []
+    if env.get("gpu_name"):
+        machine = (f"{env['gpu_name']} ({env['gpu_memory_gib']:.1f} GiB, driver {env.get('driver') or '?'}, "
+                   f"CUDA {env.get('torch_cuda') or '?'}, catalogue entry {env.get('catalogue_gpu') or 'none'})")
+    else:
+        machine = "no GPU"
+    machine += f", {env.get('cpu_count', '?')} CPU cores, python {env.get('python', '?')}"
+    lines.append(f"- Machine: {machine}.")
+    if matmul.get("ceiling_tflops"):
+        facts = matmul["facts"]
+        share = matmul.get("ceiling_share_of_datasheet")
+        against = (f", {100 * share:.0f}% of the {matmul['datasheet_tflops']:.0f} TFLOP/s datasheet peak"
+                   if share else "")
+        lines.append(f"- Measured matmul ceiling: {matmul['ceiling_tflops']:.3g} TFLOP/s "
+                     f"({facts['dtype']} {facts['n']}^3 torch.matmul, median of {facts['samples']}{against}).")
+    versions = env.get("versions") or {}
+    if versions:
+        shown = ", ".join(f"{k} {v or 'not installed'}" for k, v in versions.items())
+        lines.append(f"- Versions: {shown}; project commit {env.get('git_commit') or 'unknown'}.")
+    dates = sorted(c.get("finished_at", "") for c in cases.values())
+    if dates:
+        lines.append(f"- Date: {dates[0][:16].replace('T', ' ')} to {dates[-1][:16].replace('T', ' ')}.")
+    commands = [c for run in runs for c in run.get("commands", [run.get("command")])]
+    for command in dict.fromkeys(commands):
+        lines.append(f"- Command: `{command}`")
+    timed = sorted((c for c in cases.values() if c.get("seconds")), key=_listed)
+    if timed:
+        lines.append("- Wall time per case (process start to end): "
+                     + ", ".join(f"{c['case']} {c['seconds']:.0f} s" for c in timed) + ".")
+    if info and runs:
+        run = runs[-1]
+        sft, dpo = info["data"]["sft"], info["data"]["dpo"]
+        lines.append(
+            f"- Workload: {run['shape']} shape, random init ({_count(info['n_params'])} parameters), "
+            f"{run['precision']}, attention sdpa, max_len {run['max_len']}; synthetic rows, total length lognormal "
+            f"(median {sft['median_tokens']}, mean {sft['mean_tokens']:.0f}, attention-weighted "
+            f"{sft['attention_length']:.0f} tokens; DPO sequences mean {dpo['mean_tokens']:.0f}); "
+            f"{run['global_batch_size']} rows per optimizer step, {run['steps']} steps per throughput case, "
+            f"the first {run['warmup_steps']} left out; memory cases: {run['memory_steps']} steps of 2 micro "
+            f"batches on rows of exactly {run['max_len']} tokens.")
+    return lines + [""]
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _listed(r: dict) -> tuple:
+    """The order of the case list (names it does not hold, e.g. project-sft+packing, after)."""
+    return GROUPS["all"].index(r["case"]) if r["case"] in GROUPS["all"] else len(GROUPS["all"]), r["case"]
+
+
+def _order(r: dict) -> tuple:
+    """SFT before DPO, the project before TRL, then the order of the case list."""
+    s = r.get("settings") or {}
+    return ((s.get("kind") or s.get("trainer")) != "sft", r.get("stack") != "project") + _listed(r)
+
+
+def _settings(r: dict) -> str:
+    s = r.get("settings") or {}
+    ckpt = "ckpt on" if s.get("gradient_checkpointing") else "ckpt off"
+    if r.get("stack") == "trl":
+        if s.get("packing"):
+            batching = f"packing bfd, 1 pack x{s['gradient_accumulation_steps']}"
+        elif s.get("padding_free"):
+            batching = f"padding-free, {s['per_device_train_batch_size']}x{s['gradient_accumulation_steps']}"
+        else:
+            batching = f"padded, {s.get('per_device_train_batch_size')}x{s.get('gradient_accumulation_steps')}"
+        extras = (", Liger" if s.get("liger") else "") + (", live ref" if s.get("trainer") == "dpo" else "")
+        return f"{batching}, {ckpt}{extras}"
+    if not s:
+        return ""
+    accumulation = s["global_batch_size"] // s["micro_batch_size"]
+    text = f"ZeRO-{s['zero_stage']}, {ckpt}, {s['micro_batch_size']}x{accumulation}"
+    if s.get("reference"):
+        text += f", ref {s['reference']}"
+    if s.get("lora_rank"):
+        text += f", LoRA r={s['lora_rank']}"
+    for key, value in (s.get("extra") or {}).items():
+        text += f", {key}={value}"
+    return text
+
+
+def _num(value, fmt: str, scale: float = 1.0) -> str:
+    return "—" if value is None else format(value * scale, fmt)
+
+
+def _error(planned, measured):
+    return None if planned is None or not measured else (planned - measured) / measured
+
+
+def _is_throughput(r: dict) -> bool:
+    return r.get("kind") in ("project", "trl") and not (r.get("params") or {}).get("memory")
+
+
+THROUGHPUT_COLUMNS = [
+    ("case", "---"), ("settings", "---"), ("real tok/s", "---:"), ("seq/step", "---:"), ("padding", "---:"),
+    ("step s", "---:"), ("MFU datasheet", "---:"), ("MFU measured ceiling", "---:"), ("stage's own MFU", "---:"),
+    ("peak alloc GiB", "---:"), ("peak reserved GiB", "---:"), ("nvidia-smi GiB", "---:"),
+    ("planner GiB (vs reserved, else nvidia-smi)", "---:"), ("planner step s", "---:"),
+]
+MEMORY_COLUMNS = [
+    ("case", "---"), ("settings", "---"), ("steps", "---:"), ("allocated GiB", "---:"), ("reserved GiB", "---:"),
+    ("nvidia-smi GiB", "---:"), ("planner GiB", "---:"), ("planner vs reserved", "---:"),
+    ("planner vs nvidia-smi", "---:"), ("status", "---"),
+]
+
+
+def _table(columns: list[tuple], rows: list[list[str]], empty: str) -> list[str]:
+    lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "|".join(a for _, a in columns) + "|"]
+    for cells in rows or [[empty] + [""] * (len(columns) - 1)]:
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _throughput(cases: dict, results: dict) -> list[str]:
+    ceiling = (cases.get("matmul") or {}).get("ceiling_tflops")
+    measured = [r for r in cases.values() if _is_throughput(r) and r["status"] in ("ok", "timeout", "failed")
+                and r.get("tokens_per_s") is not None]
+    rows = []
+    for r in sorted(measured, key=_order):
+        mfu = r.get("mfu")
+        against_ceiling = mfu * r["datasheet_tflops"] / ceiling if mfu is not None and ceiling else None
+        planner = r.get("planner_peak_gib")
+        error = _error(planner, r.get("gpu_mem_reserved_gib") or r.get("device_mem_used_peak_gib"))
+        planner_cell = _num(planner, ".1f") + (f" ({100 * error:+.0f}%)" if error is not None else "")
+        name = r["case"] + ("" if r["status"] == "ok" else f" ({r['status']}, {r.get('steps_measured', 0)} steps)")
+        rows.append([
+            name, _settings(r), _num(r["tokens_per_s"], ",.0f"), _num(r.get("sequences_per_step"), ".1f"),
+            _pct(r.get("padding_share")), _num(r.get("step_s"), ".3f"), _pct(mfu), _pct(against_ceiling),
+            _pct(r.get("stage_mfu")), _num(r.get("gpu_mem_peak_gib"), ".1f"),
+            _num(r.get("gpu_mem_reserved_gib"), ".1f"), _num(r.get("device_mem_used_peak_gib"), ".1f"),
+            planner_cell, _num(r.get("planner_step_s"), ".3g"),
+        ])
+    lines = ["### Throughput (one GPU, same model, rows, batch and precision)", ""]
+    lines += _table(THROUGHPUT_COLUMNS, rows, "(no throughput case measured)") + [""]
+    dry = any(run.get("device") == "cpu" for run in results["runs"])
+    for kind in ("sft", "dpo"):
+        ratio = _ratio(cases, kind)
+        if ratio:
+            lines.append(f"- Project / best TRL, {kind.upper()}: {ratio[0]:.2f}x "
+                         f"({ratio[1]} {ratio[2]:,.0f} vs {ratio[3]} {ratio[4]:,.0f} real tok/s)"
+                         + (" on a CPU: not a result." if dry else "."))
+    return lines + [""]
+
+
+def _pct(value) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def _signed_pct(value) -> str:
+    return "—" if value is None else f"{100 * value:+.1f}%"
+
+
+def _ratio(cases: dict, kind: str):
+    """(project / best TRL, project case, its tok/s, TRL case, its tok/s) from completed cases."""
+    project = cases.get(f"project-{kind}")
+    trl = [r for r in cases.values() if r.get("stack") == "trl" and (r.get("settings") or {}).get("trainer") == kind
+           and r["status"] == "ok" and r.get("tokens_per_s")]
+    if not project or project["status"] != "ok" or not project.get("tokens_per_s") or not trl:
+        return None
+    best = max(trl, key=lambda r: r["tokens_per_s"])
+    return (project["tokens_per_s"] / best["tokens_per_s"], project["case"], project["tokens_per_s"],
+            best["case"], best["tokens_per_s"])
+
+
+def _memory(cases: dict) -> list[str]:
+    rows = []
+    for r in sorted((r for r in cases.values() if (r.get("params") or {}).get("memory")), key=_order):
+        planner = r.get("planner_peak_gib")
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r.get('reason') or '')[:80]}"
+        rows.append([
+            r["case"], _settings(r), str(r.get("steps_done", 0)), _num(r.get("gpu_mem_peak_gib"), ".1f"),
+            _num(r.get("gpu_mem_reserved_gib"), ".1f"), _num(r.get("device_mem_used_peak_gib"), ".1f"),
+            _num(planner, ".1f"), _signed_pct(_error(planner, r.get("gpu_mem_reserved_gib"))),
+            _signed_pct(_error(planner, r.get("device_mem_used_peak_gib"))), status,
+        ])
+    lines = ["### Memory: the planner's GPU peak vs the measured peak", ""]
+    return lines + _table(MEMORY_COLUMNS, rows, "(no memory case run)") + [""]
+
+
+def _goals(cases: dict, results: dict, dry: bool) -> list[str]:
+    lines = ["### Goals", ""]
+    if dry:
+        return lines + ["Not evaluated: a CPU dry run says nothing about them. The GPU rows are not yet measured.", ""]
+
+    def line(met, text):
+        mark = {True: "met", False: "NOT met", None: "not measured"}[met]
+        lines.append(f"- {text}: **{mark}**")
+
+    for kind in ("sft", "dpo"):
+        ratio = _ratio(cases, kind)
+        line(None if ratio is None else ratio[0] >= GOAL_RATIO,
+             f"project {kind.upper()} real tokens/s >= {GOAL_RATIO}x TRL's best"
+             + (f" ({ratio[0]:.2f}x vs {ratio[3]})" if ratio else ""))
+    padded = [(r["case"], r["padding_share"]) for r in cases.values()
+              if r.get("stack") == "project" and _is_throughput(r) and r.get("padding_share") is not None]
+    line(None if not padded else all(round(p, 4) <= GOAL_PADDING for _, p in padded),
+         f"project padding share <= {100 * GOAL_PADDING:.0f}% (with packing)"
+         + (" (" + ", ".join(f"{c} {100 * p:.1f}%" for c, p in padded) + ")" if padded
+            else " (the stages do not log token_efficiency yet)"))
+    matrix = [r for r in cases.values() if (r.get("params") or {}).get("memory") and r["status"] == "ok"]
+    measure = "reserved peak"
+    if matrix and all(r.get("gpu_mem_reserved_gib") is None for r in matrix):
+        # the stages do not log torch's numbers yet: nvidia-smi's (CUDA context included) stand in
+        measure = "nvidia-smi peak (the stages log no reserved peak yet)"
+        matrix = [{**r, "gpu_mem_reserved_gib": r.get("device_mem_used_peak_gib")} for r in matrix]
+    errors = [(r["case"], _error(r.get("planner_peak_gib"), r.get("gpu_mem_reserved_gib"))) for r in matrix]
+    errors = [(c, e) for c, e in errors if e is not None]
+    worst = max(errors, key=lambda ce: abs(ce[1])) if errors else None
+    line(None if not errors else all(round(abs(e), 4) <= GOAL_PLANNER for _, e in errors),
+         f"planner GPU peak within +-{100 * GOAL_PLANNER:.0f}% of the measured {measure} over the matrix"
+         + (f" ({len(errors)} rows, worst {worst[0]} {100 * worst[1]:+.1f}%)" if worst else ""))
+    run = results["runs"][-1] if results["runs"] else {}
+    sft = cases.get("project-sft") or {}
+    on_h100 = (sft.get("catalogue_gpu") or "").startswith("h100")
+    applies = on_h100 and run.get("shape") == "llama-3.2-1b" and run.get("max_len") == 2048
+    mfu = sft.get("mfu") if sft.get("status") == "ok" else None
+    line(None if not applies or mfu is None else mfu >= GOAL_MFU,
+         f"project SFT step MFU >= {100 * GOAL_MFU:.0f}% on H100, 1B shape, 2048 tokens"
+         + (f" ({100 * mfu:.1f}%)" if mfu is not None else "") + ("" if applies else " (not this machine or shape)"))
+    return lines + [""]
+
+
+def _notes(cases: dict) -> list[str]:
+    lines = ["### Not measured, and why", ""]
+    missing = [r for r in cases.values() if r["status"] != "ok" and r.get("kind") != "env"]
+    for r in sorted(missing, key=lambda r: r["case"]):
+        lines.append(f"- {r['case']}: {r['status']}: {r.get('reason') or 'no reason recorded'}")
+    if not missing:
+        lines.append("- nothing: every case that was asked for ran")
+    lines += [
+        "",
+        "### How the numbers are made",
+        "",
+        "- Settings: `4x8` is micro batch x gradient accumulation, one process (32 rows a step); TRL's "
+        "`packing bfd, 1 pack xN`: N packs of up to max_len tokens a step, N chosen to hold the tokens of "
+        "32 average rows; seq/step counts the sequences actually trained on.",
+        "- Real tokens: prompt and response tokens of every sequence (chosen and rejected both for DPO), "
+        "<s> and </s> included, no padding; the project's count comes from its metrics.jsonl, TRL's from "
+        "the micro batches the trainer actually trained on (`input_ids != <pad>`). Padding share: 1 - real "
+        "/ processed tensor elements. Real tok/s: real tokens over wall time of the measured optimizer steps.",
+        "- MFU: real tok/s x model FLOPs per token / peak, model FLOPs = 6N + 12 x layers x q_width x s "
+        "(N: matmul parameters, s: the data's attention-weighted length), plus a live reference's forward "
+        "(2N + 4 x layers x q_width x s) for DPO; recompute not counted (the planner's convention). "
+        "\"datasheet\": against pipeline/hardware.py's dense bf16 peak; \"measured ceiling\": against the "
+        "matmul case. \"stage's own MFU\": what the stage logs itself.",
+        "- Memory: peak allocated / reserved from torch.cuda (the project: max of its per-record "
+        "`gpu_mem_peak_gib` / `gpu_mem_reserved_gib`; TRL: since its process started); nvidia-smi: the "
+        "largest memory.used sampled every 0.5 s while the case ran (CUDA context included). Planner: "
+        "`python -m pipeline plan --json`, stages[0].gpu.peak_bytes, a worst-case (max_len rows) estimate.",
+        "- TRL runs with its own speed options per variant (padding-free, bfd packing, Liger when "
+        "installed), completion-only loss, TRL's default precision (fp32 master weights, bf16 autocast) and "
+        "optimizer; see benchmarks/gpu/hf_trl.py.",
+    ]
+    return lines + [""]
