@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     rep.add_argument("dirs", nargs="+", type=Path, help="output folders of `run` (later ones win per case)")
     rep.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
 
-    for name in ("case", "prepare", "prebuild"):  # what `run` starts in a subprocess
+    for name in ("case", "prepare"):  # what `run` starts in a subprocess
         inner = sub.add_parser(name, help=argparse.SUPPRESS)
         if name == "case":
             inner.add_argument("name")
@@ -147,11 +147,6 @@ def inner_command(args) -> int:
         if args.command == "prepare":
             workload.prepare(work / "workload", settings["shape"], settings["max_len"], settings["rows"],
                              settings["precision"], settings["device"])
-            return 0
-        if args.command == "prebuild":
-            from benchmarks.gpu import project
-
-            project.prebuild_fused_adam()
             return 0
         case = cases.lookup(args.name)
         folder = work / case.name

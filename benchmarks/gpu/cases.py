@@ -136,24 +136,12 @@ def gradient_checkpointing(kind: str, setting) -> bool:
 # --------------------------------------------------------------------------- the GPU catalogue
 
 
-def catalogue_gpu(device_name: Optional[str], memory_gib: Optional[float]) -> Optional[str]:
-    """The pipeline/hardware.py name of a CUDA device, from torch's device name; None if unsure."""
-    if not device_name:
-        return None
-    name = device_name.lower()
-    if "h200" in name:
-        return "h200"
-    if "h100" in name:
-        if "nvl" in name:
-            return None
-        return "h100-pcie" if "pcie" in name else "h100-80gb"
-    if "a100" in name:
-        return "a100-40gb" if ("40gb" in name or (memory_gib or 80) < 50) else "a100-80gb"
-    for key, gpu in (("l40s", "l40s"), ("4090", "rtx4090"), ("3090", "rtx3090"), ("a6000", "a6000"),
-                     ("v100", "v100-32gb")):
-        if key in name:
-            return gpu
-    return None
+def catalogue_gpu(device_name: Optional[str]) -> Optional[str]:
+    """The pipeline/hardware.py name of a CUDA device, from its torch / nvidia-smi name."""
+    from pipeline.hardware import gpu_for_device
+
+    entry = gpu_for_device(device_name) if device_name else None
+    return entry.name if entry else None
 
 
 def datasheet_tflops(gpu: Optional[str], precision: str) -> Optional[float]:
@@ -213,7 +201,7 @@ def run_env(work: Path, settings: dict) -> None:
             gpu_sm_count=props.multi_processor_count,
             driver=nvidia_smi("driver_version"),
         )
-        facts["catalogue_gpu"] = catalogue_gpu(props.name, facts["gpu_memory_gib"])
+        facts["catalogue_gpu"] = catalogue_gpu(props.name)
     (work / "facts.json").write_text(json.dumps(facts, indent=2) + "\n")
 
 
@@ -273,7 +261,7 @@ def run_matmul(work: Path, settings: dict) -> None:
     if on_gpu:
         props = torch.cuda.get_device_properties(0)
         facts.update(gpu_name=props.name, gpu_memory_gib=props.total_memory / GiB, driver=nvidia_smi("driver_version"),
-                     catalogue_gpu=catalogue_gpu(props.name, props.total_memory / GiB))
+                     catalogue_gpu=catalogue_gpu(props.name))
     (work / "facts.json").write_text(json.dumps(facts, indent=2) + "\n")
 
 

@@ -7,9 +7,9 @@ case of the same kind; no evaluation, no saving. Variants (case params):
   trl-sft-padfree   padding_free=True: the 4 rows flattened into one sequence; data are
                     already within max_len, so max_length=None (TRL refuses padding_free
                     with a max_length it would not enforce)
-  trl-sft-packed    packing=True, packing_strategy="bfd" (implies padding-free): one pack
-                    of up to max_len tokens per micro batch, as many accumulated as hold the
-                    tokens of 32 average rows (8 for the 1B shape)
+  trl-sft-packed    packing=True, packing_strategy="bfd" (implies padding-free): 4 packs
+                    of up to max_len tokens per micro batch (the project's token budget), as
+                    many accumulated as hold the tokens of 32 average rows (2 for the 1B shape)
   trl-sft-liger     the packed variant plus use_liger_kernel=True (skipped when
                     liger_kernel is not installed, or on a CPU)
   trl-dpo           defaults: 4 pairs (8 sequences) per micro batch, 8 accumulated, live reference
@@ -48,14 +48,16 @@ def trainer_settings(case, settings: dict, info: dict) -> dict:
     packed = bool(p.get("packing"))
     accumulation = settings["global_batch_size"] // settings["micro_batch_size"]
     if packed:
-        # one pack of max_len tokens a micro batch, as many packs a step as hold the tokens of
-        # global_batch_size average rows (1B shape: 8 packs of 2048 ~ 32 rows of ~530)
+        # A step of as many packs of max_len tokens as hold global_batch_size average rows (1B
+        # shape: 8 packs of 2048 ~ 32 rows of ~530), micro_batch_size packs a micro batch: the
+        # tokens per pass the project's packing holds (micro_batch_size x max_len).
         mean = info["data"][p["trainer"]]["mean_tokens"]
-        accumulation = max(1, round(settings["global_batch_size"] * mean / settings["max_len"]))
+        packs = max(1, round(settings["global_batch_size"] * mean / settings["max_len"]))
+        accumulation = max(1, round(packs / settings["micro_batch_size"]))
     return {
         "trainer": p["trainer"],
         "gradient_checkpointing": gradient_checkpointing(p["trainer"], settings["gradient_checkpointing"]),
-        "per_device_train_batch_size": 1 if packed else settings["micro_batch_size"],
+        "per_device_train_batch_size": settings["micro_batch_size"],
         "gradient_accumulation_steps": accumulation,
         "packing": packed,
         "padding_free": bool(p.get("padding_free")),
@@ -131,7 +133,7 @@ def run(case, work: Path, settings: dict, info: dict) -> None:
 
     if on_gpu:
         props = torch.cuda.get_device_properties(0)
-        gpu = settings.get("gpu") or catalogue_gpu(props.name, props.total_memory / GiB)
+        gpu = settings.get("gpu") or catalogue_gpu(props.name)
         facts.update(device_name=props.name, catalogue_gpu=gpu)
     facts["versions"] = {"trl": trl.__version__, "transformers": transformers.__version__}
     fields = config_fields(knobs, settings, work)

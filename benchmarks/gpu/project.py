@@ -16,17 +16,13 @@ Any key a record lacks is reported as null. Throughput skips the first
 The stage's exported model/ (2.5 GB for 1B) is deleted once the stage is done:
 nothing here needs it and the memory matrix would fill the disk.
 
-Two things this case does for the GPU machine's sake (see shared GPU.md):
-- cluster.env exports CUDA_VISIBLE_DEVICES for the stage job: the local executor
-  otherwise starts its jobs with CUDA_VISIBLE_DEVICES="" and they train on the CPU.
-- if a stage still reports `device cpu` while a GPU was asked for, the case stops
-  at once (it would only burn the time budget) and says so.
+If a stage reports `device cpu` while a GPU was asked for, the case stops at once (it
+would only burn the time budget) and says so.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -76,7 +72,7 @@ def pipeline_spec(case, settings: dict, info: dict, gpu, runs_dir: Path) -> dict
     kind = knobs["kind"]
     cluster = {"executor": "local", "time": "0:30:00"}
     if settings["device"] == "cuda":
-        cluster.update(gpus_per_node=1, env={"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES") or "0"})
+        cluster.update(gpus_per_node=1)
         if gpu:
             cluster["gpu"] = gpu
     else:
@@ -125,8 +121,7 @@ def run(case, work: Path, settings: dict, info: dict) -> None:
         # Asked of nvidia-smi, not torch: a CUDA context in this waiting process would hold
         # ~0.5 GiB of the GPU the stage is measured on.
         device_name = nvidia_smi("name")
-        memory_mib = nvidia_smi("memory.total")
-        gpu = settings.get("gpu") or catalogue_gpu(device_name, float(memory_mib) / 1024 if memory_mib else None)
+        gpu = settings.get("gpu") or catalogue_gpu(device_name)
     runs_dir = work / "runs"
     shutil.rmtree(runs_dir, ignore_errors=True)
     spec = pipeline_spec(case, settings, info, gpu, runs_dir)
@@ -198,17 +193,6 @@ def _device_line(stage_dir: Path):
 
 def _write_facts(work: Path, facts: dict) -> None:
     (work / "facts.json").write_text(json.dumps(facts, indent=2) + "\n")
-
-
-def prebuild_fused_adam() -> None:
-    """JIT-build DeepSpeed's FusedAdam (~50 s on a fresh GPU machine) into $TORCH_EXTENSIONS_DIR. The
-    runner starts this in the background while env, matmul and the workload run, so the first
-    project case does not spend its time (and the budget's) compiling."""
-    from deepspeed.accelerator import get_accelerator
-
-    started = time.time()
-    get_accelerator().create_op_builder("FusedAdamBuilder").load()
-    print(f"FusedAdam ready in {time.time() - started:.0f} s", flush=True)
 
 
 # --------------------------------------------------------------------------- collect (torch-free)

@@ -35,7 +35,6 @@ DONE = ("ok", "skipped")
 PREPARE = Case("workload", "workload", {}, 60, 900)  # model, tokenizer, data; once per WORK folder
 LOG_TAIL_BYTES = 64_000
 KILL_GRACE_S = 20
-PREBUILD_TIMEOUT_S = 300
 
 # What a result depends on: a case is re-run when one of these changed.
 SETTINGS_KEYS = ("device", "shape", "max_len", "steps", "warmup_steps", "memory_steps", "precision", "zero_stage",
@@ -57,9 +56,6 @@ def run(settings: dict, names: str, force: bool) -> list[dict]:
         if not force and previous and previous.get("status") in DONE and _same_settings(previous, settings):
             kept[case.name] = previous
     to_run = [c for c in selected if c.name not in kept]
-    prebuild = None
-    if settings["device"] == "cuda" and any(c.kind == "project" for c in to_run):
-        prebuild = _start_prebuild(settings)  # overlaps with the workload, env and matmul
     unprepared = None
     if any(c.kind in ("project", "trl") for c in to_run) and not _workload_ready(settings):
         prepared = _run_subprocess(PREPARE, ["prepare"], settings, deadline)
@@ -74,34 +70,9 @@ def run(settings: dict, names: str, force: bool) -> list[dict]:
         if case.kind in ("project", "trl") and unprepared:
             results.append(_write(out, case, settings, {"status": "not-run", "seconds": 0.0, "reason": unprepared}))
             continue
-        if case.kind == "project" and prebuild is not None:
-            _finish_prebuild(prebuild)
-            prebuild = None
         results.append(_run_case(case, settings, deadline))
     print_summary(results)
     return results
-
-
-def _start_prebuild(settings: dict) -> tuple:
-    log = open(Path(settings["work"]) / "prebuild.log", "wb")
-    process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "prebuild", "--out", settings["out"], "--work", settings["work"]],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=child_environment(settings), start_new_session=True,
-    )
-    print(f"[deepspeed ops] building FusedAdam in the background; log: {log.name}", flush=True)
-    return process, log, time.monotonic()
-
-
-def _finish_prebuild(prebuild: tuple) -> None:
-    """Wait for the FusedAdam build; a failed one is only reported (the stage then builds it itself)."""
-    process, log, started = prebuild
-    try:
-        process.wait(timeout=PREBUILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _stop_group(process)
-    log.close()
-    outcome = "ready" if process.returncode == 0 else f"not built (exit {process.returncode}; see {log.name})"
-    print(f"[deepspeed ops] FusedAdam {outcome}, {time.monotonic() - started:.0f} s after the start", flush=True)
 
 
 def _same_settings(previous: dict, settings: dict) -> bool:

@@ -198,17 +198,11 @@ def prepare(folder: Path, shape: str, max_len: int, rows: int, dtype: str, devic
         build_model_and_tokenizer(folder / "model", shape_config(shape, max_len), dtype, device)
         model_marker.write_text(json.dumps(model_described) + "\n")
     model_shape = read_config_json(folder / "model" / "config.json")
-    matmul = model_shape.n_params - model_shape.embedding_params
-    if model_shape.tied_embeddings:
-        matmul += model_shape.embedding_params  # the tied table is also the output matmul
     info = {
         "described": wanted,
         "folder": str(folder.resolve()),
         "model": str((folder / "model").resolve()),
         "n_params": model_shape.n_params,
-        "matmul_params": matmul,
-        "layers": model_shape.layers,
-        "q_width": model_shape.q_width,
         "median_setting": median,
         "data": {name: {"path": str((folder / f"{name}.jsonl").resolve()), **length_stats(content)}
                  for name, content in files.items()},
@@ -218,12 +212,16 @@ def prepare(folder: Path, shape: str, max_len: int, rows: int, dtype: str, devic
 
 
 def model_flops_per_token(info: dict, data: str, live_reference: bool) -> float:
-    """Model FLOPs per real token, the planner's convention: 6N + 12*layers*q_width*s for the
-    trained model (s: the data's attention-weighted length), plus a frozen reference's
-    forward (2N + 4*layers*q_width*s) when it runs in the step. Recompute is not counted."""
+    """Model FLOPs per real token with pipeline/flops.py (the planner's and the stages' formula):
+    forward + backward of the trained model at the data's attention-weighted length s (so that
+    per-token attention averages to the per-sequence sum), plus a live reference's forward.
+    Recompute is not counted."""
+    from pipeline.flops import backward_flops_per_token, forward_flops_per_token
+
+    shape = read_config_json(Path(info["model"]) / "config.json")
     s = info["data"][data]["attention_length"]
-    forward = 2 * info["matmul_params"] + 4 * info["layers"] * info["q_width"] * s
-    return 3 * forward + (forward if live_reference else 0.0)
+    forward = forward_flops_per_token(shape, "lm", s)
+    return forward + backward_flops_per_token(shape, "lm", s) + (forward if live_reference else 0.0)
 
 
 def build_model_and_tokenizer(folder: Path, config_fields: dict, dtype: str, device: str) -> None:
