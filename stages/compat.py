@@ -64,7 +64,6 @@ they do.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib
 import inspect
@@ -481,7 +480,11 @@ class PackedSequences:
         return bounds, int(torch.diff(bounds).max())
 
 
-_packed: contextvars.ContextVar = contextvars.ContextVar("packed_sequences", default=None)
+# The packed batch being trained on, if any. A plain module global, not a ContextVar or a
+# thread-local: on a GPU, autograd runs backward (and gradient checkpointing's recompute of
+# the forward) on its own device thread, which must see the same batch. A stage process
+# trains on one batch at a time.
+_packed: Optional[PackedSequences] = None
 
 
 @contextlib.contextmanager
@@ -489,11 +492,12 @@ def sequences_apart(sequence: Optional[torch.Tensor]):
     """Keep the packed sequences of a batch apart in every attention layer, for a
     forward pass and its backward (gradient checkpointing recomputes the forward
     inside backward, so the backward must run in here too). None: nothing to do."""
-    token = _packed.set(PackedSequences(sequence) if sequence is not None else None)
+    global _packed
+    outer, _packed = _packed, (PackedSequences(sequence) if sequence is not None else None)
     try:
         yield
     finally:
-        _packed.reset(token)
+        _packed = outer
 
 
 def flat_packing(attention: str) -> bool:
@@ -507,7 +511,7 @@ def _attention_layer(module) -> bool:
 
 
 def _keep_sequences_apart(module, args, kwargs):
-    packed = _packed.get()
+    packed = _packed
     if packed is None:
         return None
     attention = getattr(getattr(module, "config", None), "_attn_implementation", "") or type(module).__name__
@@ -559,7 +563,7 @@ def _varlen_when_packed(original, module):
     @functools.wraps(original)
     def _flash_attention_forward(self, query, key, value, attention_mask, query_length, dropout=0.0,
                                  softmax_scale=None, *args, **kwargs):
-        packed = _packed.get()
+        packed = _packed
         if packed is None or attention_mask is not None:
             return original(self, query, key, value, attention_mask, query_length, dropout, softmax_scale,
                             *args, **kwargs)

@@ -104,6 +104,10 @@ def init(env: DistEnv, gpus_per_node: int, timeout_s: int = 600):
     """Start torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPU. Returns the device.
 
     A job that asked for GPUs fails here when it finds none, rather than train on the CPU."""
+    # Packed micro batches change shape every pass: with fixed-size cached blocks the
+    # allocator keeps freeing and re-reserving GPU memory (cudaFree synchronises), which
+    # doubled the step time of a packed 1B SFT on an H100. Growable segments avoid it.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from stages import compat
 
     compat.normalize_arch_list_env()  # before DeepSpeed builds any op
@@ -118,6 +122,13 @@ def init(env: DistEnv, gpus_per_node: int, timeout_s: int = 600):
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
+        # Batches change shape every pass (packed lines, or padding to the longest row), and
+        # sdpa's cuDNN backend builds a new graph for every new shape: on an H100 the steps
+        # that met new shapes took 2-3x as long (benchmarks/RESULTS.md). Memory-efficient
+        # attention (masks) and flash attention (none) need no per-shape build. (Before torch
+        # 2.2 sdpa had no cuDNN backend.)
+        if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+            torch.backends.cuda.enable_cudnn_sdp(False)
     else:
         # One process per core: more threads per process only fight each other.
         threads = max(1, (os.cpu_count() or 1) // env.local_world_size)

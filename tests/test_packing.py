@@ -151,6 +151,43 @@ def dpo_loss_against_a_fixed_reference(model, batch, pad_id):
     return dpo_loss(logps[0::2], logps[1::2], reference[0::2], reference[1::2], beta=0.1)[0].mean()
 
 
+@pytest.mark.parametrize("layout", ["shared-lines", "a-line-each"])
+def test_gradient_checkpointing_recomputes_packed_attention_on_autograd_s_own_thread(tiny_model_dir, layout):
+    """On a GPU, autograd runs backward, and checkpointing's recomputed forward, on a device
+    thread of its own. The recomputation must keep the packed sequences apart as the forward
+    did: here backward runs on another thread, and the gradients still equal the padded ones.
+    (a-line-each: full lines of one sequence, where transformers 5's own mask would differ.)"""
+    import threading
+
+    tokenizer = models.load_tokenizer(str(tiny_model_dir))
+    rows = sft_rows(tokenizer)
+    if layout == "a-line-each":
+        rows = [{k: v[:16] for k, v in r.items()} for r in rows if len(r["input_ids"]) >= 16]
+    grads = []
+    line = 16 if layout == "a-line-each" else 48
+    for batch in (data.padded_batch(rows, tokenizer.pad_token_id), data.packed_batch(rows, tokenizer.pad_token_id, line)):
+        model = load(tiny_model_dir, "sdpa")
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        failures = []
+
+        def backward(loss):
+            try:
+                loss.backward()
+            except Exception as err:  # noqa: BLE001 -- reported below, in the test's thread
+                failures.append(err)
+
+        with batch.apart():
+            loss = -sequence_logps(model, batch).sum() / batch.loss_mask[:, 1:].sum()
+            worker = threading.Thread(target=backward, args=(loss,))
+            worker.start()
+            worker.join()
+        assert not failures, failures
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, **TOL, msg=name)
+
+
 @pytest.mark.parametrize("kind", ["rm", "dpo"])
 def test_packed_and_padded_pairs_give_the_same_loss_and_gradients(tiny_model_dir, kind):
     from transformers import AutoModelForSequenceClassification
