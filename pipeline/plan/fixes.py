@@ -9,6 +9,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from pipeline.config import SEQUENCES_PER_ROW
 from pipeline.plan.estimate import Estimate, estimate_stage
 from pipeline.plan.inputs import REFERENCE_PLACEMENTS, Hardware, Knobs, PPOWorkload
 from pipeline.shapes import ModelShape
@@ -51,7 +52,11 @@ def _candidate_changes(knobs: Knobs, hw: Hardware) -> list[tuple[str, dict, str,
                 out.append(("reference", {"reference": placement}, f"reference: {placement}", False))
     rows = knobs.global_batch_size or knobs.micro_batch_size * knobs.nodes * hw.processes_per_node
     smaller = knobs.micro_batch_size // 2
-    if smaller >= 1 and rows % (smaller * knobs.nodes * hw.processes_per_node) == 0:
+    if knobs.packs and knobs.micro_batch_tokens:  # the budget, not micro_batch_size, sizes a micro batch
+        fewer = knobs.micro_batch_tokens // 2
+        if fewer >= knobs.max_len * SEQUENCES_PER_ROW[knobs.kind]:
+            out.append(("micro", {"micro_batch_tokens": fewer}, f"micro_batch_tokens: {fewer}", False))
+    elif smaller >= 1 and rows % (smaller * knobs.nodes * hw.processes_per_node) == 0:
         out.append(("micro", {"micro_batch_size": smaller, "global_batch_size": rows},
                     f"micro_batch_size: {smaller} (global_batch_size stays {rows} by accumulation)", False))
     for factor in (2, 4):

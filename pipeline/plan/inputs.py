@@ -9,6 +9,7 @@ from typing import Optional
 
 from pipeline import hardware
 from pipeline.shapes import ModelShape
+from stages.data import token_budget  # torch-free: the budget the stages pack micro batches by
 
 GiB = 1024**3
 
@@ -29,6 +30,8 @@ class Knobs:
     lora_targets: tuple = ()
     max_len: int = 2048
     micro_batch_size: int = 1
+    packing: bool = True
+    micro_batch_tokens: Optional[int] = None
     global_batch_size: Optional[int] = None
     epochs: int = 1
     max_steps: Optional[int] = None
@@ -49,6 +52,8 @@ class Knobs:
             lora_targets=tuple(lora.target_modules) if lora else (),
             max_len=stage.max_len,
             micro_batch_size=stage.micro_batch_size,
+            packing=bool(getattr(stage, "packing", True)),
+            micro_batch_tokens=getattr(stage, "micro_batch_tokens", None),
             global_batch_size=stage.global_batch_size,
             epochs=stage.epochs,
             max_steps=stage.max_steps,
@@ -64,6 +69,26 @@ class Knobs:
     def offloads(self) -> bool:
         """DeepSpeed offloads the optimizer only with ZeRO 1-3 (stages/engine.py)."""
         return self.optimizer_offload and self.zero_stage >= 1
+
+    @property
+    def packs(self) -> bool:
+        """sft, rm and dpo pack micro batches by a token budget unless packing is off; PPO pads."""
+        return self.packing and self.kind in ("sft", "rm", "dpo")
+
+
+def attention_kernel(attention: str, on_gpu: bool) -> str:
+    """The attention a stage runs: auto is flash_attention_2 on GPUs (the images install
+    it) and sdpa on CPU, as stages/models.py attention_implementation decides."""
+    if attention == "auto":
+        return "flash_attention_2" if on_gpu else "sdpa"
+    return attention
+
+
+def masked_line_width(tokens: int, max_len: int) -> int:
+    """The widest line a packed micro batch of `tokens` tokens is laid out in for sdpa and
+    eager attention (stages/batching.py pack_lines): lines about max_len long, wider
+    when a few long sequences will not share lines evenly, up to about twice that."""
+    return min(tokens, 2 * max_len)
 
 
 @dataclass(frozen=True)
@@ -142,12 +167,17 @@ class Workload:
     scoring_batch: Optional[int] = None
     rows_per_rollout: Optional[int] = None
 
-    def train_tokens(self, micro_batch_size: int) -> int:
-        per_micro = micro_batch_size if self.micro_batch_in_sequences else micro_batch_size * self.sequences_per_row
-        return per_micro * self.seq_len
+    def train_tokens(self, knobs: Knobs) -> int:
+        """The most tokens one process's micro batch holds: the packing budget
+        (stages/data.py token_budget), or micro_batch_size rows padded to max_len."""
+        if self.micro_batch_in_sequences:
+            return knobs.micro_batch_size * self.seq_len
+        if knobs.packs:
+            return token_budget(knobs, self.sequences_per_row)
+        return knobs.micro_batch_size * self.sequences_per_row * self.seq_len
 
-    def scoring_tokens(self, micro_batch_size: int) -> int:
-        return self.scoring_batch * self.seq_len if self.scoring_batch else self.train_tokens(micro_batch_size)
+    def scoring_tokens(self, knobs: Knobs) -> int:
+        return self.scoring_batch * self.seq_len if self.scoring_batch else self.train_tokens(knobs)
 
 
 @dataclass(frozen=True)

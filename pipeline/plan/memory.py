@@ -27,16 +27,8 @@
   two with overlap_comm); ZeRO-3 one persistent bucket, the gathered weights of
   the layer being computed plus the prefetched next one, and that layer's full
   gradients before they are reduce-scattered.
-- activations per micro batch (bytes per token per layer, h hidden, i MLP, q/kv
-  widths, b activation bytes): two RMSNorms 2*(4h + 2bh) (HF keeps an fp32 copy),
-  attention b*(2q + 2kv) (q, k, v, output) + fp32 log-sum-exp, MLP 4bi, LoRA b*r
-  per adapted layer; eager attention adds the heads*seq^2 scores (fp32 softmax +
-  its cast). Without checkpointing every layer keeps them; with it each layer
-  keeps its input (b*h) and one layer is recomputed at a time. One more layer's
-  worth is counted for the activation gradients.
-- logits: tokens x vocab x (b logits + fp32 log-softmax + two fp32 gradient
-  buffers in the loss backward) = (b + 12) bytes per entry; a frozen model's
-  forward needs b + 4. Reward and value models have a scalar head: no logits.
+- activations, the attention mask and logits of a micro batch: see
+  pipeline/plan/activations.py.
 - workspace: 1 GiB for the CUDA context, cuBLAS and NCCL buffers, plus 10% of the
   largest phase's transient memory for caching-allocator fragmentation.
 - host RAM: 3 GiB per GPU process (Python, torch, CUDA and NCCL libraries), the
@@ -67,7 +59,8 @@ from pipeline.deepspeed_settings import (
     bucket_elements,
     persistence_threshold,
 )
-from pipeline.plan.inputs import GiB, Hardware, Knobs, ModelUse, Workload
+from pipeline.plan.activations import frozen_forward, held_while_reference_runs, trained_pass
+from pipeline.plan.inputs import GiB, Hardware, Knobs, ModelUse, Workload, attention_kernel
 from pipeline.shapes import ModelShape
 
 CUDA_WORKSPACE_BYTES = 1 * GiB
@@ -166,21 +159,6 @@ def trainable_tensors(use: ModelUse, knobs: Knobs) -> tuple[list[int], list[int]
     return base, []
 
 
-def layer_activation_bytes(shape: ModelShape, knobs: Knobs, seq: int) -> float:
-    """Bytes one decoder layer keeps per token for the backward pass."""
-    h, b = shape.hidden, knobs.weight_bytes
-    norms = 2 * (4 * h + 2 * b * h)
-    attention = b * (2 * shape.q_width + 2 * shape.kv_width) + 4 * shape.heads
-    mlp = 4 * b * shape.intermediate
-    lora = b * knobs.lora_rank * len(knobs.lora_targets) if knobs.lora_rank else 0
-    scores = 0.0
-    if knobs.attention == "eager":
-        scores = shape.heads * seq * (4 + (b if b < 4 else 0))
-    elif knobs.attention == "sdpa":
-        scores = seq  # the boolean (seq x seq) mask, per token
-    return norms + attention + mlp + lora + scores
-
-
 def _gathered_params(shape: ModelShape, head: str, bucket: int) -> int:
     """Elements ZeRO-3 holds gathered at once: the current layer (or the biggest single
     tensor, e.g. an lm_head) plus the prefetched next one, within max_live_parameters."""
@@ -202,6 +180,10 @@ class _Ledger:
     @property
     def device(self) -> str:
         return "gpu" if self.on_gpu else "host"
+
+    @property
+    def kernel(self) -> str:
+        return attention_kernel(self.knobs.attention, self.on_gpu)
 
     @property
     def shard_note(self) -> str:
@@ -268,11 +250,12 @@ def _frozen_model(ledger: _Ledger, use: ModelUse) -> None:
         else:
             add(f"{role} weights offloaded ({prec}, whole copy per process)", "weights", "host", "always", total)
             add(f"{role} weights moved in for its forward", "weights", device, fwd_phase, total)
-    scoring_tokens = ledger.workload.scoring_tokens(knobs.micro_batch_size)
-    add(f"{role} forward activations (one layer, no grad)", "activations", device, fwd_phase,
-        scoring_tokens * layer_activation_bytes(shape, knobs, ledger.workload.seq_len))
-    if use.head == "lm":
-        add(f"{role} logits + log-probs", "logits", device, fwd_phase, scoring_tokens * shape.vocab * (b + 4))
+    passes = frozen_forward(use, knobs, ledger.workload, ledger.kernel)
+    if knobs.kind == "dpo":
+        policy = ModelUse("policy", shape, "lm")
+        passes += held_while_reference_runs(policy, knobs, ledger.workload, ledger.kernel)
+    for name, category, amount in passes:
+        add(name, category, device, fwd_phase, amount)
 
 
 def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
@@ -347,22 +330,9 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
 
 
 def _trained_model_passes(ledger: _Ledger, use: ModelUse) -> None:
-    """What a trained model's forward and backward hold: activations and logits."""
-    knobs, device, add = ledger.knobs, ledger.device, ledger.add
-    shape, role, b = use.shape, use.role, knobs.weight_bytes
-    tokens = ledger.workload.train_tokens(knobs.micro_batch_size)
-    train_phase = f"{role} forward+backward"
-    layer = layer_activation_bytes(shape, knobs, ledger.workload.seq_len)
-    if knobs.gradient_checkpointing:
-        add(f"{role} activations (checkpointed: layer inputs + one layer recomputed)", "activations", device,
-            train_phase, tokens * (shape.layers * b * shape.hidden + layer))
-    else:
-        add(f"{role} activations ({shape.layers} layers)", "activations", device, train_phase,
-            tokens * shape.layers * layer)
-    add(f"{role} activation gradients (one layer)", "activations", device, train_phase,
-        tokens * (layer + 4 * shape.hidden + 2 * b * shape.hidden))
-    if use.head == "lm":
-        add(f"{role} logits + loss (fp32)", "logits", device, train_phase, tokens * shape.vocab * (b + 12))
+    """What a trained model's forward and backward hold: activations, mask and logits."""
+    for name, category, amount in trained_pass(use, ledger.knobs, ledger.workload, ledger.kernel):
+        ledger.add(name, category, ledger.device, f"{use.role} forward+backward", amount)
 
 
 def _generation(ledger: _Ledger, models: list[ModelUse]) -> None:
