@@ -7,7 +7,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pipeline.config import SEQUENCES_PER_ROW
-from pipeline.plan.inputs import REFERENCE_PLACEMENTS, Generation, Hardware, Knobs, ModelUse, PPOWorkload, Workload
+from pipeline.lengths import RowLengths
+from pipeline.plan.batches import Batches, simulate
+from pipeline.plan.inputs import (
+    REFERENCE_PLACEMENTS,
+    Generation,
+    Hardware,
+    Knobs,
+    ModelUse,
+    PPOWorkload,
+    Workload,
+    attention_kernel,
+)
 from pipeline.plan.memory import Memory, estimate_memory
 from pipeline.plan.timing import TimeEstimate, estimate_time
 from pipeline.shapes import ModelShape
@@ -18,6 +29,7 @@ class Estimate:
     knobs: Knobs
     memory: Memory
     time: Optional[TimeEstimate]
+    batches: Optional[Batches] = None  # sft, rm, dpo: the simulated micro batches of a step
 
     @property
     def gpu_seconds_per_1000_rows(self) -> Optional[float]:
@@ -31,10 +43,16 @@ class Estimate:
 
 
 def estimate_stage(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] = None,
-                   ppo: Optional[PPOWorkload] = None) -> Estimate:
-    """A stage's memory and time with these settings."""
+                   ppo: Optional[PPOWorkload] = None, lengths: Optional[RowLengths] = None) -> Estimate:
+    """A stage's memory and time with these settings; `lengths`: its rows' sampled
+    token counts (pipeline/lengths.py), else every row is taken as max_len long."""
     models, workload = stage_models(knobs, shape, ppo)
-    return Estimate(knobs, estimate_memory(models, workload, knobs, hw), estimate_time(models, workload, knobs, hw, rows))
+    batches = None
+    if workload.rows_per_rollout is None:
+        flat = attention_kernel(knobs.attention, hw.on_gpu).startswith("flash_attention")
+        batches = simulate(knobs, knobs.nodes * hw.processes_per_node, workload.sequences_per_row, flat, lengths)
+    return Estimate(knobs, estimate_memory(models, workload, knobs, hw),
+                    estimate_time(models, workload, knobs, hw, rows, batches), batches)
 
 
 def stage_models(knobs: Knobs, shape: ModelShape, ppo: Optional[PPOWorkload] = None) -> tuple[list[ModelUse], Workload]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from pipeline.config import SEQUENCES_PER_ROW
+from pipeline.lengths import RowLengths
 from pipeline.plan.estimate import Estimate, estimate_stage
 from pipeline.plan.inputs import REFERENCE_PLACEMENTS, Hardware, Knobs, PPOWorkload
 from pipeline.shapes import ModelShape
@@ -80,7 +81,8 @@ def _candidate_changes(knobs: Knobs, hw: Hardware) -> list[tuple[str, dict, str,
 
 
 def suggest(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] = None,
-            ppo: Optional[PPOWorkload] = None, limit: int = 5, max_changes: int = 3) -> list[Suggestion]:
+            ppo: Optional[PPOWorkload] = None, lengths: Optional[RowLengths] = None, limit: int = 5,
+            max_changes: int = 3) -> list[Suggestion]:
     """Changes that make the stage fit, each re-estimated, cheapest first.
 
     Cheapest = changes that keep the training result (checkpointing, ZeRO stage,
@@ -103,7 +105,7 @@ def suggest(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] =
             new = replace(knobs, **changes)
             if new.zero_stage < knobs.zero_stage:
                 continue
-            estimate = estimate_stage(new, shape, hw, rows, ppo)
+            estimate = estimate_stage(new, shape, hw, rows, ppo, lengths)
             text = "; ".join(candidates[i][2] for i in combo)
             alters = any(candidates[i][3] for i in combo)
             evaluated.append((combo, Suggestion(changes, text, alters, estimate)))
@@ -139,7 +141,7 @@ def suggest(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] =
 
 
 def settings_relaxed(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] = None,
-                     ppo: Optional[PPOWorkload] = None) -> list[Suggestion]:
+                     ppo: Optional[PPOWorkload] = None, lengths: Optional[RowLengths] = None) -> list[Suggestion]:
     """The stage re-estimated with each memory-saving setting it has on turned off,
     with every offload off at once, and, where the optimizer is offloaded, on one
     more node without that offload: what each setting buys, and the way out of it."""
@@ -160,6 +162,6 @@ def settings_relaxed(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Option
     if knobs.optimizer_offload:
         options.append(({"optimizer_offload": False, "nodes": knobs.nodes + 1},
                         f"nodes: {knobs.nodes + 1}, optimizer_offload: false"))
-    return [Suggestion(changes, text, False, estimate_stage(replace(knobs, **changes), shape, hw, rows, ppo))
+    return [Suggestion(changes, text, False, estimate_stage(replace(knobs, **changes), shape, hw, rows, ppo, lengths))
             for changes, text in options]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pipeline import lengths as row_lengths
 from pipeline.errors import DoesNotFit, InvalidInput
 from pipeline.plan.estimate import Estimate, estimate_stage, stage_models
 from pipeline.plan.fixes import Suggestion, settings_relaxed, suggest
@@ -14,6 +15,7 @@ from pipeline.plan.inputs import Hardware, Knobs, PPOWorkload
 from pipeline.plan.memory import Memory, trainable_tensors
 from pipeline.plan.report import shortfall_text
 from pipeline.plan.timing import TimeEstimate
+from pipeline.prepare import hf_home
 from pipeline.shapes import ModelShape, resolve_shape
 
 
@@ -49,10 +51,11 @@ class StagePlan:
 
 
 def plan_stage(stage, shape: ModelShape, hw: Hardware, rows: Optional[int] = None, ppo: Optional[PPOWorkload] = None,
-               model_name: str = "") -> StagePlan:
+               model_name: str = "", lengths: Optional[row_lengths.RowLengths] = None) -> StagePlan:
+    """The plan of one stage; `lengths`: its rows' sampled token counts (else max_len each)."""
     knobs = Knobs.from_stage(stage)
     models, _ = stage_models(knobs, shape, ppo)
-    estimate = estimate_stage(knobs, shape, hw, rows, ppo)
+    estimate = estimate_stage(knobs, shape, hw, rows, ppo, lengths)
     warnings: list[str] = []
     if not shape.is_llama_like:
         warnings.append(f"model_type '{shape.model_type}' is estimated as a Llama-style decoder; sizes may differ")
@@ -68,8 +71,8 @@ def plan_stage(stage, shape: ModelShape, hw: Hardware, rows: Optional[int] = Non
         warnings.append(f"{hw.processes_per_node} processes per node on {hw.gpus_per_node} GPUs")
     if estimate.time is not None:
         warnings += estimate.time.notes
-    suggestions = suggest(knobs, shape, hw, rows, ppo) if estimate.fits is False else []
-    without = settings_relaxed(knobs, shape, hw, rows, ppo) if estimate.fits else []
+    suggestions = suggest(knobs, shape, hw, rows, ppo, lengths) if estimate.fits is False else []
+    without = settings_relaxed(knobs, shape, hw, rows, ppo, lengths) if estimate.fits else []
     trained = sum(sum(trainable_tensors(m, knobs)[0]) for m in models if m.trained)
     total = sum(m.shape.params_with_head(m.head) for m in models)
     return StagePlan(stage.name, knobs.kind, model_name, shape, knobs, hw, knobs.nodes * hw.processes_per_node,
@@ -116,6 +119,8 @@ def plan_pipeline(spec, rows_by_stage: Optional[dict] = None) -> list[StagePlan]
         hw = Hardware.from_cluster(spec.cluster)
     except ValueError as err:
         raise InvalidInput(f"cluster.gpu: {err}") from None
+    datasets_cache = hf_home(spec) / "datasets"
+    sampled: dict = {}  # stages that read the same data with the same tokenizer share a sample
     plans = []
     for index, stage in enumerate(spec.stages):
         where = f"stages[{index}] ({stage.name})"
@@ -126,7 +131,13 @@ def plan_pipeline(spec, rows_by_stage: Optional[dict] = None) -> list[StagePlan]
             if rows is not None and stage.data.max_rows is not None:
                 rows = min(rows, stage.data.max_rows)
             ppo = ppo_workload(spec, stage) if stage.kind == "ppo" else None
-            plans.append(plan_stage(stage, shape, hw, rows, ppo=ppo, model_name=model))
+            lengths = None
+            if stage.kind != "ppo":  # rollouts are generated: their lengths are not in the data
+                key = (stage.data.model_dump_json(), stage.kind, model)
+                if key not in sampled:
+                    sampled[key] = row_lengths.sample(stage.data, stage.kind, model, datasets_cache)
+                lengths = sampled[key]
+            plans.append(plan_stage(stage, shape, hw, rows, ppo=ppo, model_name=model, lengths=lengths))
         except ValueError as err:
             field_name = "model" if stage.model else "from"
             raise InvalidInput(f"{where}.{field_name}: {err}") from None

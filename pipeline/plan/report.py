@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Optional
 
+from pipeline.plan.batches import Batches
 from pipeline.plan.estimate import Estimate
 from pipeline.plan.inputs import GiB
 from pipeline.plan.memory import Memory
@@ -84,6 +85,8 @@ def format_plan(plans: list[StagePlan]) -> str:
                    f"{', gradient checkpointing' if k.gradient_checkpointing else ''}, attention {k.attention}{lora}"
                    f"{ref}, max_len {k.max_len}, micro batch {k.micro_batch_size}")
         out.append(f"   trained parameters {count_text(plan.trained_params)} of {count_text(plan.total_params)} held")
+        if plan.estimate.batches is not None:
+            out += _batches_text(plan.estimate.batches, k.max_len)
         for where, title, capacity in (("gpu", "GPU memory per GPU", m.gpu_capacity),
                                        ("host", "host RAM per node", m.host_capacity)):
             rows = [i for i in m.items if i.where == where]
@@ -100,11 +103,12 @@ def format_plan(plans: list[StagePlan]) -> str:
         out.append(f"   verdict: {_verdict(m)}")
         t = plan.time
         if t is not None:
-            out.append(f"   time: {t.rows_per_step} rows = {t.tokens_per_step:,} tokens per {t.unit}, "
+            out.append(f"   time: {t.rows_per_step} rows = {t.tokens_per_step:,.0f} tokens per {t.unit}, "
                        f"{t.flops_per_token / 1e9:.1f} GFLOP/token executed, assumed HFU {t.hfu:.0%}")
-            out.append(f"         {t.unit} {_duration(t.step_s)} (compute {_duration(t.compute_s)}, communication "
-                       f"{_duration(t.communication_s)} of which exposed {_duration(t.exposed_communication_s)}, "
-                       f"offload {_duration(t.offload_s)}), MFU {t.mfu:.0%}")
+            out.append(f"         {t.unit} {_duration(t.step_s)} (compute {_duration(t.compute_s)}, optimizer "
+                       f"{_duration(t.optimizer_s)}, communication {_duration(t.communication_s)} of which exposed "
+                       f"{_duration(t.exposed_communication_s)}, offload {_duration(t.offload_s)}): "
+                       f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%}")
             total = (f"{t.steps} steps = {_duration(t.total_s)}" if t.total_s is not None
                      else "rows unknown: give rows for a total")
             pre = f" (incl. {_duration(t.precompute_s_per_1000_rows)} reference precompute)" \
@@ -128,6 +132,36 @@ def format_plan(plans: list[StagePlan]) -> str:
     return "\n".join(out)
 
 
+def _batches_text(b: Batches, max_len: int) -> list[str]:
+    """Where the rows' lengths came from, and what the step's micro batches hold."""
+    lengths = b.lengths
+    if lengths is not None and lengths.sampled:
+        per_row = "tokens per row" + (" (a pair: both sequences)" if len(lengths.rows[0]) > 1 else "")
+        text = (f"   lengths: {lengths.describe()}: mean {b.mean_row_tokens:,.0f} {per_row}, "
+                f"p95 {b.p95_row_tokens:,} (max_len {max_len} per sequence)")
+    else:
+        text = f"   lengths: {lengths.describe() if lengths is not None else 'max_len assumed per row'}"
+    layout = (f"packed, up to {b.token_budget:,} tokens per micro batch" if b.packed
+              else "padded to each micro batch's longest row")
+    return [text, f"   batches: {layout}; {b.micro_batches_per_step:.1f} micro batches per step per process, "
+                  f"{b.padding_share:.1%} padding"]
+
+
+def _batches_json(b: Optional[Batches]) -> Optional[dict]:
+    if b is None:
+        return None
+    lengths = b.lengths
+    sampled = lengths is not None and lengths.sampled
+    return {
+        "packed": b.packed, "token_budget": b.token_budget, "rows_per_step": b.rows_per_step,
+        "micro_batches_per_step": b.micro_batches_per_step, "real_tokens_per_step": b.real_tokens_per_step,
+        "processed_tokens_per_step": b.processed_tokens_per_step, "padding_share": b.padding_share,
+        "lengths": {"sampled": sampled, "source": lengths.source if lengths is not None else None,
+                    "counter": lengths.counter if sampled else None, "rows": len(lengths.rows) if sampled else 0,
+                    "mean_tokens_per_row": b.mean_row_tokens, "p95_tokens_per_row": b.p95_row_tokens},
+    }
+
+
 def _suggestion_json(s: Suggestion) -> dict:
     return {"changes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.changes.items()},
             "description": s.description, "changes_training": s.changes_training, **_estimate_json(s.estimate)}
@@ -144,6 +178,7 @@ def _estimate_json(estimate: Estimate) -> dict:
         "host": {"peak_bytes": host_peak, "peak_phase": host_phase, "capacity_bytes": m.host_capacity,
                  "capacity_source": m.host_capacity_source, "headroom_bytes": m.host_headroom},
         "items": [{**asdict(i), "total_bytes": m.total_bytes(i)} for i in m.items],
+        "batches": _batches_json(estimate.batches),
         "time": None if t is None else asdict(t),
     }
 
