@@ -158,6 +158,17 @@ def test_data_that_is_not_here_means_max_len_and_says_why(tmp_path):
     assert not hub.sampled and "not in the cache" in hub.describe() and "max_len assumed" in hub.describe()
 
 
+def test_a_saved_dataset_folder_is_read_through_its_arrow_files(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    (tmp_path / "train").mkdir()
+    table = pa.table({"prompt": ["ab", "abcdef"], "response": ["c", "cd"]})
+    with pa.ipc.new_stream(str(tmp_path / "train" / "data-00000-of-00001.arrow"), table.schema) as writer:
+        writer.write_table(table)  # how `datasets` save_to_disk stores a split
+    sampled = lengths.sample(DataSpec(path=str(tmp_path)), "sft", "builtin:tiny-llama")
+    assert sorted(sampled.rows) == [(1 + 2 + 1 + 1,), (1 + 6 + 2 + 1,)]
+    assert "dataset folder" in sampled.source
+
+
 def test_a_large_jsonl_file_is_sampled_by_seeking(tmp_path, monkeypatch):
     monkeypatch.setattr(lengths, "FULL_READ_BYTES", 1000)
     many = [{"prompt": "p" * (i % 50 + 1), "response": "r"} for i in range(5000)]
