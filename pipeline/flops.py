@@ -9,6 +9,12 @@ plus 4 * layers * q_width * n for the attention scores and their weighted sum
 the forward; with LoRA the frozen weights need no gradient of their own, so it
 costs one forward plus 2 FLOPs per trained parameter. Gradient checkpointing's
 recomputed forward is executed work, not model work: it is not counted in MFU.
+
+What a pass executes can be more than the model FLOPs of its sequences
+(`pass_flops`): every position of a batch tensor goes through the matmuls,
+padding included, and attention with a mask (sdpa, eager) computes the scores of
+a whole line, width^2, whichever sequences the mask keeps apart; varlen flash
+kernels compute each sequence's own n^2 only.
 """
 
 from __future__ import annotations
@@ -18,12 +24,16 @@ from typing import Optional
 from pipeline.shapes import ModelShape
 
 
-def forward_flops_per_token(shape: ModelShape, head: str, length: int) -> float:
-    """Forward FLOPs per token of a sequence of `length` tokens ("lm" or "scalar" head)."""
+def _matmul_params(shape: ModelShape, head: str) -> int:
     matmul = shape.params_with_head(head) - shape.embedding_params
     if head == "lm" and shape.tied_embeddings:
         matmul += shape.embedding_params  # the tied table is also the output matmul
-    return 2 * matmul + 4 * shape.layers * shape.q_width * length
+    return matmul
+
+
+def forward_flops_per_token(shape: ModelShape, head: str, length: int) -> float:
+    """Forward FLOPs per token of a sequence of `length` tokens ("lm" or "scalar" head)."""
+    return 2 * _matmul_params(shape, head) + 4 * shape.layers * shape.q_width * length
 
 
 def backward_flops_per_token(shape: ModelShape, head: str, length: int, lora_params: Optional[int] = None) -> float:
@@ -40,3 +50,18 @@ def sequence_flops(shape: ModelShape, head: str, length: int, trained: bool,
     if trained:
         total += backward_flops_per_token(shape, head, length, lora_params)
     return total * length
+
+
+def pass_flops(shape: ModelShape, head: str, positions: int, attended: int, *, trained: bool,
+               lora_params: Optional[int] = None, recompute: bool = False) -> float:
+    """FLOPs a pass executes over `positions` token positions of a batch tensor (padding
+    included) whose attention scores `attended` query-key pairs: the sum of width^2
+    over its lines when a mask keeps packed sequences apart (sdpa, eager), of each
+    sequence's length^2 with varlen flash kernels. A trained model adds its backward,
+    and with gradient checkpointing (recompute) a second forward. One sequence of n
+    tokens, alone: pass_flops(n, n * n, trained=...) == sequence_flops(n, trained=...)."""
+    forward = 2 * _matmul_params(shape, head) * positions + 4 * shape.layers * shape.q_width * attended
+    if not trained:
+        return forward
+    backward = forward + 2 * lora_params * positions if lora_params is not None else 2 * forward
+    return forward + backward + (forward if recompute else 0.0)

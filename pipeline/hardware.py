@@ -27,8 +27,7 @@ Where the numbers come from
 - memory_bandwidth_gbs: HBM/GDDR bandwidth, for token-by-token generation.
 - host_memory_gib / network_gbs: a typical node of that GPU (DGX A100 1 TB,
   DGX H100/H200 2 TB, 8x200 Gb/s InfiniBand; PCIe servers 256-512 GB, one
-  100 Gb/s port). Real clusters differ: `cluster.host_memory_gb` or Slurm's
-  `cluster.mem` override the RAM.
+  100 Gb/s port). Real clusters differ: Slurm's `cluster.mem` overrides the RAM.
 """
 
 from __future__ import annotations

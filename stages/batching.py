@@ -66,7 +66,7 @@ def epoch_steps(n_rows: int, *, rows_per_step: int, micro_batch_size: int, rank:
     for k in range(steps_per_epoch(n_rows, rows_per_step)):
         rows = order[k * rows_per_step : (k + 1) * rows_per_step]
         if token_budget is None:
-            mine = _round_robin(rows, micro_batch_size, rank, world_size)
+            mine = round_robin(rows, micro_batch_size, rank, world_size)
         else:
             mine = pack_rows(rows, lengths, world_size, token_budget)[rank]
         steps.append(Step(tuple(mine), tuple(rows)))
@@ -92,7 +92,8 @@ def eval_micro_batches(n_rows: int, *, micro_batch_size: int, rank: int, world_s
     return out
 
 
-def _round_robin(rows: list[int], micro_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:
+def round_robin(rows: list[int], micro_batch_size: int, rank: int, world_size: int) -> list[MicroBatch]:
+    """This process's padded micro batches of a step's rows: micro_batch_size rows each, in turn."""
     per_round = micro_batch_size * world_size
     return [MicroBatch(tuple(rows[start + rank * micro_batch_size : start + (rank + 1) * micro_batch_size]))
             for start in range(0, len(rows), per_round)]

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pipeline.deepspeed_settings import bucket_elements, persistence_threshold
 from stages import batching, compat
 
 log = logging.getLogger("stages")
@@ -46,8 +47,7 @@ def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool) -> 
     accumulation = gradient_accumulation(stage, world_size)
     zero: dict = {"stage": stage.zero_stage}
     if stage.zero_stage >= 1:
-        # DeepSpeed's 5e8-element buckets suit GPUs; on CPU they make every step slow.
-        bucket = int(5e8) if on_gpu else int(5e5)
+        bucket = bucket_elements(on_gpu)
         zero.update(
             reduce_bucket_size=bucket,
             allgather_bucket_size=bucket,
@@ -56,8 +56,7 @@ def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool) -> 
         )
     if stage.zero_stage == 3:
         zero.update(
-            # Keep vectors (norms) whole, partition every matrix: 10 x hidden elements.
-            stage3_param_persistence_threshold=min(100_000, 10 * hidden_size),
+            stage3_param_persistence_threshold=persistence_threshold(hidden_size),
             stage3_prefetch_bucket_size=bucket,
             stage3_gather_16bit_weights_on_model_save=False,
         )
@@ -90,7 +89,7 @@ def frozen_model_config(stage, world_size: int, hidden_size: int, on_gpu: bool, 
     ZeRO-3 shards it like the policy, and offload keeps its parameters in host RAM."""
     zero: dict = {"stage": 3 if stage.zero_stage == 3 else 0}
     if stage.zero_stage == 3:
-        zero["stage3_param_persistence_threshold"] = min(100_000, 10 * hidden_size)
+        zero["stage3_param_persistence_threshold"] = persistence_threshold(hidden_size)
         if offload:
             zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
     return {

@@ -66,24 +66,28 @@ def digits_answer_is_correct(prompt: str, completion: str) -> bool:
     return completion.strip() == "".join(sorted(digits))
 
 
-def write_digits(dest: Path, seed: int = 1234) -> None:
-    """train.jsonl and eval.jsonl of the digits task (disjoint prompts)."""
+def digits_splits(seed: int = 1234):
+    """(split, rows) of the digits task, train then eval, with disjoint prompts: what
+    write_digits writes (the planner reads the rows from here, without writing them)."""
     rng = random.Random(seed)
     seen: set[str] = set()
-
-    def fresh_rows(count):
+    for split, count in DIGITS_SPLITS.items():
         rows = []
         while len(rows) < count:
             row = digits_row(rng)
             if row["prompt"] not in seen:
                 seen.add(row["prompt"])
                 rows.append(row)
-        return rows
+        yield split, rows
+
+
+def write_digits(dest: Path, seed: int = 1234) -> None:
+    """train.jsonl and eval.jsonl of the digits task (disjoint prompts)."""
 
     def write(tmp: Path):
-        for split, count in DIGITS_SPLITS.items():
+        for split, rows in digits_splits(seed):
             with open(tmp / f"{split}.jsonl", "w") as f:
-                for row in fresh_rows(count):
+                for row in rows:
                     f.write(json.dumps(row) + "\n")
 
     _write_atomically(dest, write)
@@ -92,10 +96,10 @@ def write_digits(dest: Path, seed: int = 1234) -> None:
 # --------------------------------------------------------------------------- model
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer that adds <s> in front, like Llama's."""
+def build_core_tokenizer():
+    """The character-level `tokenizers` Tokenizer (adds <s> in front, like Llama's); no
+    transformers, so the planner can count tokens with it on a login node."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -104,8 +108,15 @@ def build_tokenizer():
     core.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
     )
+    return core
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer that adds <s> in front, like Llama's."""
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        tokenizer_object=build_core_tokenizer(), bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
         # As Llama's tokenizer says; transformers 4.x would otherwise add token_type_ids,
         # which Llama's forward and generate reject.
         model_input_names=["input_ids", "attention_mask"],

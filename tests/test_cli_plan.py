@@ -36,6 +36,18 @@ def test_plan_json_carries_the_same_verdict(workdir):
     assert any(w["description"] == "no offload at all (ZeRO-3 alone)" and w["fits"] is False for w in stage["without"])
 
 
+def test_plan_json_carries_the_predictions_metrics_jsonl_reports(workdir):
+    result = run_cli("plan", write_pipeline(workdir, dpo_34b(optimizer_offload=True, reference="offload")),
+                     "--json", cwd=workdir)
+    stage = json.loads(result.stdout)["stages"][0]
+    for key in ("step_s", "mfu", "tokens_per_s", "token_efficiency"):  # the names metrics.jsonl logs
+        assert isinstance(stage["time"][key], float), key
+    lengths = stage["batches"]["lengths"]
+    assert lengths["sampled"] and "builtin:digits" in lengths["source"] and lengths["rows"] == 1000
+    assert stage["batches"]["packed"] and stage["batches"]["token_budget"] == 2 * 2048
+    assert 0 <= stage["batches"]["padding_share"] <= 0.03
+
+
 def test_run_refuses_a_stage_that_does_not_fit_before_running_anything(workdir):
     result = run_cli("run", write_pipeline(workdir, dpo_34b()), "--executor", "local", cwd=workdir)
     assert result.returncode == 3, result.stdout + result.stderr

@@ -96,11 +96,9 @@ def test_consumer_and_pcie_cards_have_no_nvlink():
         "h100-pcie", "l40s", "rtx4090", "rtx3090", "a6000"}
 
 
-def test_host_memory_comes_from_the_override_then_slurm_mem_then_the_catalogue():
-    assert node(host_memory_gb=512, mem="256G").host_memory_bytes == 512 * GiB
+def test_host_memory_comes_from_slurm_mem_then_the_catalogue():
     assert node(mem="256G").host_memory_bytes == 256 * GiB
     assert node(mem="0").host_memory_bytes == hardware.gpu("a100-80gb").host_memory_gib * GiB
-    assert node(gpu_memory_gb=70).gpu_memory_bytes == 70 * GiB
 
 
 # --------------------------------------------------------------------------- shapes
@@ -316,11 +314,67 @@ def test_eager_attention_materialises_the_scores():
 
 def test_logits_cost_vocab_per_token_and_reward_models_have_none():
     sft = plan.plan_stage(stage(micro_batch_size=2), LLAMA2_7B, node()).memory
-    assert item(sft, "logits") == 2 * 2048 * 32000 * (2 + 12)
+    # 4096 positions: logits and their gradient in bf16 (2 + 2 B per entry); fp32 log-prob chunks of
+    # 2**25 // 32000 = 1048 rows, up to four fp32 chunk copies at once in the backward; per position an
+    # fp32 picked log-prob and log-sum-exp (8 B)
+    assert item(sft, "logits") == 4096 * 32000 * (2 + 2) + 4 * 4 * 1048 * 32000 + 8 * 4096
     rm = plan.plan_stage(stage(kind="rm", micro_batch_size=2), LLAMA2_7B, node()).memory
     assert not [i for i in rm.items if i.category == "logits"]
     # a pair per row: twice the tokens of SFT for the same micro batch
     assert item(rm, "activations (32 layers)") == 2 * item(sft, "activations (32 layers)")
+
+
+def test_a_frozen_model_keeps_its_logits_in_the_model_dtype():
+    dpo = plan.plan_stage(stage(kind="dpo", zero_stage=3), LLAMA2_7B, node()).memory
+    # a pair of 2048-token sequences: bf16 logits, the forward's three fp32 chunk copies (1048 rows of 32000)
+    # and the picked log-prob and log-sum-exp per position
+    assert item(dpo, "reference logits", "reference forward") == 4096 * 32000 * 2 + 3 * 4 * 1048 * 32000 + 8 * 4096
+
+
+def test_the_logprob_chunk_is_the_one_the_loss_uses():
+    pytest.importorskip("torch")
+    from pipeline.plan import activations
+    from stages import losses
+
+    assert activations.LOGPROB_CHUNK_ELEMENTS == losses._CHUNK_ELEMS
+
+
+TINY = shapes.ModelShape(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=48, max_positions=64)
+
+
+def test_packed_sdpa_builds_one_additive_mask_per_micro_batch():
+    memory = plan.plan_stage(stage(attention="sdpa", max_len=16, micro_batch_size=2), TINY, node()).memory
+    # a 32-token budget on lines up to 32 wide: (lines, 1, w, w) bf16 mask over 32 x 32 positions, the bool
+    # (lines, w, w) it is built from, and the bool (w, w) causal temporary
+    assert item(memory, "attention mask (sdpa)") == 32 * 32 * 2 + 32 * 32 + 32 * 32
+    flash = plan.plan_stage(stage(max_len=16, micro_batch_size=2), TINY, node()).memory
+    assert item(memory, "policy activations") == item(flash, "policy activations")  # no per-layer mask any more
+
+
+def test_padded_micro_batches_get_transformers_own_mask():
+    sdpa = plan.plan_stage(stage(attention="sdpa", packing=False, max_len=16, micro_batch_size=2), TINY, node())
+    eager = plan.plan_stage(stage(attention="eager", packing=False, max_len=16, micro_batch_size=2), TINY, node())
+    assert item(sdpa.memory, "attention mask") == 2 * 16 * 16  # (rows, 1, max_len, max_len) bool
+    assert item(eager.memory, "attention mask") == 2 * 16 * 16 * 2  # additive, in bf16
+
+
+def test_flash_attention_takes_no_mask():
+    memory = plan.plan_stage(stage(max_len=16, micro_batch_size=2), TINY, node()).memory
+    assert not [i for i in memory.items if "mask" in i.name]
+
+
+def test_micro_batch_tokens_sizes_activations_and_logits():
+    small = plan.plan_stage(stage(micro_batch_size=1), LLAMA2_7B, node()).memory
+    big = plan.plan_stage(stage(micro_batch_size=1, micro_batch_tokens=4 * 2048), LLAMA2_7B, node()).memory
+    assert item(big, "policy activations") == 4 * item(small, "policy activations")
+    padded = plan.plan_stage(stage(micro_batch_size=1, micro_batch_tokens=4 * 2048, packing=False), LLAMA2_7B, node())
+    assert item(padded.memory, "policy activations") == item(small, "policy activations")  # the budget packs only
+
+
+def test_the_dpo_reference_runs_while_the_policy_holds_its_forward():
+    memory = plan.plan_stage(stage(kind="dpo", zero_stage=3), LLAMA2_7B, node()).memory
+    held = item(memory, "held while the reference runs", "reference forward")
+    assert held == item(memory, "policy activations") + 4096 * 32000 * 2  # + the policy's bf16 logits
 
 
 # --------------------------------------------------------------------------- the DPO reference
@@ -382,7 +436,7 @@ def test_34b_dpo_fits_two_nodes_without_offload():
 
 def test_34b_dpo_optimizer_offload_needs_more_host_ram_than_a_small_node_has():
     p = plan.plan_stage(stage(kind="dpo", zero_stage=3, gradient_checkpointing=True, optimizer_offload=True),
-                        shapes.resolve_shape(CODELLAMA_34B), node(host_memory_gb=256))
+                        shapes.resolve_shape(CODELLAMA_34B), node(mem="256G"))
     assert p.fits is False and p.memory.host_headroom < 0 <= p.memory.gpu_headroom
 
 
@@ -520,10 +574,10 @@ def test_zero3_over_pcie_communicates_more_than_over_nvlink():
 
 def test_ppo_holds_actor_critic_reference_and_reward_model():
     actor, reward = shapes.BUILTIN_SHAPES["Qwen/Qwen1.5-7B"], shapes.BUILTIN_SHAPES["Qwen/Qwen1.5-1.8B"]
-    extra = {"reward_shape": reward, "critic_shape": reward, "rollout_rows": 64, "scoring_batch": 4,
-             "new_tokens": 256, "samples_per_prompt": 1}
+    ppo = plan.PPOWorkload(reward_shape=reward, critic_shape=reward, rollout_rows=64, scoring_batch=4,
+                           new_tokens=256, samples_per_prompt=1)
     p = plan.plan_stage(stage(kind="ppo", zero_stage=3, gradient_checkpointing=True, optimizer_offload=True,
-                              max_len=1024, reference="offload"), actor, node(gpu="rtx4090", gpus=8), extra=extra)
+                              max_len=1024, reference="offload"), actor, node(gpu="rtx4090", gpus=8), ppo=ppo)
     roles = {i.name.split(" ")[0] for i in p.memory.items}
     assert {"actor", "critic", "reference", "reward"} <= roles
     # 8.8B trained-or-consulted parameters in bf16 is 17.6 GB (CONTEXT.md); trained ones are actor + critic
@@ -618,16 +672,16 @@ def test_planner_mirrors_deepspeeds_defaults():
 
 
 def test_a_smaller_micro_batch_keeps_the_global_batch_by_accumulation():
-    p = plan.plan_stage(stage(zero_stage=3, gradient_checkpointing=True, micro_batch_size=8, max_len=4096),
+    p = plan.plan_stage(stage(zero_stage=3, gradient_checkpointing=True, micro_batch_size=16, max_len=4096),
                         shapes.BUILTIN_SHAPES["meta-llama/Meta-Llama-3-8B"], node())
-    assert p.fits is False  # 8 x 4096 tokens x 128256 vocab of fp32 logits and their gradients
+    assert p.fits is False  # 16 x 4096 tokens x 128256 vocab: bf16 logits and their gradient alone are 31 GiB
     first = p.suggestions[0]
-    assert first.changes == {"micro_batch_size": 4, "global_batch_size": 64} and not first.changes_training
+    assert first.changes == {"micro_batch_size": 8, "global_batch_size": 128} and not first.changes_training
 
 
 def test_ppo_references_are_never_precomputed():
     knobs = plan.Knobs(kind="ppo", zero_stage=3)
-    changes = [c for _, c, _, _ in plan._candidate_changes(knobs, node())]
+    changes = [c for _, c, _, _ in plan.fixes._candidate_changes(knobs, node())]
     assert {"reference": "offload"} in changes and {"reference": "precompute"} not in changes
 
 

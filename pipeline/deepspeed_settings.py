@@ -1,0 +1,31 @@
+"""The DeepSpeed settings that both the running stage and the planner depend on.
+
+stages/engine.py writes them into the DeepSpeed config it hands to
+`deepspeed.initialize`; pipeline/plan reads the same numbers to size the buffers
+DeepSpeed allocates. One owner, so the plan cannot drift from the run. Pure
+Python (no torch): the planner runs on login nodes.
+"""
+
+from __future__ import annotations
+
+# ZeRO's reduce / all-gather / prefetch buckets, in elements. DeepSpeed's 5e8 default
+# suits GPUs; on CPU buckets that size make every step take seconds.
+GPU_BUCKET_ELEMENTS = int(5e8)
+CPU_BUCKET_ELEMENTS = int(5e5)
+
+# DeepSpeed defaults the config leaves alone; the planner sizes buffers by them
+# (tests/test_plan.py checks them against the installed DeepSpeed).
+SUB_GROUP_SIZE = int(1e9)  # zero_optimization.sub_group_size: ZeRO-3 steps the optimizer a sub-group at a time
+MAX_LIVE_PARAMETERS = int(1e9)  # stage3_max_live_parameters: the most ZeRO-3 keeps gathered at once
+FROZEN_PREFETCH_ELEMENTS = int(5e7)  # stage3_prefetch_bucket_size, which frozen_model_config keeps
+
+
+def bucket_elements(on_gpu: bool) -> int:
+    """Elements per ZeRO communication bucket on GPUs or on CPU."""
+    return GPU_BUCKET_ELEMENTS if on_gpu else CPU_BUCKET_ELEMENTS
+
+
+def persistence_threshold(hidden: int) -> int:
+    """ZeRO-3 keeps tensors of at most this many elements whole on every process:
+    vectors (norms, 10 x hidden at most) stay whole, every matrix is partitioned."""
+    return min(100_000, 10 * hidden)

@@ -1,0 +1,126 @@
+"""What a forward (and backward) pass over one micro batch holds on the device:
+activations, the attention mask, logits. Per micro batch of T tokens, the most a
+micro batch can hold (the packing budget, or micro_batch_size rows padded to
+max_len); h hidden, i MLP width, q/kv widths, V vocabulary, b bytes per value of
+the training precision.
+
+- activations per token per layer: two RMSNorms 2*(4h + 2bh) (HF keeps an fp32
+  copy), attention b*(2q + 2kv) (q, k, v, output) + fp32 log-sum-exp, MLP 4bi,
+  LoRA b*r per adapted layer; eager attention adds the heads x width scores of its
+  line (fp32 softmax + its cast). Without checkpointing every layer keeps them;
+  with it each layer keeps its input (b*h) and one layer is recomputed at a time.
+  One more layer's worth is counted for the activation gradients.
+- attention mask, one per micro batch and model pass, kept through the backward
+  (stages/compat.py PackedSequences): packed lines for sdpa and eager get an
+  additive (lines, 1, width, width) mask in the model dtype, built from a bool
+  (lines, width, width) and a bool (width, width) causal temporary; lines are about
+  max_len wide, up to twice that (see inputs.masked_line_width). Padded micro
+  batches get transformers' own (rows, 1, max_len, max_len) mask: bool for sdpa,
+  the model dtype for eager. Flash attention takes no mask.
+- logits (stages/losses.py): a trained LM's logits stay in the model dtype and so
+  does their gradient, T*V*2b; the loss reads log-probs in fp32 chunks of at most
+  2^25 elements, keeping per position only the picked log-prob and a log-sum-exp
+  (8 bytes). A chunk's backward holds up to four fp32 chunk-sized tensors at once
+  (the previous chunk's two and the current one's two), its forward three. A
+  frozen LM's forward: T*V*b + the forward's chunk. Scalar heads have no logits.
+- DPO runs the reference forward after the policy's and before its backward
+  (stages/dpo.py), so the policy's stored activations and logits are held while
+  the reference runs (and its mask too, without checkpointing).
+"""
+
+from __future__ import annotations
+
+from pipeline.plan.inputs import Knobs, ModelUse, Workload, masked_line_width
+from pipeline.shapes import ModelShape
+
+LOGPROB_CHUNK_ELEMENTS = 1 << 25  # stages/losses.py _CHUNK_ELEMS (tests/test_plan.py checks they agree)
+MASKED_KERNELS = ("sdpa", "eager")
+
+Pass = tuple[str, str, float]  # (item name, category, bytes)
+
+
+def layer_activation_bytes(shape: ModelShape, knobs: Knobs, kernel: str, width: int) -> float:
+    """Bytes one decoder layer keeps per token for the backward pass; `width`: the
+    attention line a token attends within (eager materialises its scores)."""
+    h, b = shape.hidden, knobs.weight_bytes
+    norms = 2 * (4 * h + 2 * b * h)
+    attention = b * (2 * shape.q_width + 2 * shape.kv_width) + 4 * shape.heads
+    mlp = 4 * b * shape.intermediate
+    lora = b * knobs.lora_rank * len(knobs.lora_targets) if knobs.lora_rank else 0
+    scores = shape.heads * width * (4 + (b if b < 4 else 0)) if kernel == "eager" else 0.0
+    return norms + attention + mlp + lora + scores
+
+
+def line_width(knobs: Knobs, workload: Workload, kernel: str, tokens: int) -> int:
+    """The widest attention line of a micro batch of `tokens` tokens."""
+    if knobs.packs and kernel in MASKED_KERNELS:
+        return masked_line_width(tokens, knobs.max_len)
+    return workload.seq_len
+
+
+def attention_mask_bytes(knobs: Knobs, workload: Workload, kernel: str, tokens: int) -> float:
+    """The mask sdpa and eager attention get for one micro batch (none for flash)."""
+    if kernel not in MASKED_KERNELS:
+        return 0.0
+    b = knobs.weight_bytes
+    if knobs.packs:
+        width = masked_line_width(tokens, knobs.max_len)
+        return tokens * width * (b + 1) + width * width  # the mask + its bool temporaries
+    rows, width = tokens // workload.seq_len, workload.seq_len
+    return rows * width * width * (1 if kernel == "sdpa" else b)
+
+
+def logits_bytes(shape: ModelShape, tokens: int, b: int, trained: bool) -> float:
+    """Logits of `tokens` positions in the model dtype (and their gradient when trained),
+    the fp32 log-prob chunks, and the picked log-prob and log-sum-exp per position."""
+    chunk = min(tokens, max(1, LOGPROB_CHUNK_ELEMENTS // shape.vocab)) * shape.vocab
+    if trained:
+        return 2 * b * tokens * shape.vocab + 4 * 4 * chunk + 8 * tokens
+    return b * tokens * shape.vocab + 3 * 4 * chunk + 8 * tokens
+
+
+def _stored(shape: ModelShape, knobs: Knobs, tokens: int, layer: float) -> float:
+    """Activations a trained model keeps from its forward for its backward."""
+    if knobs.gradient_checkpointing:
+        return tokens * (shape.layers * knobs.weight_bytes * shape.hidden + layer)
+    return tokens * shape.layers * layer
+
+
+def trained_pass(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str) -> list[Pass]:
+    """A trained model's forward + backward over one micro batch."""
+    shape, role, b = use.shape, use.role, knobs.weight_bytes
+    tokens = workload.train_tokens(knobs)
+    layer = layer_activation_bytes(shape, knobs, kernel, line_width(knobs, workload, kernel, tokens))
+    stored = (f"{role} activations (checkpointed: layer inputs + one layer recomputed)"
+              if knobs.gradient_checkpointing else f"{role} activations ({shape.layers} layers)")
+    out = [(stored, "activations", _stored(shape, knobs, tokens, layer)),
+           (f"{role} activation gradients (one layer)", "activations",
+            tokens * (layer + 4 * shape.hidden + 2 * b * shape.hidden)),
+           (f"{role} attention mask ({kernel})", "activations", attention_mask_bytes(knobs, workload, kernel, tokens))]
+    if use.head == "lm":
+        out.append((f"{role} logits + their gradient ({knobs.precision}), fp32 log-prob chunks", "logits",
+                    logits_bytes(shape, tokens, b, trained=True)))
+    return out
+
+
+def frozen_forward(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str) -> list[Pass]:
+    """A frozen model's no-grad forward over one scoring micro batch."""
+    shape, role = use.shape, use.role
+    tokens = workload.scoring_tokens(knobs)
+    layer = layer_activation_bytes(shape, knobs, kernel, line_width(knobs, workload, kernel, tokens))
+    out = [(f"{role} forward activations (one layer, no grad)", "activations", tokens * layer),
+           (f"{role} attention mask ({kernel})", "activations", attention_mask_bytes(knobs, workload, kernel, tokens))]
+    if use.head == "lm":
+        out.append((f"{role} logits ({knobs.precision}), fp32 log-prob chunks", "logits",
+                    logits_bytes(shape, tokens, knobs.weight_bytes, trained=False)))
+    return out
+
+
+def held_while_reference_runs(policy: ModelUse, knobs: Knobs, workload: Workload, kernel: str) -> list[Pass]:
+    """DPO: what the policy's forward left for its backward while the reference runs."""
+    shape, tokens = policy.shape, workload.train_tokens(knobs)
+    layer = layer_activation_bytes(shape, knobs, kernel, line_width(knobs, workload, kernel, tokens))
+    held = _stored(shape, knobs, tokens, layer) + knobs.weight_bytes * tokens * shape.vocab
+    if not knobs.gradient_checkpointing:  # the policy's mask is saved for its attention backward
+        held += attention_mask_bytes(knobs, workload, kernel, tokens)
+    return [(f"{policy.role}'s stored activations and logits, held while the reference runs", "activations", held)]

@@ -1,0 +1,167 @@
+"""What would make a stage fit, and what each memory-saving setting of a fitting
+stage buys: the stage re-estimated with candidate changes, one to a few at a time.
+
+Pure Python (no torch)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from pipeline.config import SEQUENCES_PER_ROW
+from pipeline.lengths import RowLengths
+from pipeline.plan.estimate import Estimate, estimate_stage
+from pipeline.plan.inputs import REFERENCE_PLACEMENTS, Hardware, Knobs, PPOWorkload
+from pipeline.shapes import ModelShape
+
+
+@dataclass
+class Suggestion:
+    changes: dict  # field -> new value
+    description: str
+    changes_training: bool  # False: same result, only memory/speed differ
+    estimate: Estimate
+
+
+# Within these groups a later option goes further than an earlier one (more GPUs, more
+# sharding): it is only worth suggesting where the lesser one, with the same companions, fails.
+ESCALATING_GROUPS = ("zero", "nodes")
+
+
+def _candidate_changes(knobs: Knobs, hw: Hardware) -> list[tuple[str, dict, str, bool]]:
+    """(group, field changes, description, changes what is trained?) one at a time."""
+    out: list[tuple[str, dict, str, bool]] = []
+    if not knobs.gradient_checkpointing:
+        out.append(("checkpointing", {"gradient_checkpointing": True}, "gradient_checkpointing: true", False))
+    if knobs.attention == "eager":
+        out.append(("attention", {"attention": "flash_attention_2"}, "attention: flash_attention_2", False))
+    for stage in (2, 3):
+        if stage > knobs.zero_stage:
+            out.append(("zero", {"zero_stage": stage}, f"zero_stage: {stage}", False))
+    if not knobs.offloads:
+        change = {"optimizer_offload": True}
+        text = "optimizer_offload: true"
+        if knobs.zero_stage == 0:
+            change["zero_stage"] = 2
+            text += " (with zero_stage: 2)"
+        out.append(("offload", change, text, False))
+    if knobs.kind in ("dpo", "ppo"):
+        # PPO's reference must score fresh samples: it cannot be precomputed.
+        for placement in ("offload", "precompute") if knobs.kind == "dpo" else ("offload",):
+            if REFERENCE_PLACEMENTS.index(placement) > REFERENCE_PLACEMENTS.index(knobs.reference):
+                out.append(("reference", {"reference": placement}, f"reference: {placement}", False))
+    rows = knobs.global_batch_size or knobs.micro_batch_size * knobs.nodes * hw.processes_per_node
+    smaller = knobs.micro_batch_size // 2
+    if knobs.packs and knobs.micro_batch_tokens:  # the budget, not micro_batch_size, sizes a micro batch
+        fewer = knobs.micro_batch_tokens // 2
+        if fewer >= knobs.max_len * SEQUENCES_PER_ROW[knobs.kind]:
+            out.append(("micro", {"micro_batch_tokens": fewer}, f"micro_batch_tokens: {fewer}", False))
+    elif smaller >= 1 and rows % (smaller * knobs.nodes * hw.processes_per_node) == 0:
+        out.append(("micro", {"micro_batch_size": smaller, "global_batch_size": rows},
+                    f"micro_batch_size: {smaller} (global_batch_size stays {rows} by accumulation)", False))
+    for factor in (2, 4):
+        nodes = knobs.nodes * factor
+        per_pass = knobs.micro_batch_size * nodes * hw.processes_per_node
+        if rows % per_pass == 0:
+            out.append(("nodes", {"nodes": nodes, "global_batch_size": rows},
+                        f"nodes: {nodes} (global_batch_size {rows})", False))
+        else:
+            out.append(("nodes", {"nodes": nodes, "global_batch_size": per_pass},
+                        f"nodes: {nodes} (global_batch_size {rows} -> {per_pass}: the minimum for "
+                        f"{nodes * hw.processes_per_node} processes)", True))
+    if not knobs.lora_rank:
+        out.append(("lora", {"lora_rank": 16, "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj")},
+                    "lora: {rank: 16} (train adapters instead of all weights)", True))
+    if knobs.max_len >= 512:
+        out.append(("max_len", {"max_len": knobs.max_len // 2},
+                    f"max_len: {knobs.max_len // 2} (longer rows are truncated)", True))
+    return out
+
+
+def suggest(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] = None,
+            ppo: Optional[PPOWorkload] = None, lengths: Optional[RowLengths] = None, limit: int = 5,
+            max_changes: int = 3) -> list[Suggestion]:
+    """Changes that make the stage fit, each re-estimated, cheapest first.
+
+    Cheapest = changes that keep the training result (checkpointing, ZeRO stage,
+    offload, reference placement, smaller micro batch with accumulation, more
+    nodes) before those that change it (LoRA, shorter max_len, another batch
+    size); within each, fewest GPU-seconds per 1000 rows (throughput lost, and
+    GPUs added), then fewest changes. Only minimal combinations are kept (no
+    subset of a kept one already fits). When nothing fits, the closest ones.
+    """
+    candidates = _candidate_changes(knobs, hw)
+    evaluated: list[tuple[tuple, Suggestion]] = []
+    for count in range(1, max_changes + 1):
+        for combo in itertools.combinations(range(len(candidates)), count):
+            groups = [candidates[i][0] for i in combo]
+            if len(set(groups)) < len(groups):
+                continue
+            changes: dict = {}
+            for i in combo:
+                changes.update(candidates[i][1])
+            new = replace(knobs, **changes)
+            if new.zero_stage < knobs.zero_stage:
+                continue
+            estimate = estimate_stage(new, shape, hw, rows, ppo, lengths)
+            text = "; ".join(candidates[i][2] for i in combo)
+            alters = any(candidates[i][3] for i in combo)
+            evaluated.append((combo, Suggestion(changes, text, alters, estimate)))
+
+    def cost(s: Suggestion, combo) -> tuple:
+        gpu_s = s.estimate.gpu_seconds_per_1000_rows
+        return (s.changes_training, gpu_s if gpu_s is not None else 0.0, len(combo))
+
+    def weaker(small, big) -> bool:
+        """`small` asks for less than `big`: fewer changes, or a lesser option of an escalating group."""
+        if small == big:
+            return False
+        by_group = {candidates[i][0]: i for i in big}
+        for i in small:
+            group = candidates[i][0]
+            if group not in by_group or (i != by_group[group] and
+                                         (group not in ESCALATING_GROUPS or i > by_group[group])):
+                return False
+        return True
+
+    fitting = [(c, s) for c, s in evaluated if s.estimate.fits]
+    if fitting:
+        minimal = [(c, s) for c, s in fitting if not any(weaker(other, c) for other, _ in fitting)]
+        minimal.sort(key=lambda cs: cost(cs[1], cs[0]))
+        return [s for _, s in minimal[:limit]]
+
+    def shortfall(s: Suggestion) -> float:
+        m = s.estimate.memory
+        return -min(h for h in (m.gpu_headroom, m.host_headroom, 0) if h is not None)
+
+    evaluated.sort(key=lambda cs: (shortfall(cs[1]), cost(cs[1], cs[0])))
+    return [s for _, s in evaluated[:min(limit, 3)]]
+
+
+def settings_relaxed(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] = None,
+                     ppo: Optional[PPOWorkload] = None, lengths: Optional[RowLengths] = None) -> list[Suggestion]:
+    """The stage re-estimated with each memory-saving setting it has on turned off,
+    with every offload off at once, and, where the optimizer is offloaded, on one
+    more node without that offload: what each setting buys, and the way out of it."""
+    options: list[tuple[dict, str]] = []
+    if knobs.optimizer_offload:
+        options.append(({"optimizer_offload": False}, "optimizer_offload: false"))
+    if knobs.reference != "live":
+        options.append(({"reference": "live"}, "reference: live"))
+    if knobs.optimizer_offload and knobs.reference != "live":
+        options.append(({"optimizer_offload": False, "reference": "live"},
+                         f"no offload at all (ZeRO-{knobs.zero_stage} alone)"))
+    if knobs.gradient_checkpointing:
+        options.append(({"gradient_checkpointing": False}, "gradient_checkpointing: false"))
+    if knobs.zero_stage == 3:
+        options.append(({"zero_stage": 2}, "zero_stage: 2"))
+    if knobs.lora_rank:
+        options.append(({"lora_rank": None, "lora_targets": ()}, "no LoRA (all parameters trained)"))
+    if knobs.optimizer_offload:
+        options.append(({"optimizer_offload": False, "nodes": knobs.nodes + 1},
+                        f"nodes: {knobs.nodes + 1}, optimizer_offload: false"))
+    return [Suggestion(changes, text, False, estimate_stage(replace(knobs, **changes), shape, hw, rows, ppo, lengths))
+            for changes, text in options]
+

@@ -1,0 +1,198 @@
+"""What an estimate is computed from: a stage's settings (Knobs), the machine
+(Hardware), the models it holds (ModelUse) and what it computes (Workload,
+PPOWorkload). Plain data; no estimates here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pipeline import hardware
+from pipeline.shapes import ModelShape
+from stages.data import token_budget  # torch-free: the budget the stages pack micro batches by
+
+GiB = 1024**3
+
+REFERENCE_PLACEMENTS = ("live", "offload", "precompute")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The settings of a stage that memory and time depend on (a stage spec, flattened)."""
+
+    kind: str = "sft"
+    precision: str = "bf16"
+    zero_stage: int = 2
+    optimizer_offload: bool = False
+    gradient_checkpointing: bool = False
+    attention: str = "auto"
+    lora_rank: Optional[int] = None
+    lora_targets: tuple = ()
+    max_len: int = 2048
+    micro_batch_size: int = 1
+    packing: bool = True
+    micro_batch_tokens: Optional[int] = None
+    global_batch_size: Optional[int] = None
+    epochs: int = 1
+    max_steps: Optional[int] = None
+    nodes: int = 1
+    reference: str = "live"
+
+    @classmethod
+    def from_stage(cls, stage) -> "Knobs":
+        lora = getattr(stage, "lora", None)
+        return cls(
+            kind=stage.kind,
+            precision=stage.precision,
+            zero_stage=stage.zero_stage,
+            optimizer_offload=bool(stage.optimizer_offload),
+            gradient_checkpointing=bool(stage.gradient_checkpointing),
+            attention=stage.attention,
+            lora_rank=lora.rank if lora else None,
+            lora_targets=tuple(lora.target_modules) if lora else (),
+            max_len=stage.max_len,
+            micro_batch_size=stage.micro_batch_size,
+            packing=bool(getattr(stage, "packing", True)),
+            micro_batch_tokens=getattr(stage, "micro_batch_tokens", None),
+            global_batch_size=stage.global_batch_size,
+            epochs=stage.epochs,
+            max_steps=stage.max_steps,
+            nodes=stage.nodes,
+            reference=getattr(stage, "reference", "live") or "live",
+        )
+
+    @property
+    def weight_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def offloads(self) -> bool:
+        """DeepSpeed offloads the optimizer only with ZeRO 1-3 (stages/engine.py)."""
+        return self.optimizer_offload and self.zero_stage >= 1
+
+    @property
+    def packs(self) -> bool:
+        """sft, rm and dpo pack micro batches by a token budget unless packing is off; PPO pads."""
+        return self.packing and self.kind in ("sft", "rm", "dpo")
+
+
+def attention_kernel(attention: str, on_gpu: bool) -> str:
+    """The attention a stage runs: auto is flash_attention_2 on GPUs (the images install
+    it) and sdpa on CPU, as stages/models.py attention_implementation decides."""
+    if attention == "auto":
+        return "flash_attention_2" if on_gpu else "sdpa"
+    return attention
+
+
+def masked_line_width(tokens: int, max_len: int) -> int:
+    """The widest line a packed micro batch of `tokens` tokens is laid out in for sdpa and
+    eager attention (stages/batching.py pack_lines): lines about max_len long, wider
+    when a few long sequences will not share lines evenly, up to about twice that."""
+    return min(tokens, 2 * max_len)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a stage runs on. Host RAM per node is Slurm's cluster.mem when it names a
+    size, else a typical node of the GPU type (pipeline/hardware.py); GPU memory is the
+    catalogue's usable memory, read as GiB (binary, as torch and nvidia-smi count)."""
+
+    gpu: Optional[hardware.GPU]
+    gpus_per_node: int
+    processes_per_node: int
+    gpu_memory_bytes: Optional[int]
+    host_memory_bytes: Optional[int]
+    host_memory_source: str = ""
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpus_per_node > 0
+
+    @classmethod
+    def from_cluster(cls, cluster) -> "Hardware":
+        gpu = hardware.gpu(cluster.gpu) if getattr(cluster, "gpu", None) else None
+        gpus_per_node = getattr(cluster, "gpus_per_node", 0) or 0
+        processes = getattr(cluster, "processes_per_node", None) or getattr(cluster, "tasks_per_node", None) or gpus_per_node or 1
+        host_bytes, source = None, ""
+        if _slurm_mem_bytes(getattr(cluster, "mem", None)):
+            host_bytes, source = _slurm_mem_bytes(cluster.mem), f"cluster.mem ({cluster.mem})"
+        elif gpu is not None:
+            host_bytes, source = int(gpu.host_memory_gib * GiB), f"typical {gpu.name} node"
+        return cls(gpu, gpus_per_node, processes, gpu.memory_bytes if gpu else None, host_bytes, source)
+
+
+def _slurm_mem_bytes(mem: Optional[str]) -> Optional[int]:
+    """Slurm --mem (default unit MB; K/M/G/T suffixes); 0 means the whole node: unknown here."""
+    if not mem:
+        return None
+    text = str(mem).strip().upper()
+    unit = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(text[-1])
+    number = float(text[:-1] if unit else text)
+    return int(number * (unit or 2**20)) or None
+
+
+@dataclass(frozen=True)
+class ModelUse:
+    """One model a stage holds: trained (policy, reward model, critic) or frozen (reference, reward)."""
+
+    role: str
+    shape: ModelShape
+    head: str = "lm"  # "lm" (next-token logits) or "scalar" (reward / value)
+    trained: bool = True
+    placement: str = "live"  # frozen models: live (on the GPUs), offload (host RAM), precompute (not at all)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """PPO rollouts: sequences generated per GPU at once, prompt and new tokens."""
+
+    batch: int
+    prompt_len: int
+    new_tokens: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a stage computes. A row is a training example (SFT: one sequence; RM/DPO: a
+    chosen/rejected pair; PPO: a prompt with its sampled completions)."""
+
+    sequences_per_row: int
+    seq_len: int
+    generation: Optional[Generation] = None
+    # PPO: sequences per micro batch are counted directly (not rows), each rollout of
+    # rows_per_rollout prompts is trained train_passes times, and the frozen models (and a
+    # no-grad pass of the trained ones) score it scoring_batch sequences at a time.
+    micro_batch_in_sequences: bool = False
+    train_passes: int = 1
+    scoring_batch: Optional[int] = None
+    rows_per_rollout: Optional[int] = None
+
+    def train_tokens(self, knobs: Knobs) -> int:
+        """The most tokens one process's micro batch holds: the packing budget
+        (stages/data.py token_budget), or micro_batch_size rows padded to max_len."""
+        if self.micro_batch_in_sequences:
+            return knobs.micro_batch_size * self.seq_len
+        if knobs.packs:
+            return token_budget(knobs, self.sequences_per_row)
+        return knobs.micro_batch_size * self.sequences_per_row * self.seq_len
+
+    def scoring_tokens(self, knobs: Knobs) -> int:
+        return self.scoring_batch * self.seq_len if self.scoring_batch else self.train_tokens(knobs)
+
+
+@dataclass(frozen=True)
+class PPOWorkload:
+    """What a PPO stage holds besides its actor and how it rolls out (stages/ppo.py):
+    the reward model's and critic's shapes (None when absent), where the reward model
+    waits between uses, completions per prompt, prompts per rollout, sequences per
+    generation call and scoring pass, the longest completion, and passes over each
+    rollout. None fields take the stage's micro batch size / half its max_len."""
+
+    reward_shape: Optional[ModelShape] = None
+    critic_shape: Optional[ModelShape] = None
+    reward_placement: str = "live"
+    samples_per_prompt: int = 1
+    rollout_rows: Optional[int] = None
+    scoring_batch: Optional[int] = None
+    new_tokens: Optional[int] = None
+    train_passes: int = 1

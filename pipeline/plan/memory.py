@@ -1,0 +1,369 @@
+"""GPU memory per process and host RAM per node of one stage, itemised.
+
+- model states, as DeepSpeed 0.19 allocates them (read from its source and checked
+  against real allocations in tests/test_plan_vs_deepspeed.py): with N trained
+  parameters, W processes and b bytes per weight (2 for bf16/fp16, 4 for fp32):
+    weights     b*N whole on every GPU; ZeRO-3: b*N/W, plus whole copies of the
+                tensors at or under the persistence threshold (norms)
+    gradients   ZeRO-0: b*N;  ZeRO-1/2/3: b*N/W (the reduced partition)
+    optimizer   fp32 master copy + Adam m and v: 12*N/W with ZeRO-1/2/3 (also in
+                fp32 training: DeepSpeed copies the partition); ZeRO-0: 12*N with
+                bf16/fp16 (master + m + v), 8*N in fp32 (torch AdamW, no master)
+    step        while the optimizer steps, the fp32 copy of the gradients:
+                ZeRO-0 bf16 4*N; ZeRO-1/2 4*N/W (with LoRA's single parameter
+                group the b*N/W partition is freed as it is made); ZeRO-3 4*N/W per
+                sub-group of at most 1e9 elements, and it releases the persistent
+                whole copies first; fp32 ZeRO-0 needs none.
+  So mixed-precision Adam under ZeRO-3 costs 2+2+12 = 16 B/param at rest and
+  20 B/param while stepping (DeepSpeed's own estimator says 18).
+- optimizer offload: master, m, v and an fp32 gradient partition (16 B/param/W)
+  plus a bf16 staging partition (2 B, 4 in fp32) live in pinned host RAM;
+  ZeRO-1/2 keep one largest-tensor gradient buffer on each side.
+- LoRA: only the adapters (r*(in+out) per targeted linear layer) have gradients
+  and optimizer states; the frozen base and the adapters are in the training
+  precision (stages/models.py casts peft's fp32 adapters, which ZeRO-3 would
+  otherwise keep in fp32).
+- buffers: ZeRO-1/2 gradient buckets during backward (reduce_bucket_size elements,
+  two with overlap_comm); ZeRO-3 one persistent bucket, the gathered weights of
+  the layer being computed plus the prefetched next one, and that layer's full
+  gradients before they are reduce-scattered.
+- activations, the attention mask and logits of a micro batch: see
+  pipeline/plan/activations.py.
+- workspace: 1 GiB for the CUDA context, cuBLAS and NCCL buffers, plus 10% of the
+  largest phase's transient memory for caching-allocator fragmentation.
+- host RAM: 3 GiB per GPU process (Python, torch, CUDA and NCCL libraries), the
+  offloaded states, an offloaded reference model, and at start-up the model
+  being loaded (whole per process unless ZeRO-3 shards it while loading).
+- frozen models (DPO reference; PPO reference and reward model), as
+  stages/models.py FrozenModel holds them: live = bf16 weights sharded like the
+  policy under ZeRO-3, whole otherwise; offload = in host RAM (ZeRO-3 parameter
+  offload: a 1/W shard per process; otherwise a whole copy per process, moved
+  onto the GPU for each forward); precompute = nothing while training.
+- PPO generation: the KV cache (2 x layers x kv width x b per token) and, under
+  ZeRO-3, the whole actor gathered for the rollout (stages/ppo.py does that).
+
+Phases: memory is the sum of what is always resident plus the largest phase
+(policy forward+backward, reference forward, optimizer step, generation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pipeline.deepspeed_settings import (
+    FROZEN_PREFETCH_ELEMENTS,
+    MAX_LIVE_PARAMETERS,
+    SUB_GROUP_SIZE,
+    bucket_elements,
+    persistence_threshold,
+)
+from pipeline.plan.activations import frozen_forward, held_while_reference_runs, trained_pass
+from pipeline.plan.inputs import GiB, Hardware, Knobs, ModelUse, Workload, attention_kernel
+from pipeline.shapes import ModelShape
+
+CUDA_WORKSPACE_BYTES = 1 * GiB
+FRAGMENTATION = 0.10
+PROCESS_HOST_BYTES = 3 * GiB  # a GPU training process's own resident memory
+CPU_PROCESS_HOST_BYTES = 1 * GiB  # the same without CUDA libraries
+CHECKPOINT_SHARD_BYTES = 10 * GiB  # host memory a ZeRO-3 process holds while loading (one shard file)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One line of the estimate. GPU bytes are per GPU; host bytes per process unless scope='node'."""
+
+    name: str
+    category: str  # weights | gradients | optimizer | buffers | activations | logits | workspace | runtime | loading
+    where: str  # gpu | host
+    phase: str  # always | loading | "<role> forward+backward" | "<role> forward" | optimizer step | generation
+    bytes: int
+    scope: str = "process"
+
+
+@dataclass
+class Memory:
+    items: list[Item]
+    processes_per_node: int
+    gpu_capacity: Optional[int]
+    host_capacity: Optional[int]
+    host_capacity_source: str = ""
+
+    def total_bytes(self, item: Item) -> int:
+        """An item's bytes per GPU (gpu) or per node (host)."""
+        return item.bytes * (self.processes_per_node if item.where == "host" and item.scope == "process" else 1)
+
+    def peak(self, where: str) -> tuple[int, str]:
+        """(bytes, phase) of the worst moment: always-resident plus the largest phase.
+        Loading (start-up) is its own moment, before the training buffers exist."""
+        sums: dict[str, int] = {}
+        for item in self.items:
+            if item.where == where:
+                sums[item.phase] = sums.get(item.phase, 0) + self.total_bytes(item)
+        always = sums.pop("always", 0)
+        loading = sums.pop("loading", None)
+        phase, extra = max(sums.items(), key=lambda kv: kv[1], default=("always", 0))
+        best = (always + extra, phase) if extra > 0 else (always, "always")
+        if loading is not None:
+            runtime = sum(self.total_bytes(i) for i in self.items if i.where == where and i.category == "runtime")
+            if loading + runtime > best[0]:
+                best = (loading + runtime, "loading")
+        return best
+
+    @property
+    def gpu_peak(self) -> int:
+        return self.peak("gpu")[0]
+
+    @property
+    def host_peak(self) -> int:
+        return self.peak("host")[0]
+
+    @property
+    def gpu_headroom(self) -> Optional[int]:
+        return None if self.gpu_capacity is None else self.gpu_capacity - self.gpu_peak
+
+    @property
+    def host_headroom(self) -> Optional[int]:
+        return None if self.host_capacity is None else self.host_capacity - self.host_peak
+
+    @property
+    def fits(self) -> Optional[bool]:
+        """True/False when there is something to compare with; None when nothing is known."""
+        checks = [h >= 0 for h in (self.gpu_headroom, self.host_headroom) if h is not None]
+        return all(checks) if checks else None
+
+    def per_process(self, categories, phases=("always",)) -> int:
+        """Bytes one process holds (GPU + host) in the given categories and phases."""
+        return sum(i.bytes for i in self.items
+                   if i.scope == "process" and i.category in categories and i.phase in phases)
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def trainable_tensors(use: ModelUse, knobs: Knobs) -> tuple[list[int], list[int]]:
+    """(trained tensor sizes, frozen tensor sizes) of a model."""
+    base = use.shape.parameter_tensors(use.head)
+    if not use.trained:
+        return [], base
+    if knobs.lora_rank:
+        adapters = use.shape.lora_tensors(knobs.lora_rank, knobs.lora_targets)
+        if use.head == "scalar":
+            adapters = adapters + [use.shape.hidden]  # peft trains the score head in full (modules_to_save)
+        return adapters, base
+    return base, []
+
+
+def _gathered_params(shape: ModelShape, head: str, bucket: int) -> int:
+    """Elements ZeRO-3 holds gathered at once: the current layer (or the biggest single
+    tensor, e.g. an lm_head) plus the prefetched next one, within max_live_parameters."""
+    largest = max(shape.layer_params, max(shape.parameter_tensors(head)))
+    return min(MAX_LIVE_PARAMETERS, largest + min(bucket, shape.layer_params))
+
+
+@dataclass
+class _Ledger:
+    """The items of one estimate as they are added, and what each phase adds on the device."""
+
+    knobs: Knobs
+    workload: Workload
+    world: int
+    on_gpu: bool
+    items: list[Item] = field(default_factory=list)
+    phase_bytes: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def device(self) -> str:
+        return "gpu" if self.on_gpu else "host"
+
+    @property
+    def kernel(self) -> str:
+        return attention_kernel(self.knobs.attention, self.on_gpu)
+
+    @property
+    def shard_note(self) -> str:
+        return f"1/{self.world} shard" if self.world > 1 else "whole"
+
+    def add(self, name, category, where, phase, amount, scope="process"):
+        """Record an item; negative amounts are memory a phase frees (only ZeRO-3's step does)."""
+        amount = int(math.ceil(amount))
+        if amount > 0 or (amount < 0 and phase == "optimizer step"):
+            self.items.append(Item(name, category, where, phase, amount, scope))
+            if phase not in ("always", "loading") and where == self.device:
+                self.phase_bytes[phase] = self.phase_bytes.get(phase, 0) + amount
+
+    def sharded(self, tensors: list[int], nbytes: int, threshold: int) -> tuple[float, float]:
+        """(partition bytes, whole-copy bytes of persistent tensors) under ZeRO-3."""
+        shard = sum(_ceil_div(n, self.world) for n in tensors) * nbytes
+        persistent = sum(n for n in tensors if n <= threshold) * nbytes
+        return shard, persistent
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+def estimate_memory(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: Hardware) -> Memory:
+    """Itemised memory of a stage that holds `models` and trains on `workload`."""
+    ledger = _Ledger(knobs, workload, knobs.nodes * hw.processes_per_node, hw.on_gpu)
+    for use in models:
+        if not use.trained:
+            _frozen_model(ledger, use)
+        else:
+            _trained_model_states(ledger, use)
+            _trained_model_passes(ledger, use)
+    if workload.generation is not None:
+        _generation(ledger, models)
+    _workspace_and_host(ledger, models)
+    capacity_gpu = hw.gpu_memory_bytes if hw.on_gpu else None
+    return Memory(ledger.items, hw.processes_per_node, capacity_gpu, hw.host_memory_bytes, hw.host_memory_source)
+
+
+def _frozen_model(ledger: _Ledger, use: ModelUse) -> None:
+    """A reference or reward model: its weights where its placement keeps them, and its forward."""
+    if use.placement == "precompute":
+        return
+    knobs, device, add = ledger.knobs, ledger.device, ledger.add
+    shape, role, b = use.shape, use.role, knobs.weight_bytes
+    _, frozen = trainable_tensors(use, knobs)
+    threshold = persistence_threshold(shape.hidden)
+    prec, z = knobs.precision, knobs.zero_stage
+    fwd_phase = f"{role} forward"
+    total = sum(frozen) * b
+    gathered = _gathered_params(shape, use.head, FROZEN_PREFETCH_ELEMENTS) * b
+    if use.placement == "live":
+        if z == 3:
+            shard, persistent = ledger.sharded(frozen, b, threshold)
+            add(f"{role} weights ({prec}, frozen, {ledger.shard_note})", "weights", device, "always", shard + persistent)
+            add(f"{role} gathered layers", "buffers", device, fwd_phase, gathered)
+        else:
+            add(f"{role} weights ({prec}, frozen, whole)", "weights", device, "always", total)
+    else:  # offload: kept in host RAM, brought in for its forward
+        if z == 3:
+            shard, persistent = ledger.sharded(frozen, b, threshold)
+            add(f"{role} weights offloaded ({prec}, {ledger.shard_note})", "weights", "host", "always", shard)
+            add(f"{role} gathered layers", "buffers", device, fwd_phase, gathered + persistent)
+        else:
+            add(f"{role} weights offloaded ({prec}, whole copy per process)", "weights", "host", "always", total)
+            add(f"{role} weights moved in for its forward", "weights", device, fwd_phase, total)
+    passes = frozen_forward(use, knobs, ledger.workload, ledger.kernel)
+    if knobs.kind == "dpo":
+        policy = ModelUse("policy", shape, "lm")
+        passes += held_while_reference_runs(policy, knobs, ledger.workload, ledger.kernel)
+    for name, category, amount in passes:
+        add(name, category, device, fwd_phase, amount)
+
+
+def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
+    """A trained model's weights, gradients, optimizer states and ZeRO's buffers."""
+    knobs, device, add, world = ledger.knobs, ledger.device, ledger.add, ledger.world
+    shape, role, b = use.shape, use.role, knobs.weight_bytes
+    z, off, prec = knobs.zero_stage, knobs.offloads, knobs.precision
+    trained, frozen = trainable_tensors(use, knobs)
+    n_trained, n_frozen = sum(trained), sum(frozen)
+    threshold = persistence_threshold(shape.hidden)
+    shard_note = ledger.shard_note
+    train_phase = f"{role} forward+backward"
+    lora_note = f", LoRA r={knobs.lora_rank}" if knobs.lora_rank else ""
+    # weights
+    if z == 3:
+        shard, persistent = ledger.sharded(frozen, b, threshold)
+        a_shard, a_persistent = ledger.sharded(trained, b, threshold)
+        add(f"{role} weights ({prec}{lora_note}, {shard_note} + small tensors whole)", "weights", device,
+            "always", shard + persistent + a_shard + a_persistent)
+        # DeepSpeed releases even the persistent tensors' whole copies before the optimizer step.
+        add(f"{role} small tensors' whole copies, released for the step", "weights", device,
+            "optimizer step", -(persistent + a_persistent))
+    else:
+        add(f"{role} weights ({prec}{lora_note}, whole)", "weights", device, "always", (n_frozen + n_trained) * b)
+    # gradients and optimizer states
+    per_rank = n_trained / world if z >= 1 else n_trained
+    if z == 3:
+        per_rank = sum(_ceil_div(n, world) for n in trained)
+    where = "host" if off else device
+    if z == 0:
+        add(f"{role} gradients ({prec}, whole)", "gradients", device, "always", n_trained * b)
+        if prec == "fp32":
+            add(f"{role} Adam m, v (fp32, whole)", "optimizer", device, "always", 8 * n_trained)
+        else:
+            add(f"{role} fp32 master + Adam m, v (whole)", "optimizer", device, "always", 12 * n_trained)
+            add(f"{role} fp32 gradients for the step", "gradients", device, "optimizer step", 4 * n_trained)
+    else:
+        if z == 3 or not off:  # ZeRO-1/2 offload accumulate straight into the host fp32 partition
+            add(f"{role} gradients ({prec}{', host' if off else ''}, {shard_note})",
+                "gradients", where, "always", per_rank * b)
+        if off:
+            add(f"{role} fp32 gradients (host, {shard_note})", "gradients", "host", "always", 4 * per_rank)
+            if z < 3:
+                add(f"{role} {prec} staging copy (host, {shard_note})", "buffers", "host", "always", per_rank * b)
+                largest = max(trained) if trained else 0
+                add(f"{role} gradient transfer buffer (largest tensor)", "buffers", device, "always", largest * b)
+                add(f"{role} gradient transfer buffer (host, largest tensor)", "buffers", "host", "always", largest * b)
+        elif z == 3:
+            add(f"{role} fp32 gradients for the step (per sub-group)", "gradients", device, "optimizer step",
+                4 * min(per_rank, SUB_GROUP_SIZE))
+        elif knobs.lora_rank:
+            # One parameter group (adapters are all matrices): its low-precision partition is
+            # freed as the fp32 copy is made. Full models keep it, viewed by the norms' group.
+            add(f"{role} fp32 gradients for the step (replacing the {prec} partition)", "gradients", device,
+                "optimizer step", (4 - b) * per_rank)
+        else:
+            add(f"{role} fp32 gradients for the step", "gradients", device, "optimizer step", 4 * per_rank)
+        add(f"{role} fp32 master + Adam m, v ({'host, ' if off else ''}{shard_note})", "optimizer", where,
+            "always", 12 * per_rank)
+    # communication buffers
+    bucket = bucket_elements(ledger.on_gpu)
+    if z == 3:
+        add(f"{role} gradient bucket", "buffers", device, "always", bucket * b)
+        add(f"{role} gathered layers", "buffers", device, train_phase, _gathered_params(shape, use.head, bucket) * b)
+        dims = shape.linear_dims()
+        trained_layer = (knobs.lora_rank * sum(a + o for a, o in (dims[t] for t in knobs.lora_targets if t in dims))
+                         if knobs.lora_rank else shape.layer_params)
+        add(f"{role} one layer's full gradients", "buffers", device, train_phase, trained_layer * b)
+    elif z in (1, 2):
+        overlap_buckets = 2 if ledger.on_gpu else 1  # overlap_comm double-buffers on GPUs (stages/engine.py)
+        add(f"{role} gradient buckets", "buffers", device, train_phase, bucket * b * overlap_buckets)
+
+
+def _trained_model_passes(ledger: _Ledger, use: ModelUse) -> None:
+    """What a trained model's forward and backward hold: activations, mask and logits."""
+    for name, category, amount in trained_pass(use, ledger.knobs, ledger.workload, ledger.kernel):
+        ledger.add(name, category, ledger.device, f"{use.role} forward+backward", amount)
+
+
+def _generation(ledger: _Ledger, models: list[ModelUse]) -> None:
+    """PPO rollouts: the actor's KV cache and logits, and under ZeRO-3 the actor gathered whole."""
+    actor = next((m for m in models if m.trained and m.head == "lm"), None)
+    if actor is None:
+        return
+    gen, s, b, device = ledger.workload.generation, actor.shape, ledger.knobs.weight_bytes, ledger.device
+    length = gen.prompt_len + gen.new_tokens
+    ledger.add("KV cache for generation", "activations", device, "generation",
+               2 * s.layers * s.kv_width * b * gen.batch * length)
+    ledger.add("generation logits", "logits", device, "generation", gen.batch * s.vocab * 4)
+    if ledger.knobs.zero_stage == 3:  # stages/ppo.py gathers the whole actor once per rollout, not per token
+        ledger.add("actor weights gathered whole for generation", "weights", device, "generation", s.n_params * b)
+
+
+def _workspace_and_host(ledger: _Ledger, models: list[ModelUse]) -> None:
+    """CUDA workspace and fragmentation, each process's own host memory, and loading."""
+    z, b = ledger.knobs.zero_stage, ledger.knobs.weight_bytes
+    if ledger.on_gpu:
+        largest_phase = max(ledger.phase_bytes.values(), default=0)
+        ledger.add(f"workspace: CUDA context, cuBLAS/NCCL ({CUDA_WORKSPACE_BYTES / GiB:.0f} GiB) + "
+                   f"{FRAGMENTATION:.0%} fragmentation of the largest phase", "workspace", "gpu", "always",
+                   CUDA_WORKSPACE_BYTES + FRAGMENTATION * largest_phase)
+    ledger.add("process runtime (Python, torch, CUDA libraries)", "runtime", "host", "always",
+               PROCESS_HOST_BYTES if ledger.on_gpu else CPU_PROCESS_HOST_BYTES)
+    loading = 0
+    for use in models:
+        if use.trained or use.placement != "precompute":
+            whole = use.shape.params_with_head(use.head) * b
+            loading = max(loading, min(whole, CHECKPOINT_SHARD_BYTES) if z == 3 else whole)
+    if ledger.on_gpu:
+        ledger.add("model weights while loading" + (" (one checkpoint shard, ZeRO-3)" if z == 3 else " (whole model)"),
+                   "loading", "host", "loading", loading)

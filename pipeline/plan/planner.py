@@ -1,0 +1,159 @@
+"""A plan for every stage of a pipeline: which model each stage trains, what a PPO
+stage holds besides it, the estimate, the warnings, the fixes, and the refusal
+(exit 3) of a pipeline with a stage that does not fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pipeline import lengths as row_lengths
+from pipeline.errors import DoesNotFit, InvalidInput
+from pipeline.plan.estimate import Estimate, estimate_stage, stage_models
+from pipeline.plan.fixes import Suggestion, settings_relaxed, suggest
+from pipeline.plan.inputs import Hardware, Knobs, PPOWorkload
+from pipeline.plan.memory import Memory, trainable_tensors
+from pipeline.plan.report import shortfall_text
+from pipeline.plan.timing import TimeEstimate
+from pipeline.prepare import hf_home
+from pipeline.shapes import ModelShape, resolve_shape
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    kind: str
+    model: str
+    shape: ModelShape
+    knobs: Knobs
+    hardware: Hardware
+    world: int
+    trained_params: int
+    total_params: int
+    estimate: Estimate
+    suggestions: list[Suggestion]
+    warnings: list[str]
+    # For a stage that fits: the stage re-estimated without each memory-saving
+    # setting it has on, so the plan says why each one is there.
+    without: list[Suggestion] = field(default_factory=list)
+
+    @property
+    def memory(self) -> Memory:
+        return self.estimate.memory
+
+    @property
+    def time(self) -> Optional[TimeEstimate]:
+        return self.estimate.time
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return self.estimate.fits
+
+
+def plan_stage(stage, shape: ModelShape, hw: Hardware, rows: Optional[int] = None, ppo: Optional[PPOWorkload] = None,
+               model_name: str = "", lengths: Optional[row_lengths.RowLengths] = None) -> StagePlan:
+    """The plan of one stage; `lengths`: its rows' sampled token counts (else max_len each)."""
+    knobs = Knobs.from_stage(stage)
+    models, _ = stage_models(knobs, shape, ppo)
+    estimate = estimate_stage(knobs, shape, hw, rows, ppo, lengths)
+    warnings: list[str] = []
+    if not shape.is_llama_like:
+        warnings.append(f"model_type '{shape.model_type}' is estimated as a Llama-style decoder; sizes may differ")
+    if shape.max_positions and knobs.max_len > shape.max_positions:
+        warnings.append(f"max_len {knobs.max_len} exceeds the model's max_position_embeddings {shape.max_positions}")
+    if knobs.optimizer_offload and knobs.zero_stage == 0:
+        warnings.append("optimizer_offload needs zero_stage 1-3; with zero_stage 0 it is ignored")
+    if hw.on_gpu and hw.gpu is None:
+        warnings.append("cluster.gpu is not set: GPU memory and time cannot be checked")
+    if not hw.on_gpu and hw.gpu is not None:
+        warnings.append(f"cluster.gpu is {hw.gpu.name} but gpus_per_node is 0: planned as a CPU run")
+    if hw.on_gpu and hw.processes_per_node != hw.gpus_per_node:
+        warnings.append(f"{hw.processes_per_node} processes per node on {hw.gpus_per_node} GPUs")
+    if estimate.time is not None:
+        warnings += estimate.time.notes
+    suggestions = suggest(knobs, shape, hw, rows, ppo, lengths) if estimate.fits is False else []
+    without = settings_relaxed(knobs, shape, hw, rows, ppo, lengths) if estimate.fits else []
+    trained = sum(sum(trainable_tensors(m, knobs)[0]) for m in models if m.trained)
+    total = sum(m.shape.params_with_head(m.head) for m in models)
+    return StagePlan(stage.name, knobs.kind, model_name, shape, knobs, hw, knobs.nodes * hw.processes_per_node,
+                     trained, total, estimate, suggestions, warnings, without)
+
+
+def _stage_model_name(spec, stage) -> str:
+    """The model a stage starts from, following `from` back to the first stage's `model`."""
+    seen = set()
+    while stage.model is None and stage.from_ and stage.from_ not in seen:
+        seen.add(stage.name)
+        stage = spec.stage(stage.from_)
+    return stage.model
+
+
+def ppo_workload(spec, stage) -> PPOWorkload:
+    """What a PPO stage holds besides its actor, from its fields (stages/ppo.py): a reward
+    model (reward.model, an upstream rm stage), a critic for gae (started from the reward
+    model, else from the actor's model), rollout sizes."""
+    reward_stage = stage.reward.model
+    reward_shape = resolve_shape(_stage_model_name(spec, spec.stage(reward_stage))) if reward_stage else None
+    actor_shape = resolve_shape(_stage_model_name(spec, stage))
+    return PPOWorkload(
+        reward_shape=reward_shape,
+        critic_shape=(reward_shape or actor_shape) if stage.advantage == "gae" else None,
+        reward_placement="offload" if stage.reward_offload else "live",
+        samples_per_prompt=stage.n_samples_per_prompt,
+        rollout_rows=stage.rollout_batch_size,
+        scoring_batch=stage.micro_rollout_batch_size,
+        new_tokens=stage.max_new_tokens,
+        train_passes=stage.ppo_epochs,
+    )
+
+
+def plan_pipeline(spec, rows_by_stage: Optional[dict] = None) -> list[StagePlan]:
+    """A plan for every stage of a validated pipeline (PipelineSpec).
+
+    rows_by_stage: training rows per stage name, when known, for total times;
+    otherwise each plan gives the time per 1000 rows. Raises InvalidInput (exit 2)
+    for an unknown GPU or a model whose size cannot be found.
+    """
+    rows_by_stage = rows_by_stage or {}
+    try:
+        hw = Hardware.from_cluster(spec.cluster)
+    except ValueError as err:
+        raise InvalidInput(f"cluster.gpu: {err}") from None
+    datasets_cache = hf_home(spec) / "datasets"
+    sampled: dict = {}  # stages that read the same data with the same tokenizer share a sample
+    plans = []
+    for index, stage in enumerate(spec.stages):
+        where = f"stages[{index}] ({stage.name})"
+        model = _stage_model_name(spec, stage)
+        try:
+            shape = resolve_shape(model)
+            rows = rows_by_stage.get(stage.name)
+            if rows is not None and stage.data.max_rows is not None:
+                rows = min(rows, stage.data.max_rows)
+            ppo = ppo_workload(spec, stage) if stage.kind == "ppo" else None
+            lengths = None
+            if stage.kind != "ppo":  # rollouts are generated: their lengths are not in the data
+                key = (stage.data.model_dump_json(), stage.kind, model)
+                if key not in sampled:
+                    sampled[key] = row_lengths.sample(stage.data, stage.kind, model, datasets_cache)
+                lengths = sampled[key]
+            plans.append(plan_stage(stage, shape, hw, rows, ppo=ppo, model_name=model, lengths=lengths))
+        except ValueError as err:
+            field_name = "model" if stage.model else "from"
+            raise InvalidInput(f"{where}.{field_name}: {err}") from None
+    return plans
+
+
+def raise_if_not_fits(plans: list[StagePlan]) -> None:
+    """DoesNotFit (exit 3) naming each stage that does not fit, by how much, and the best fix."""
+    failing = [p for p in plans if p.fits is False]
+    if not failing:
+        return
+    lines = []
+    for plan in failing:
+        lines.append(f"stage '{plan.stage}' does not fit: {shortfall_text(plan.memory)}")
+        if plan.suggestions:
+            best = plan.suggestions[0]
+            verdict = "fits" if best.estimate.fits else "comes closest"
+            lines.append(f"  {verdict} with: {best.description}")
+    raise DoesNotFit("\n".join(lines))

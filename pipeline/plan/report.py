@@ -1,0 +1,203 @@
+"""The plan as people read it (format_plan) and as programs read it (plan_to_json):
+the same numbers, the text in GiB and readable durations, the JSON in bytes and seconds."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Optional
+
+from pipeline.plan.batches import Batches
+from pipeline.plan.estimate import Estimate
+from pipeline.plan.inputs import GiB
+from pipeline.plan.memory import Memory
+from pipeline.shapes import count_text
+
+if TYPE_CHECKING:
+    from pipeline.plan.fixes import Suggestion
+    from pipeline.plan.planner import StagePlan
+
+
+def _gib(n: Optional[float]) -> str:
+    return "?" if n is None else f"{n / GiB:.1f} GiB"
+
+
+def _size(n: float) -> str:
+    """Item sizes: GiB for big ones, MiB for the small ones a tiny model has."""
+    return f"{n / GiB:10.2f} GiB" if abs(n) >= 0.1 * GiB else f"{n / 2**20:10.2f} MiB"
+
+
+def _duration(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def shortfall_text(memory: Memory) -> str:
+    parts = []
+    if memory.gpu_headroom is not None and memory.gpu_headroom < 0:
+        parts.append(f"GPU needs {_gib(memory.gpu_peak)} of {_gib(memory.gpu_capacity)}, "
+                     f"{_gib(-memory.gpu_headroom)} short")
+    if memory.host_headroom is not None and memory.host_headroom < 0:
+        parts.append(f"host RAM needs {_gib(memory.host_peak)} of {_gib(memory.host_capacity)} per node, "
+                     f"{_gib(-memory.host_headroom)} short")
+    return "; ".join(parts) or "fits"
+
+
+def _verdict(memory: Memory) -> str:
+    if memory.fits is None:
+        return "not checked (no GPU type or memory size known)"
+    if memory.fits:
+        parts = []
+        if memory.gpu_headroom is not None:
+            parts.append(f"{_gib(memory.gpu_headroom)} spare per GPU")
+        if memory.host_headroom is not None:
+            parts.append(f"{_gib(memory.host_headroom)} spare host RAM per node")
+        return "FITS: " + ", ".join(parts)
+    return "DOES NOT FIT: " + shortfall_text(memory)
+
+
+def _summary(estimate: Estimate) -> str:
+    m, t = estimate.memory, estimate.time
+    text = f"GPU {_gib(m.gpu_peak) if m.gpu_capacity is not None else '-'}, host {_gib(m.host_peak)}/node"
+    if t is not None:
+        text += f", {_duration(t.seconds_per_1000_rows)}/1000 rows, MFU {t.mfu:.0%}"
+    return text
+
+
+def format_plan(plans: list[StagePlan]) -> str:
+    """A readable report: per stage the itemised memory, verdict, suggestions and time."""
+    out: list[str] = []
+    for plan in plans:
+        k, hw, m = plan.knobs, plan.hardware, plan.memory
+        gpu_name = hw.gpu.name if hw.gpu else ("CPU" if not hw.on_gpu else "unknown GPU")
+        out.append(f"== stage '{plan.stage}' ({plan.kind}) on {k.nodes} node{'s' if k.nodes > 1 else ''} x "
+                   f"{hw.processes_per_node} {gpu_name} = {plan.world} processes")
+        out.append(f"   model {plan.model}: {plan.shape.describe()}")
+        lora = f", LoRA r={k.lora_rank}" if k.lora_rank else ""
+        ref = f", reference {k.reference}" if k.kind in ("dpo", "ppo") else ""
+        out.append(f"   {k.precision}, ZeRO-{k.zero_stage}{' + optimizer offload' if k.offloads else ''}"
+                   f"{', gradient checkpointing' if k.gradient_checkpointing else ''}, attention {k.attention}{lora}"
+                   f"{ref}, max_len {k.max_len}, micro batch {k.micro_batch_size}")
+        out.append(f"   trained parameters {count_text(plan.trained_params)} of {count_text(plan.total_params)} held")
+        if plan.estimate.batches is not None:
+            out += _batches_text(plan.estimate.batches, k.max_len)
+        for where, title, capacity in (("gpu", "GPU memory per GPU", m.gpu_capacity),
+                                       ("host", "host RAM per node", m.host_capacity)):
+            rows = [i for i in m.items if i.where == where]
+            if not rows:
+                continue
+            peak, phase = m.peak(where)
+            source = f" ({m.host_capacity_source})" if where == "host" and m.host_capacity_source else ""
+            moment = "at rest" if phase == "always" else f"during {phase}"
+            out.append(f"   {title}: peak {_gib(peak)} {moment}, available {_gib(capacity)}{source}")
+            for phase_name in ["always"] + sorted({i.phase for i in rows} - {"always"}):
+                for item in (i for i in rows if i.phase == phase_name):
+                    tag = "" if phase_name == "always" else f"  [{phase_name}]"
+                    out.append(f"     {_size(m.total_bytes(item))}  {item.name}{tag}")
+        out.append(f"   verdict: {_verdict(m)}")
+        t = plan.time
+        if t is not None:
+            out.append(f"   time: {t.rows_per_step} rows = {t.tokens_per_step:,.0f} tokens per {t.unit}, "
+                       f"{t.flops_per_token / 1e9:.1f} GFLOP/token executed, assumed HFU {t.hfu:.0%}")
+            out.append(f"         {t.unit} {_duration(t.step_s)} (compute {_duration(t.compute_s)}, optimizer "
+                       f"{_duration(t.optimizer_s)}, communication {_duration(t.communication_s)} of which exposed "
+                       f"{_duration(t.exposed_communication_s)}, offload {_duration(t.offload_s)}): "
+                       f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%}")
+            total = (f"{t.steps} steps = {_duration(t.total_s)}" if t.total_s is not None
+                     else "rows unknown: give rows for a total")
+            pre = f" (incl. {_duration(t.precompute_s_per_1000_rows)} reference precompute)" \
+                if t.precompute_s_per_1000_rows else ""
+            out.append(f"         {_duration(t.seconds_per_1000_rows)} per 1000 rows{pre}; {total}")
+        for warning in plan.warnings:
+            out.append(f"   warning: {warning}")
+        if plan.without:
+            out.append("   why these settings (the stage re-estimated without each):")
+            for s in plan.without:
+                out.append(f"     {s.description}")
+                out.append(f"        -> {_verdict(s.estimate.memory)}; {_summary(s.estimate)}")
+        if plan.suggestions:
+            fitting = any(s.estimate.fits for s in plan.suggestions)
+            out.append("   would fit with (cheapest first):" if fitting else "   nothing tried fits; closest:")
+            for n, s in enumerate(plan.suggestions, 1):
+                flag = " [changes the training]" if s.changes_training else ""
+                out.append(f"     {n}. {s.description}{flag}")
+                out.append(f"        -> {_verdict(s.estimate.memory)}; {_summary(s.estimate)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _batches_text(b: Batches, max_len: int) -> list[str]:
+    """Where the rows' lengths came from, and what the step's micro batches hold."""
+    lengths = b.lengths
+    if lengths is not None and lengths.sampled:
+        per_row = "tokens per row" + (" (a pair: both sequences)" if len(lengths.rows[0]) > 1 else "")
+        text = (f"   lengths: {lengths.describe()}: mean {b.mean_row_tokens:,.0f} {per_row}, "
+                f"p95 {b.p95_row_tokens:,} (max_len {max_len} per sequence)")
+    else:
+        text = f"   lengths: {lengths.describe() if lengths is not None else 'max_len assumed per row'}"
+    layout = (f"packed, up to {b.token_budget:,} tokens per micro batch" if b.packed
+              else "padded to each micro batch's longest row")
+    return [text, f"   batches: {layout}; {b.micro_batches_per_step:.1f} micro batches per step per process, "
+                  f"{b.padding_share:.1%} padding"]
+
+
+def _batches_json(b: Optional[Batches]) -> Optional[dict]:
+    if b is None:
+        return None
+    lengths = b.lengths
+    sampled = lengths is not None and lengths.sampled
+    return {
+        "packed": b.packed, "token_budget": b.token_budget, "rows_per_step": b.rows_per_step,
+        "micro_batches_per_step": b.micro_batches_per_step, "real_tokens_per_step": b.real_tokens_per_step,
+        "processed_tokens_per_step": b.processed_tokens_per_step, "padding_share": b.padding_share,
+        "lengths": {"sampled": sampled, "source": lengths.source if lengths is not None else None,
+                    "counter": lengths.counter if sampled else None, "rows": len(lengths.rows) if sampled else 0,
+                    "mean_tokens_per_row": b.mean_row_tokens, "p95_tokens_per_row": b.p95_row_tokens},
+    }
+
+
+def _suggestion_json(s: Suggestion) -> dict:
+    return {"changes": {k: list(v) if isinstance(v, tuple) else v for k, v in s.changes.items()},
+            "description": s.description, "changes_training": s.changes_training, **_estimate_json(s.estimate)}
+
+
+def _estimate_json(estimate: Estimate) -> dict:
+    m, t = estimate.memory, estimate.time
+    gpu_peak, gpu_phase = m.peak("gpu")
+    host_peak, host_phase = m.peak("host")
+    return {
+        "fits": m.fits,
+        "gpu": {"peak_bytes": gpu_peak if any(i.where == "gpu" for i in m.items) else None,
+                "peak_phase": gpu_phase, "capacity_bytes": m.gpu_capacity, "headroom_bytes": m.gpu_headroom},
+        "host": {"peak_bytes": host_peak, "peak_phase": host_phase, "capacity_bytes": m.host_capacity,
+                 "capacity_source": m.host_capacity_source, "headroom_bytes": m.host_headroom},
+        "items": [{**asdict(i), "total_bytes": m.total_bytes(i)} for i in m.items],
+        "batches": _batches_json(estimate.batches),
+        "time": None if t is None else asdict(t),
+    }
+
+
+def plan_to_json(plans: list[StagePlan]) -> dict:
+    """The same numbers as format_plan, machine-readable (bytes and seconds)."""
+    stages = []
+    for plan in plans:
+        entry = {
+            "stage": plan.stage, "kind": plan.kind, "model": plan.model,
+            "shape": {k: v for k, v in asdict(plan.shape).items() if k != "source"} | {"n_params": plan.shape.n_params,
+                                                                                        "source": plan.shape.source},
+            "settings": asdict(plan.knobs),
+            "gpu": plan.hardware.gpu.name if plan.hardware.gpu else None,
+            "processes": plan.world, "trained_params": plan.trained_params, "total_params": plan.total_params,
+            **_estimate_json(plan.estimate),
+            "warnings": plan.warnings,
+            "suggestions": [_suggestion_json(s) for s in plan.suggestions],
+            "without": [_suggestion_json(s) for s in plan.without],
+        }
+        stages.append(entry)
+    return {"fits": all(p.fits is not False for p in plans), "stages": stages}
