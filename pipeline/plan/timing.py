@@ -10,14 +10,15 @@ step = compute + optimizer step + exposed communication + offload (+ PPO generat
   kernels, by whole lines under sdpa/eager masks; backward twice the forward (LoRA:
   once, plus the adapters' gradients); gradient checkpointing a second forward; a
   live or offloaded DPO reference one forward.
-- HFU_BASE = 0.45 of dense peak on those executed FLOPs: what well-tuned stacks
-  reach on large models (40-55% MFU: LLM Foundry 30B on A100 55%, Megatron GPT-3
-  175B 44%, Megatron-Core up to 47% on H100; CONTEXT.md). This project's own loop
-  has not been calibrated yet: on an H100 the previous, padded code reached under
-  7% MFU for a Llama-3.2-1B shape (GPU notes of 2026-11-22). x0.65 with eager
-  attention, x0.9 with ZeRO-3's per-layer fetch hooks. To be re-calibrated from
-  GPU runs: metrics.jsonl reports step_s, mfu, tokens_per_s and token_efficiency
-  under the names the plan's --json uses.
+- HFU_BASE = 0.30 of dense peak on those executed FLOPs, measured: on an H100 the
+  project's packed SFT of a Llama-3.2-1B shape (bf16, sdpa, ZeRO-2, 8192-token micro
+  batches) ran a step in 0.49 s where these FLOPs take 0.14 s at 100%, once the
+  batch shapes repeat (benchmarks/RESULTS.md, 2026-11-22). Well-tuned stacks reach
+  40-55% MFU on large models (LLM Foundry 30B on A100 55%, Megatron-Core up to 47% on
+  H100; CONTEXT.md), so for 7B-70B models this is on the slow side. x0.65 with eager
+  attention, x0.9 with ZeRO-3's per-layer fetch hooks. metrics.jsonl reports step_s,
+  mfu, tokens_per_s and token_efficiency under the names the plan's --json uses, so
+  every run checks it.
 - optimizer step: memory-bound. Adam reads the fp32 master weights, gradients, m
   and v and writes master, m and v (28 B per parameter), the gradient-norm pass
   reads the gradients once more (4 B) and, where a master copy exists, the
@@ -46,7 +47,7 @@ from pipeline.plan.batches import Batches
 from pipeline.plan.inputs import Hardware, Knobs, ModelUse, Workload
 from pipeline.plan.memory import trainable_tensors
 
-HFU_BASE = 0.45
+HFU_BASE = 0.30
 EAGER_EFFICIENCY = 0.65
 ZERO3_EFFICIENCY = 0.9
 COMM_OVERLAP = 0.5
