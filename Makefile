@@ -112,10 +112,11 @@ docs: setup
 	$(BIN)/python -m pipeline.docs
 
 # The GPU benchmark (benchmarks/gpu_bench.py): every case into BENCH_OUT, then the tables of
-# benchmarks/RESULTS.md. Deliberately not tied to `setup`: on the lent GPU machine there is no
-# .venv, only python3 with PYTHONPATH from `. .gpu-wheels/env.sh` (README: "GPU benchmark").
-# BENCH_ARGS goes to `run`, e.g. BENCH_ARGS="--cases throughput --budget-s 480".
-BENCH_PYTHON ?= python3
+# benchmarks/RESULTS.md. Not tied to `setup` (a GPU machine may have the project's packages in an
+# image instead): it uses .venv's python when there is one, else python3. TRL's rows need
+# trl==1.16.0 importable (e.g. `.venv/bin/pip install --no-deps trl==1.16.0`); without it they
+# are skipped, saying so. BENCH_ARGS goes to `run`, e.g. BENCH_ARGS="--cases throughput --budget-s 480".
+BENCH_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 BENCH_ARGS ?=
 BENCH_OUT ?= benchmarks/out/gpu-$(shell date +%Y%m%d)
 
