@@ -313,17 +313,20 @@ def deepspeed_casts_buffers() -> bool:
 
 def rotary_classes() -> list[type]:
     """The installed rotary embedding classes of the model families listed above."""
-    found = []
+    return [cls for _, cls in _model_classes()
+            if issubclass(cls, torch.nn.Module) and cls.__name__.endswith("RotaryEmbedding")]
+
+
+def _model_classes():
+    """(module, class) for every class the installed model modules of _MODEL_MODULES define."""
     for module_name in _MODEL_MODULES:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        for value in vars(module).values():
-            if (isinstance(value, type) and issubclass(value, torch.nn.Module)
-                    and value.__name__.endswith("RotaryEmbedding") and value.__module__ == module_name):
-                found.append(value)
-    return found
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == module_name:
+                yield module, value
 
 
 def rotary_signature(cls) -> str:
@@ -544,17 +547,11 @@ def _flash_varlen_patch_needed() -> bool:
 
 def _apply_flash_varlen() -> list:
     changes = []
-    for module_name in _MODEL_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        for value in list(vars(module).values()):
-            if (isinstance(value, type) and value.__module__ == module_name
-                    and "_flash_attention_forward" in vars(value)):
-                original = vars(value)["_flash_attention_forward"]
-                changes.append((value, "_flash_attention_forward", original))
-                value._flash_attention_forward = _varlen_when_packed(original, module)
+    for module, cls in _model_classes():
+        if "_flash_attention_forward" in vars(cls):
+            original = vars(cls)["_flash_attention_forward"]
+            changes.append((cls, "_flash_attention_forward", original))
+            cls._flash_attention_forward = _varlen_when_packed(original, module)
     _applied["flash_varlen"] = changes
     return [c[0] for c in changes]
 
@@ -585,16 +582,11 @@ def _apply_native_logits() -> list:
     batch. The stages' loss reads log-probs chunk by chunk in fp32 itself (stages/losses.py),
     so their training and scoring passes (no cache, no labels) keep the model's dtype."""
     changes = []
-    for module_name in _MODEL_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        for value in list(vars(module).values()):
-            if (isinstance(value, type) and value.__module__ == module_name and value.__name__.endswith("ForCausalLM")
-                    and "forward" in vars(value) and "logits = logits.float()" in inspect.getsource(value.forward)):
-                changes.append((value, "forward", vars(value)["forward"]))
-                value.forward = _logits_in_model_dtype(vars(value)["forward"])
+    for _, cls in _model_classes():
+        if (cls.__name__.endswith("ForCausalLM") and "forward" in vars(cls)
+                and "logits = logits.float()" in inspect.getsource(cls.forward)):
+            changes.append((cls, "forward", vars(cls)["forward"]))
+            cls.forward = _logits_in_model_dtype(vars(cls)["forward"])
     _applied["logits_native_dtype"] = changes
     return [c[0] for c in changes]
 
