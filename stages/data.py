@@ -153,9 +153,9 @@ class Batch:
     """Token tensors for one forward pass, padded or packed, and where each sequence is.
 
     Sequences are numbered in row order (a pair: chosen 2k, rejected 2k+1). Padded:
-    one sequence per line, right-padded, a 2D padding mask. Packed: several sequences
-    per line, each with positions from 0, and an attention mask (or, for flash
-    attention, the positions alone) that keeps them apart; see stages/compat.py.
+    one sequence per line, right-padded, with a 2D padding mask. Packed: several
+    sequences per line, each with positions from 0; `forward` runs the model inside
+    `apart()`, where every attention layer keeps them apart (stages/compat.py).
     """
 
     input_ids: object  # (lines, width) torch.long

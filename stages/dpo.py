@@ -63,7 +63,7 @@ def run(task, ctx) -> dict:
 
     # ---- the policy
     model = models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu)
-    steps_per_epoch, total_steps = engine.step_counts(len(tokens["train"]), ds_config, ctx.world_size, stage)
+    steps_per_epoch, total_steps = engine.step_counts(len(tokens["train"]), ds_config, stage)
     ds = engine.initialize(model, stage, ds_config, total_steps)
 
     def preference_terms(batch, micro, split):

@@ -102,7 +102,7 @@ def frozen_model_config(stage, world_size: int, hidden_size: int, on_gpu: bool, 
     }
 
 
-def step_counts(n_rows: int, ds_config: dict, world_size: int, stage) -> tuple[int, int]:
+def step_counts(n_rows: int, ds_config: dict, stage) -> tuple[int, int]:
     """(optimizer steps per epoch, total optimizer steps) for n_rows training rows."""
     rows_per_step = ds_config["train_batch_size"]
     steps_per_epoch = batching.steps_per_epoch(n_rows, rows_per_step)
