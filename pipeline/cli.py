@@ -78,10 +78,9 @@ def cmd_run(args) -> int:
     launch.run_local(spec, planned, echo=launch.default_echo)
     print(f"\npipeline '{spec.name}' finished; outputs under {pipeline_dir}:")
     for item in planned:
-        result = Path(item.task.run_dir) / graph.RESULT_FILE
-        summary = json.loads(result.read_text())
+        summary = json.loads(item.task.folder.result.read_text())
         numbers = {k: v for k, v in summary.items() if isinstance(v, float)}
-        print(f"  {item.task.name:<12} {Path(item.task.run_dir) / 'model'}  "
+        print(f"  {item.task.name:<12} {item.task.folder.model}  "
               + "  ".join(f"{k}={v:.4g}" for k, v in numbers.items()))
     return 0
 

@@ -435,7 +435,6 @@ class DPOStage(StageBase):
         return self
 
 
-REWARD_RULES = ("exact_match", "numeric_match", "regex", "length", "keyword")
 RULE_OPTIONS = {
     "exact_match": set(),
     "numeric_match": {"tolerance"},
@@ -548,7 +547,6 @@ class PPOStage(StageBase):
 
 
 Stage = Annotated[Union[SFTStage, RMStage, DPOStage, PPOStage], Field(discriminator="kind")]
-STAGE_KINDS = ("sft", "rm", "dpo", "ppo")
 
 
 class PipelineSpec(Strict):

@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.config import PipelineSpec, Stage, topological_order
+from pipeline.runfolder import StageFolder
 
 # Fields that change how a stage is run or logged, not what it produces.
 OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints", "eval_interval", "nodes"}
-
-RESULT_FILE = "result.json"
-SPEC_FILE = "spec.json"
 
 
 class StageTask(BaseModel):
@@ -45,6 +42,10 @@ class StageTask(BaseModel):
     def name(self) -> str:
         return self.stage.name
 
+    @property
+    def folder(self) -> StageFolder:
+        return StageFolder(Path(self.run_dir))
+
 
 class PlannedStage(BaseModel):
     task: StageTask
@@ -64,7 +65,7 @@ def build_tasks(spec: PipelineSpec) -> list[StageTask]:
     hashes: dict[str, str] = {}
     tasks = []
     for stage in topological_order(spec.stages):
-        upstream_dirs = {up: str(pipeline_dir / up / "model") for up in stage.upstream}
+        upstream_dirs = {up: str(StageFolder.of(pipeline_dir, up).model) for up in stage.upstream}
         if stage.from_:
             init_model = upstream_dirs[stage.from_]
         elif Path(stage.model).expanduser().exists():
@@ -90,7 +91,7 @@ def build_tasks(spec: PipelineSpec) -> list[StageTask]:
 
 
 def is_finished(task: StageTask) -> bool:
-    result = Path(task.run_dir) / RESULT_FILE
+    result = task.folder.result
     if not result.is_file():
         return False
     try:
@@ -124,17 +125,12 @@ def plan_actions(tasks: list[StageTask], dry_run: bool = False) -> list[PlannedS
 def recorded_hash(run_dir: Path) -> Optional[str]:
     """The spec hash spec.json records for a stage folder; None without one."""
     try:
-        return json.loads((run_dir / SPEC_FILE).read_text()).get("spec_hash")
+        return json.loads(StageFolder(run_dir).spec.read_text()).get("spec_hash")
     except (OSError, json.JSONDecodeError):
         return None
 
 
 def _move_aside(run_dir: Path) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = run_dir.with_name(f"{run_dir.name}.superseded-{stamp}")
-    n = 1
-    while target.exists():
-        n += 1
-        target = run_dir.with_name(f"{run_dir.name}.superseded-{stamp}-{n}")
+    target = StageFolder(run_dir).superseded()
     run_dir.rename(target)
     return target

@@ -30,7 +30,7 @@ from typing import Optional
 from pipeline import slurm, state
 from pipeline.config import PipelineSpec, slurm_time_to_minutes
 from pipeline.errors import InvalidInput, StageFailed
-from pipeline.graph import SPEC_FILE, PlannedStage, StageTask
+from pipeline.graph import PlannedStage, StageTask
 from pipeline.prepare import hf_home
 from pipeline.rows import is_row_file
 
@@ -39,10 +39,9 @@ POLL_S = 0.5
 
 def write_spec(task: StageTask) -> None:
     """spec.json: the resolved task, so a person (or slurm/stage.sbatch) can see and re-run it."""
-    run_dir = Path(task.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    task.folder.path.mkdir(parents=True, exist_ok=True)
     payload = {"spec_hash": task.spec_hash, "task": task.model_dump(mode="json", by_alias=True)}
-    (run_dir / SPEC_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+    task.folder.spec.write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def job_setup_lines(spec: PipelineSpec) -> list[str]:
@@ -80,14 +79,14 @@ def run_local(spec: PipelineSpec, planned: list[PlannedStage], echo=print) -> No
             raise
         if job.state != "FINISHED" or job.exception() is not None:
             raise StageFailed(failure_message(task.name, job))
-        echo(f"[{task.name}] done: {Path(task.run_dir) / 'result.json'}")
+        echo(f"[{task.name}] done: {task.folder.result}")
 
 
 def local_executor(spec: PipelineSpec, task: StageTask):
     """A submitit LocalExecutor set up for one stage job: one process per task, and the GPUs."""
     import submitit
 
-    executor = submitit.LocalExecutor(folder=Path(task.run_dir) / "logs")
+    executor = submitit.LocalExecutor(folder=task.folder.logs)
     executor.update_parameters(**local_parameters(spec, task))
     return executor
 
@@ -223,8 +222,8 @@ def submit_slurm(spec: PipelineSpec, planned: list[PlannedStage], config: str, e
         )
         state.save(pipeline_dir, run_state)
         waits = f", after job {' and '.join(after)}" if after else ""
-        latest = Path(task.run_dir) / "checkpoints" / "latest"
-        start = f" from checkpoint {latest.read_text().strip()}" if latest.is_file() else ""
+        latest = task.folder.latest_checkpoint()
+        start = f" from checkpoint {latest}" if latest else ""
         echo(f"[{task.name}] submitted job {job.job_id}: {task.stage.kind}{start} on {task.stage.nodes} node(s) "
              f"x {task.processes_per_node} task(s){waits}; log: {job.paths.stdout}")
     return run_state
@@ -235,7 +234,7 @@ def slurm_executor(spec: PipelineSpec, task: StageTask, after: list[str]):
     import submitit
 
     executor = submitit.SlurmExecutor(
-        folder=Path(task.run_dir) / "logs",
+        folder=task.folder.logs,
         python=job_python(spec, task),
         max_num_timeout=spec.cluster.max_requeues,
     )

@@ -21,11 +21,9 @@ from typing import Iterator, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from pipeline import graph, slurm
+from pipeline import graph, runfolder, slurm
 from pipeline.errors import PipelineError
 
-STATE_FILE = "pipeline.json"
-LOCK_FILE = ".pipeline.lock"
 LOG_TAIL_LINES = 15
 
 # What `status` calls a stage; the first three are final.
@@ -55,7 +53,7 @@ class RunState(BaseModel):
 
 
 def load(pipeline_dir: Path) -> Optional[RunState]:
-    path = Path(pipeline_dir) / STATE_FILE
+    path = runfolder.state_file(pipeline_dir)
     if not path.is_file():
         return None
     try:
@@ -66,9 +64,9 @@ def load(pipeline_dir: Path) -> Optional[RunState]:
 
 def save(pipeline_dir: Path, run_state: RunState) -> None:
     """Write pipeline.json atomically: a reader never sees half a file."""
-    path = Path(pipeline_dir) / STATE_FILE
+    path = runfolder.state_file(pipeline_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(run_state.model_dump_json(indent=2) + "\n")
     os.replace(tmp, path)
 
@@ -78,7 +76,7 @@ def lock(pipeline_dir: Path) -> Iterator[bool]:
     """Take the run folder's lock (one `run` submitting at a time) if it is free:
     yields True, or False when another process holds it."""
     Path(pipeline_dir).mkdir(parents=True, exist_ok=True)
-    with open(Path(pipeline_dir) / LOCK_FILE, "a") as handle:
+    with open(runfolder.lock_file(pipeline_dir), "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -186,12 +184,11 @@ def _is_live(record: StageRecord, infos: dict) -> bool:
 
 def _from_folder(task: graph.StageTask) -> StageStatus:
     """A stage no Slurm job is known for: what its folder says (the local executor's case)."""
-    run_dir = Path(task.run_dir)
-    if not (run_dir / graph.SPEC_FILE).exists():
+    if not task.folder.spec.exists():
         return StageStatus(task.name, NOT_STARTED, "", task.run_dir)
-    latest = run_dir / "checkpoints" / "latest"
-    if latest.is_file():
-        detail = f"newest checkpoint {latest.read_text().strip()}: `run` resumes from it"
+    latest = task.folder.latest_checkpoint()
+    if latest:
+        detail = f"newest checkpoint {latest}: `run` resumes from it"
     else:
         detail = "started, no checkpoint yet"
     return StageStatus(task.name, NOT_FINISHED, detail, task.run_dir)
@@ -223,7 +220,7 @@ def _from_job(task, record: StageRecord, info: Optional[slurm.JobInfo], run_stat
     if info.state == "COMPLETING":
         return StageStatus(state=RUNNING, detail="ending: Slurm is cleaning up its processes" + older, **base)
     if info.live:
-        step = _last_step(Path(task.run_dir))
+        step = _last_step(task.folder)
         detail = f"on {info.nodes}" + (f", at step {step}" if step is not None else "") + requeued
         return StageStatus(state=RUNNING, detail=detail + older, **base)
     if info.state == "CANCELLED":
@@ -265,9 +262,9 @@ def _task_index(path: Path, job_id: str) -> int:
         return 1 << 30
 
 
-def _last_step(run_dir: Path) -> Optional[int]:
+def _last_step(folder: runfolder.StageFolder) -> Optional[int]:
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        lines = folder.metrics.read_text().splitlines()
     except OSError:
         return None
     for line in reversed(lines):
@@ -280,7 +277,7 @@ def _last_step(run_dir: Path) -> Optional[int]:
 
 def _result_summary(task: graph.StageTask) -> str:
     try:
-        result = json.loads((Path(task.run_dir) / graph.RESULT_FILE).read_text())
+        result = json.loads(task.folder.result.read_text())
     except (OSError, json.JSONDecodeError):
         return ""
     numbers = {k: v for k, v in result.items() if isinstance(v, float) and k != "seconds"}

@@ -128,7 +128,7 @@ def run(task, ctx) -> dict:
         flops=flops,
     )
     outcome = engine.train(ds, loop, stage, ctx)
-    engine.export(ds, tokenizer, stage, ctx.run_dir / "model", ctx.is_main)
+    engine.export(ds, tokenizer, stage, ctx.folder.model, ctx.is_main)
     initial, final = outcome["initial"], outcome["final"]
     return {
         "initial_eval_loss": initial["loss"],
@@ -150,7 +150,7 @@ def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_con
     resumed stage does not recompute them.
     """
     stage = task.stage
-    cache = ctx.run_dir / "reference_logps.pt"
+    cache = ctx.folder.reference_logps
     if cache.exists():
         saved = torch.load(cache)
         if saved.get("spec_hash") == task.spec_hash:

@@ -184,43 +184,38 @@ def _fmt(value) -> str:
 
 
 class Checkpoints:
-    """DeepSpeed checkpoints under checkpoints/, made atomic by the `latest` file.
+    """DeepSpeed checkpoints in the stage folder's checkpoints/, made atomic by its
+    `latest` marker (pipeline/runfolder.py).
 
     Each save writes a new tag folder; only once every rank has finished does
     rank 0 point `latest` at it (a temporary file renamed over the old one), so
     a job killed mid-save resumes from the previous complete checkpoint.
     """
 
-    def __init__(self, folder: Path, keep: int, is_main: bool):
-        self.folder, self.keep, self.is_main = folder, keep, is_main
-
-    def latest(self) -> Optional[str]:
-        marker = self.folder / "latest"
-        if not marker.is_file():
-            return None
-        tag = marker.read_text().strip()
-        return tag if (self.folder / tag).is_dir() else None
+    def __init__(self, stage_folder, keep: int, is_main: bool):
+        self.stage_folder, self.keep, self.is_main = stage_folder, keep, is_main
+        self.folder = stage_folder.checkpoints
 
     def save(self, engine, step: int, client_state: dict, others: Optional[dict] = None) -> None:
         """Save `engine` (and any `others`, e.g. a critic, inside the same tag folder)."""
-        tag = f"step-{step:08d}"
+        tag = self.stage_folder.checkpoint_tag(step)
         engine.save_checkpoint(str(self.folder), tag=tag, client_state=client_state, save_latest=False)
         for name, other in (others or {}).items():
             other.save_checkpoint(str(self.folder / tag), tag=name, save_latest=False)
         dist.barrier()
         if self.is_main:
-            tmp = self.folder / f".latest.{os.getpid()}"
+            marker = self.stage_folder.latest_marker
+            tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
             tmp.write_text(tag)
-            os.replace(tmp, self.folder / "latest")
-            tags = sorted(p.name for p in self.folder.glob("step-*") if p.is_dir())
-            for old in tags[: -self.keep]:
+            os.replace(tmp, marker)
+            for old in self.stage_folder.checkpoint_tags()[: -self.keep]:
                 shutil.rmtree(self.folder / old, ignore_errors=True)
         dist.barrier()
         log.info("checkpoint %s saved", tag)
 
     def load(self, engine, others: Optional[dict] = None) -> Optional[dict]:
         """Client state of the newest complete checkpoint, after loading it; None if none."""
-        tag = self.latest()
+        tag = self.stage_folder.latest_checkpoint()
         if tag is None:
             return None
         _, client_state = engine.load_checkpoint(str(self.folder), tag=tag)
@@ -255,8 +250,8 @@ class Loop:
 
 def train(engine, loop: Loop, stage, ctx) -> dict:
     """Run (or resume) the optimizer steps; returns initial and final eval metrics."""
-    checkpoints = Checkpoints(ctx.run_dir / "checkpoints", stage.keep_checkpoints, ctx.is_main)
-    metrics = Metrics(ctx.run_dir / "metrics.jsonl", ctx.is_main)
+    checkpoints = Checkpoints(ctx.folder, stage.keep_checkpoints, ctx.is_main)
+    metrics = Metrics(ctx.folder.metrics, ctx.is_main)
     world = dist.get_world_size()
 
     state = checkpoints.load(engine)

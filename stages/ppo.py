@@ -165,8 +165,8 @@ def run(task, ctx) -> dict:
         return gathered_mean(rewards[:own])
 
     # ---- resume
-    checkpoints = engine.Checkpoints(ctx.run_dir / "checkpoints", stage.keep_checkpoints, ctx.is_main)
-    metrics = engine.Metrics(ctx.run_dir / "metrics.jsonl", ctx.is_main)
+    checkpoints = engine.Checkpoints(ctx.folder, stage.keep_checkpoints, ctx.is_main)
+    metrics = engine.Metrics(ctx.folder.metrics, ctx.is_main)
     others = {"critic": critic} if critic is not None else None
     state = checkpoints.load(actor, others)
     if state is None:
@@ -308,7 +308,7 @@ def run(task, ctx) -> dict:
 
     final_reward = held_out_reward()
     metrics.write({"step": step, "eval_reward": final_reward})
-    engine.export(actor, tokenizer, stage, ctx.run_dir / "model", ctx.is_main)
+    engine.export(actor, tokenizer, stage, ctx.folder.model, ctx.is_main)
     return {
         "initial_reward": initial_reward,
         "final_reward": final_reward,

@@ -96,7 +96,7 @@ def run(task, ctx) -> dict:
     outcome = engine.train(ds, loop, stage, ctx)
     final = outcome["final"]
     stats = {"mean": final["reward_mean"], "std": final["reward_std"]}
-    engine.export(ds, tokenizer, stage, ctx.run_dir / "model", ctx.is_main, extra_files={"reward_stats.json": stats})
+    engine.export(ds, tokenizer, stage, ctx.folder.model, ctx.is_main, extra_files={"reward_stats.json": stats})
     return {
         "initial_eval_accuracy": outcome["initial"]["accuracy"],
         "eval_accuracy": final["accuracy"],

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
-from pipeline.graph import RESULT_FILE, StageTask
+from pipeline.graph import StageTask
+from pipeline.runfolder import StageFolder, builtin_folder
 
 log = logging.getLogger("stages")
 
@@ -31,7 +32,7 @@ class StageContext:
     """Where a running stage is and who it is in the job."""
 
     task: StageTask
-    run_dir: Path
+    folder: StageFolder  # this stage's run folder
     builtin_root: Path
     rank: int
     world_size: int
@@ -82,8 +83,8 @@ class StageJob(Checkpointable):
         No save here: the other ranks are mid-step and a DeepSpeed save needs
         them all. The requeued job resumes from the newest complete checkpoint,
         which the atomic `latest` file names."""
-        latest = Path(self.task.run_dir) / "checkpoints" / "latest"
-        start = f"checkpoint {latest.read_text().strip()}" if latest.is_file() else "the start (no checkpoint yet)"
+        latest = self.task.folder.latest_checkpoint()
+        start = f"checkpoint {latest}" if latest else "the start (no checkpoint yet)"
         log.warning("stage %s: requeueing; the job will resume from %s", self.task.name, start)
         return DelayedSubmission(StageJob(self.task))
 
@@ -97,14 +98,14 @@ def run_stage(task: StageTask) -> dict:
     devices = distributed.devices(device, env.world_size)
     ctx = StageContext(
         task=task,
-        run_dir=Path(task.run_dir),
-        builtin_root=Path(task.pipeline_dir) / "builtin",
+        folder=task.folder,
+        builtin_root=builtin_folder(task.pipeline_dir),
         rank=env.rank,
         world_size=env.world_size,
         device=device,
         on_gpu=device.type == "cuda",
     )
-    ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    ctx.folder.path.mkdir(parents=True, exist_ok=True)
     _materialize_builtins(task, ctx)
     # Every rank says where it is (each task has its own log): multi-node problems show here.
     print(
@@ -123,16 +124,16 @@ def run_stage(task: StageTask) -> dict:
         "stage": task.name,
         "kind": task.stage.kind,
         "spec_hash": task.spec_hash,
-        "model": str(ctx.run_dir / "model"),
+        "model": str(ctx.folder.model),
         "world_size": env.world_size,
         "devices": devices,
         "seconds": round(time.time() - started, 1),
         **metrics,
     }
     if ctx.is_main:
-        tmp = ctx.run_dir / f".{RESULT_FILE}.tmp"
+        tmp = ctx.folder.result.with_name(f".{ctx.folder.result.name}.tmp")
         tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, ctx.run_dir / RESULT_FILE)
+        os.replace(tmp, ctx.folder.result)
         log.info("stage %s finished: %s", task.name, json.dumps(metrics))
     distributed.shutdown()
     _exit_hard_at_interpreter_exit()

@@ -69,7 +69,7 @@ def run(task, ctx) -> dict:
         flops=lambda batch: sum(sequence_flops(shape, "lm", n, trained=True, lora_params=lora) for n in batch.lengths),
     )
     outcome = engine.train(ds, loop, stage, ctx)
-    engine.export(ds, tokenizer, stage, ctx.run_dir / "model", ctx.is_main)
+    engine.export(ds, tokenizer, stage, ctx.folder.model, ctx.is_main)
     return {
         "initial_eval_loss": outcome["initial"]["loss"],
         "final_eval_loss": outcome["final"]["loss"],

@@ -147,6 +147,7 @@ def test_status_of_a_pipeline_never_sent_to_slurm_reads_only_the_run_folder(work
     checkpoints.mkdir(parents=True)
     (checkpoints.parent / "spec.json").write_text("{}")
     (checkpoints / "latest").write_text("step-00000020")
+    (checkpoints / "step-00000020").mkdir()  # a complete checkpoint: its folder is there
     result = run_cli("status", config, cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert "not finished" in result.stdout and "checkpoint step-00000020" in result.stdout

@@ -39,6 +39,7 @@ from benchmarks.gpu.cases import (
     read_jsonl,
 )
 from benchmarks.gpu.workload import model_flops_per_token
+from pipeline.runfolder import StageFolder
 
 PIPELINE_NAME = "bench"
 REPO = Path(__file__).resolve().parents[2]
@@ -153,26 +154,26 @@ def run(case, work: Path, settings: dict, info: dict) -> None:
     if planned.returncode == 2:  # an invalid pipeline file: `run` would refuse it the same way
         raise SystemExit(1)
 
-    stage_dir = runs_dir / PIPELINE_NAME / spec["stages"][0]["name"]
+    stage = StageFolder.of(runs_dir / PIPELINE_NAME, spec["stages"][0]["name"])
     process = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(config), "--force"], cwd=REPO)
-    facts["device_line"], facts["pipeline_rc"] = _watch(process, stage_dir, settings["device"])
+    facts["device_line"], facts["pipeline_rc"] = _watch(process, stage, settings["device"])
     if facts["pipeline_rc"] == "ran-on-cpu":
         facts["error"] = ("the stage ran on the CPU although a GPU was asked for (its log says 'device cpu'); "
                           "stopped at once")
     _write_facts(work, facts)
-    for heavy in ("model", "model.tmp", "checkpoints"):
-        shutil.rmtree(stage_dir / heavy, ignore_errors=True)
+    for heavy in (stage.model, stage.model.with_name(stage.model.name + ".tmp"), stage.checkpoints):
+        shutil.rmtree(heavy, ignore_errors=True)
     if facts["pipeline_rc"] != 0:
         raise SystemExit(1)
 
 
-def _watch(process: subprocess.Popen, stage_dir: Path, device: str):
+def _watch(process: subprocess.Popen, stage: StageFolder, device: str):
     """Wait for `pipeline run`; stop it early if the stage says it runs on the CPU when a GPU was wanted."""
     device_line = None
     while process.poll() is None:
         time.sleep(1.0)
         if device_line is None:
-            device_line = _device_line(stage_dir)
+            device_line = _device_line(stage)
             if device_line and device == "cuda" and "device cpu" in device_line:
                 process.send_signal(signal.SIGINT)  # `pipeline run` cancels its job on Ctrl-C
                 try:
@@ -180,11 +181,11 @@ def _watch(process: subprocess.Popen, stage_dir: Path, device: str):
                 except subprocess.TimeoutExpired:
                     process.kill()
                 return device_line, "ran-on-cpu"
-    return device_line or _device_line(stage_dir), process.returncode
+    return device_line or _device_line(stage), process.returncode
 
 
-def _device_line(stage_dir: Path):
-    for log in sorted((stage_dir / "logs").glob("*_0_log.out")):
+def _device_line(stage: StageFolder):
+    for log in sorted(stage.logs.glob("*_0_log.out")):
         for line in log.read_text(errors="replace").splitlines():
             if ", device " in line and line.startswith("stage "):
                 return line.strip()
@@ -201,8 +202,8 @@ def _write_facts(work: Path, facts: dict) -> None:
 def collect(case, work: Path, settings: dict, info: dict) -> dict:
     facts = read_json(work / "facts.json") or {}
     knobs = facts.get("settings") or stage_settings(case, settings)
-    stage_dir = work / "runs" / PIPELINE_NAME / knobs["kind"]
-    records = read_jsonl(stage_dir / "metrics.jsonl")
+    stage = StageFolder.of(work / "runs" / PIPELINE_NAME, knobs["kind"])
+    records = read_jsonl(stage.metrics)
     training = [r for r in records if "tokens_per_s" in r]
     warmup = 0 if case.params.get("memory") else settings["warmup_steps"]
     measured = [r for r in training if r.get("step", 0) > warmup]
@@ -214,7 +215,7 @@ def collect(case, work: Path, settings: dict, info: dict) -> dict:
         "error": facts.get("error"),
         "steps_done": max((r.get("step", 0) for r in training), default=0),
         "steps_measured": len(measured),
-        "complete": (stage_dir / "result.json").is_file(),
+        "complete": stage.result.is_file(),
     }
     out.update(_throughput(measured))
     out["sequences_per_step"] = knobs["global_batch_size"] * (2 if knobs["kind"] == "dpo" else 1)

@@ -1,0 +1,111 @@
+"""The run folder's layout: every name under runs/<pipeline>/ is spelled here and nowhere else.
+
+    runs/<pipeline>/
+      pipeline.json                 the chain's Slurm jobs and their states (pipeline/state.py)
+      .pipeline.lock                held by the `run` that is submitting (pipeline/state.py)
+      builtin/                      the built-in model and data, written once (stages/tiny.py)
+      <stage>/                      one folder per stage: StageFolder
+        model/                      the exported model, Hugging Face format
+        checkpoints/                DeepSpeed checkpoints step-00000100/ ...; `latest` names the newest complete one
+        metrics.jsonl               one JSON object per logged step
+        result.json                 final metrics and the spec hash that lets a re-run skip the stage
+        spec.json                   the resolved stage as it was submitted
+        logs/                       the job's stdout/stderr, one file per process
+        reference_logps.pt          DPO's precomputed reference log-probs
+      <stage>.superseded-<time>/    a stage folder whose spec changed, moved aside (never deleted)
+
+Torch-free: the login node reads it to submit and to show status.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+STATE_FILE = "pipeline.json"
+LOCK_FILE = ".pipeline.lock"
+BUILTIN_FOLDER = "builtin"
+
+
+def state_file(pipeline_dir: Path) -> Path:
+    return Path(pipeline_dir) / STATE_FILE
+
+
+def lock_file(pipeline_dir: Path) -> Path:
+    return Path(pipeline_dir) / LOCK_FILE
+
+
+def builtin_folder(pipeline_dir: Path) -> Path:
+    return Path(pipeline_dir) / BUILTIN_FOLDER
+
+
+@dataclass(frozen=True)
+class StageFolder:
+    """runs/<pipeline>/<stage>/ and what lives in it."""
+
+    path: Path
+
+    @classmethod
+    def of(cls, pipeline_dir, stage: str) -> "StageFolder":
+        return cls(Path(pipeline_dir) / stage)
+
+    @property
+    def model(self) -> Path:
+        return self.path / "model"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def latest_marker(self) -> Path:
+        """The file naming the newest complete checkpoint (replaced atomically)."""
+        return self.checkpoints / "latest"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def result(self) -> Path:
+        return self.path / "result.json"
+
+    @property
+    def spec(self) -> Path:
+        return self.path / "spec.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def reference_logps(self) -> Path:
+        return self.path / "reference_logps.pt"
+
+    @staticmethod
+    def checkpoint_tag(step: int) -> str:
+        return f"step-{step:08d}"
+
+    def checkpoint_tags(self) -> list[str]:
+        """The checkpoint folders present, oldest first (complete or not)."""
+        return sorted(p.name for p in self.checkpoints.glob("step-*") if p.is_dir())
+
+    def latest_checkpoint(self) -> Optional[str]:
+        """The tag of the newest complete checkpoint, or None."""
+        try:
+            tag = self.latest_marker.read_text().strip()
+        except OSError:
+            return None
+        return tag if (self.checkpoints / tag).is_dir() else None
+
+    def superseded(self) -> Path:
+        """A free name to move this folder aside to: <stage>.superseded-<time>[-n]."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = self.path.with_name(f"{self.path.name}.superseded-{stamp}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.path.with_name(f"{self.path.name}.superseded-{stamp}-{n}")
+        return target
