@@ -425,6 +425,11 @@ def merge_lora_state_dict(state: dict, scaling: float, adapter: str = "default")
 def export(engine, tokenizer, stage, out_dir: Path, is_main: bool, extra_files: dict | None = None) -> None:
     """Write model/ in Hugging Face format (LoRA merged unless kept), atomically."""
     module = engine.module
+    if engine.zero_optimization_stage() == 3:
+        # An evaluation forward (no backward) leaves parameters prefetched for the training
+        # trace in flight; gathering one of them then fails with "Cannot partition a param in
+        # flight" (ZeRO-3 on an H100, after the final evaluation). Settle them first.
+        engine.empty_partition_cache()
     state = gather_state_dict(module, is_main)
     if is_main:
         tmp = out_dir.with_name(out_dir.name + ".tmp")
