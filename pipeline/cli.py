@@ -16,7 +16,7 @@ from pathlib import Path
 from pipeline import config as config_module
 from pipeline import graph, launch, plan, preflight, prepare, slurm, state
 from pipeline.errors import InvalidInput, PipelineError
-from pipeline.rows import is_row_file
+from pipeline.hfcache import hf_cache
 
 CANCEL_WAIT_S = 120
 
@@ -38,7 +38,7 @@ def cmd_validate(args) -> int:
 
 def cmd_plan(args) -> int:
     spec = config_module.load_pipeline(args.config)
-    plans = plan.plan_pipeline(spec, known_rows(spec))
+    plans = plan.plan_pipeline(spec, plan.known_rows(spec))
     if args.json:
         print(json.dumps(plan.plan_to_json(plans), indent=2))
     else:
@@ -46,79 +46,26 @@ def cmd_plan(args) -> int:
     return 3 if any(p.fits is False for p in plans) else 0
 
 
-def known_rows(spec) -> dict:
-    """Training rows per stage where counting is cheap (jsonl lines, the built-in task), for total times."""
-    from stages.tiny import DIGITS_SPLITS  # torch-free constants
-
-    rows = {}
-    for stage in spec.stages:
-        path = stage.data.path
-        if stage.data.is_builtin:
-            rows[stage.name] = DIGITS_SPLITS[stage.data.split] if stage.data.split in DIGITS_SPLITS else None
-        elif is_row_file(path) and path.endswith(".jsonl") and Path(path).is_file():
-            with open(path, "rb") as f:
-                rows[stage.name] = sum(1 for line in f if line.strip())
-    return {k: v for k, v in rows.items() if v}
-
-
 def cmd_run(args) -> int:
     spec = config_module.load_pipeline(args.config)
     preflight.check(spec)
-    executor = args.executor or spec.cluster.executor
+    outcome = launch.run(spec, args.config, executor=args.executor, force=args.force)
     pipeline_dir = spec.run_dir.resolve()
-    if executor == "slurm":
-        return run_on_slurm(spec, args.config, pipeline_dir, args.force)
-    check_fits(spec, args.force)
-    launch.check_local_gpus(spec)
-    # A Slurm chain of this pipeline may still be training into the same folders.
-    tasks = graph.build_tasks(spec)
-    if state.load(pipeline_dir) is not None:
-        state.refuse_if_live(pipeline_dir, args.config, tasks)
-    planned = graph.plan_actions(tasks)
-    launch.run_local(spec, planned, echo=launch.default_echo)
-    print(f"\npipeline '{spec.name}' finished; outputs under {pipeline_dir}:")
-    for item in planned:
-        summary = json.loads(item.task.folder.result.read_text())
-        numbers = {k: v for k, v in summary.items() if isinstance(v, float)}
-        print(f"  {item.task.name:<12} {item.task.folder.model}  "
-              + "  ".join(f"{k}={v:.4g}" for k, v in numbers.items()))
-    return 0
-
-
-def check_fits(spec, force: bool) -> None:
-    """Refuse (exit 3) a stage the plan says does not fit, before anything is written or queued."""
-    if not force:
-        plan.raise_if_not_fits(plan.plan_pipeline(spec, known_rows(spec)))
-
-
-def run_on_slurm(spec, config: str, pipeline_dir: Path, force: bool) -> int:
-    """Submit the chain and return; `status` follows it."""
-    launch.check_slurm_ready(spec)
-    tasks = graph.build_tasks(spec)
-    state.refuse_if_live(pipeline_dir, config, tasks)  # before the download, which may take long
-    try:
-        check_fits(spec, force)  # refuse before downloading tens of GB, when the shapes are known
-        checked = True
-    except InvalidInput:  # a model outside the built-in table: its shape comes with prepare
-        checked = False
-    prepare.fetch(spec, echo=launch.default_echo)
-    if not checked:
-        os.environ["HF_HOME"] = str(prepare.hf_home(spec))  # where prepare put the config.json files
-        check_fits(spec, force)
-    with state.lock(pipeline_dir) as locked:
-        if not locked:
-            raise PipelineError(f"another `run` is submitting this pipeline into {pipeline_dir} right now")
-        state.refuse_if_live(pipeline_dir, config, tasks)  # again: someone may have submitted meanwhile
-        planned = graph.plan_actions(tasks)
-        run_state = launch.submit_slurm(spec, planned, config, echo=launch.default_echo)
-    jobs = {item.task.name: run_state.stages[item.task.name].job_id for item in planned if item.action != "skip"}
-    if not jobs:
+    if outcome.executor == "local":
+        print(f"\npipeline '{spec.name}' finished; outputs under {pipeline_dir}:")
+        for item in outcome.planned:
+            summary = json.loads(item.task.folder.result.read_text())
+            numbers = {k: v for k, v in summary.items() if isinstance(v, float)}
+            print(f"  {item.task.name:<12} {item.task.folder.model}  "
+                  + "  ".join(f"{k}={v:.4g}" for k, v in numbers.items()))
+    elif not outcome.jobs:
         print(f"\npipeline '{spec.name}': every stage finished earlier; nothing submitted. Run folder: {pipeline_dir}")
-        return 0
-    listed = ", ".join(f"{name}={job}" for name, job in jobs.items())
-    print(f"\npipeline '{spec.name}': submitted {len(jobs)} Slurm job{'s' if len(jobs) > 1 else ''} ({listed}); "
-          f"run folder: {pipeline_dir}")
-    print(f"  follow: python -m pipeline status {config}    stop: python -m pipeline cancel {config}")
+    else:
+        listed = ", ".join(f"{name}={job}" for name, job in outcome.jobs.items())
+        count = len(outcome.jobs)
+        print(f"\npipeline '{spec.name}': submitted {count} Slurm job{'s' if count > 1 else ''} ({listed}); "
+              f"run folder: {pipeline_dir}")
+        print(f"  follow: python -m pipeline status {args.config}    stop: python -m pipeline cancel {args.config}")
     return 0
 
 
@@ -126,17 +73,18 @@ def cmd_status(args) -> int:
     spec = config_module.load_pipeline(args.config)
     pipeline_dir = spec.run_dir.resolve()
     run_state = state.load(pipeline_dir)
-    statuses = state.stage_statuses(graph.build_tasks(spec), run_state)
+    running = state.holder(pipeline_dir)
+    statuses = state.stage_statuses(graph.build_tasks(spec), run_state, running)
     if run_state is not None:
         state.refresh(run_state, statuses)
-        with state.lock(pipeline_dir) as locked:
-            if locked:  # a `run` that is submitting right now writes it itself
-                state.save(pipeline_dir, run_state)
+        state.save_unless_held(pipeline_dir, run_state)
     if args.json:
         print(json.dumps({"pipeline": spec.name, "run_dir": str(pipeline_dir),
                           "stages": [dataclasses.asdict(s) for s in statuses]}, indent=2))
     else:
         print(f"pipeline '{spec.name}', run folder {pipeline_dir}")
+        if running is not None:
+            print(f"  held by a `run`: {running.describe()}")
         for s in statuses:
             job = f"job {s.job_id}" if s.job_id else ""
             print(f"  {s.name:<12} {s.state:<12} {job:<10} {s.detail}")
@@ -150,10 +98,13 @@ def cmd_status(args) -> int:
 def cmd_cancel(args) -> int:
     spec = config_module.load_pipeline(args.config)
     pipeline_dir = spec.run_dir.resolve()
+    running = state.holder(pipeline_dir)
+    if running is not None and running.doing == launch.RUNNING_LOCALLY:
+        return launch.stop_local_run(running, spec.name)
     run_state = state.load(pipeline_dir)
     live = state.live_jobs(run_state)
     if not live:
-        print(f"pipeline '{spec.name}': no live Slurm job to cancel ({pipeline_dir})")
+        print(f"pipeline '{spec.name}': no live Slurm job or local run to cancel ({pipeline_dir})")
         return 0
     slurm.cancel([info.job_id for _, info in live])
     for name, info in live:
@@ -171,7 +122,7 @@ def cmd_cancel(args) -> int:
 def cmd_prepare(args) -> int:
     spec = config_module.load_pipeline(args.config)
     preflight.check(spec)
-    prepare.fetch(spec, echo=launch.default_echo)
+    prepare.fetch(spec, hf_cache(spec), echo=launch.default_echo)
     return 0
 
 
@@ -210,7 +161,7 @@ COMMANDS = {
     "plan": (cmd_plan, "estimate each stage's GPU and host memory and time; say what would make it fit"),
     "run": (cmd_run, "run (locally) or submit (to Slurm) every stage that is not finished"),
     "status": (cmd_status, "show each stage's state; for a failed stage, its log"),
-    "cancel": (cmd_cancel, "cancel the pipeline's pending and running Slurm jobs"),
+    "cancel": (cmd_cancel, "cancel the pipeline's pending and running Slurm jobs, or its local run"),
     "prepare": (cmd_prepare, "download the models and datasets named by hub id into the shared cache"),
     "run-stage": (cmd_run_stage, "run one stage in this process (one task per GPU, e.g. under srun)"),
 }

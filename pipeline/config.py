@@ -140,7 +140,8 @@ class ClusterSpec(Strict):
     mem: Optional[str] = Field(
         None, pattern=r"^\d+[KMGT]?$", description="Host memory per node, Slurm syntax (e.g. 500G, 0 = all)."
     )
-    time: str = Field("4:00:00", description="Wall-clock limit per stage job, Slurm syntax (e.g. 2-00:00:00).")
+    time: str = Field("4:00:00", description="Wall-clock limit per stage job on Slurm, Slurm syntax (e.g. "
+                      "2-00:00:00). Local runs have no time limit.")
     setup: list[str] = Field(
         default_factory=list, description="Shell lines run in the job before the stage starts (e.g. module load ...)."
     )
@@ -337,7 +338,7 @@ class TrainingKnobs(Strict):
     log_interval: int = Field(10, ge=1, description="Write a metrics.jsonl line every N optimizer steps.")
     seed: int = Field(42, ge=0, description="Seed for initialisation, data order and sampling.")
     nodes: int = Field(1, ge=1, le=1024, description="Nodes this stage runs on.")
-    time: Optional[str] = Field(None, description="Wall-clock limit for this stage's job; default cluster.time.")
+    time: Optional[str] = Field(None, description="Wall-clock limit for this stage's Slurm job; default cluster.time.")
 
     @field_validator("time")
     @classmethod

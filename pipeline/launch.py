@@ -1,8 +1,12 @@
-"""Submitting stages as submitit jobs.
+"""`python -m pipeline run`, one story for both executors: check, plan, lock, then run
+the chain here or submit it to Slurm, as submitit jobs.
 
 Local executor: one job at a time on this machine (submitit's LocalExecutor,
 one process per task), its rank-0 log streamed to the console, the next stage
-submitted when the previous one succeeded.
+submitted when the previous one succeeded. The `run` holds the run folder's lock
+the whole time, records each stage in pipeline.json for `status`, and takes its
+stage processes down with it when it is interrupted or killed. cluster.time does
+not apply: a local stage has no time limit.
 
 Slurm executor: the whole chain at once, one job per stage, each downstream job
 with `afterok` on its upstream jobs and `--kill-on-invalid-dep=yes`; then `run`
@@ -16,25 +20,86 @@ newest complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline import slurm, state
+from pipeline import graph, plan, prepare, slurm, state
 from pipeline.config import PipelineSpec, slurm_time_to_minutes
 from pipeline.errors import InvalidInput, StageFailed
 from pipeline.graph import PlannedStage, StageTask
-from pipeline.prepare import hf_home
+from pipeline.hfcache import hf_cache
 from pipeline.rows import is_row_file
 
 POLL_S = 0.5
+# A local stage runs until it ends (submitit's LocalExecutor needs some limit: a year).
+LOCAL_TIMEOUT_MIN = 365 * 24 * 60
+# How long an interrupted local run waits for its stage processes to end.
+STOP_WAIT_S = 30
+# What the `run` holding the run folder's lock is doing (state.Holder.doing).
+RUNNING_LOCALLY, SUBMITTING = "running it locally", "submitting it to Slurm"
+
+
+@dataclass
+class Outcome:
+    """What `run` did: the plan per stage and, on Slurm, the jobs it submitted."""
+
+    executor: str
+    planned: list[PlannedStage]
+    jobs: dict[str, str] = field(default_factory=dict)  # stage -> Slurm job id, this invocation
+
+
+def run(spec: PipelineSpec, config: str, executor: Optional[str] = None, force: bool = False,
+        echo=None) -> Outcome:
+    """Check what can be checked before anything is written, then run the chain here or
+    submit it to Slurm. Raises InvalidInput (2), DoesNotFit (3) or StageFailed (1)."""
+    echo = echo or default_echo
+    executor = executor or spec.cluster.executor
+    pipeline_dir = spec.run_dir.resolve()
+    cache = hf_cache(spec)
+    tasks = graph.build_tasks(spec)
+    if executor == "slurm":
+        check_slurm_ready(spec)
+        state.refuse_if_live(pipeline_dir, config, tasks)  # before the download, which may take long
+        try:
+            check_fits(spec, force)  # refuse before downloading tens of GB, when the shapes are known
+            checked = True
+        except InvalidInput:  # a model outside the built-in table: its shape comes with prepare
+            checked = False
+        prepare.fetch(spec, cache, echo=echo)
+        if not checked:
+            check_fits(spec, force)
+    else:
+        check_fits(spec, force)
+        check_local_gpus(spec)
+        state.refuse_if_live(pipeline_dir, config, tasks)  # a Slurm chain training into the same folders
+    doing = SUBMITTING if executor == "slurm" else RUNNING_LOCALLY
+    with state.hold(pipeline_dir, config, doing, echo=echo):
+        state.refuse_if_live(pipeline_dir, config, tasks)  # again: someone may have submitted meanwhile
+        planned = graph.plan_actions(tasks)
+        if executor == "slurm":
+            run_state = submit_slurm(spec, planned, config, echo=echo)
+            jobs = {i.task.name: run_state.stages[i.task.name].job_id for i in planned if i.action != "skip"}
+            return Outcome(executor, planned, jobs)
+        run_local(spec, planned, config, echo=echo)
+        return Outcome(executor, planned)
+
+
+def check_fits(spec: PipelineSpec, force: bool) -> None:
+    """Refuse (exit 3) a stage the plan says does not fit, before anything is written or queued."""
+    if not force:
+        plan.raise_if_not_fits(plan.plan_pipeline(spec, plan.known_rows(spec)))
 
 
 def write_spec(task: StageTask) -> None:
@@ -44,8 +109,8 @@ def write_spec(task: StageTask) -> None:
     task.folder.spec.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def job_setup_lines(spec: PipelineSpec) -> list[str]:
-    return list(spec.cluster.setup) + [f"export {k}={shlex.quote(v)}" for k, v in spec.cluster.env.items()]
+def _exports(env: dict) -> list[str]:
+    return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
 
 
 def announce(item: PlannedStage, echo) -> bool:
@@ -60,26 +125,133 @@ def announce(item: PlannedStage, echo) -> bool:
     return True
 
 
-def run_local(spec: PipelineSpec, planned: list[PlannedStage], echo=print) -> None:
-    """Run the stages one after another on this machine; raises StageFailed."""
+def run_local(spec: PipelineSpec, planned: list[PlannedStage], config: str, echo=print) -> None:
+    """Run the stages one after another on this machine, recording each in pipeline.json;
+    raises StageFailed. The caller holds the run folder's lock."""
     from stages.runner import StageJob
 
+    pipeline_dir = spec.run_dir.resolve()
+    run_state = state.load(pipeline_dir) or state.RunState(pipeline=spec.name, config=config)
     for item in planned:
         task = item.task
         if not announce(item, echo):
             continue
         job = local_executor(spec, task).submit(StageJob(task))
+        record = _record_local(run_state, pipeline_dir, task, job)
         verb = "resuming" if item.action == "resume" else "running"
         echo(f"[{task.name}] {verb} {task.stage.kind} as local job {job.job_id} "
              f"({task.processes_per_node} processes); log: {job.paths.stdout}")
         try:
-            _follow(job, echo)
+            with _signals_as_interrupts():
+                _follow(job, echo)
         except KeyboardInterrupt:
-            job.cancel()
+            _stop(job)
+            _end_record(run_state, pipeline_dir, record, state.CANCELLED, "interrupted")
             raise
         if job.state != "FINISHED" or job.exception() is not None:
-            raise StageFailed(failure_message(task.name, job))
+            message = failure_message(task.name, job)
+            _end_record(run_state, pipeline_dir, record, state.FAILED, message.splitlines()[0])
+            raise StageFailed(message)
+        _end_record(run_state, pipeline_dir, record, state.FINISHED, "")
         echo(f"[{task.name}] done: {task.folder.result}")
+
+
+def _record_local(run_state: state.RunState, pipeline_dir: Path, task: StageTask, job) -> state.StageRecord:
+    record = state.StageRecord(
+        job_id=str(job.job_id), executor="local", host=socket.gethostname(), state=state.RUNNING,
+        spec_hash=task.spec_hash, submitted_at=state.now(), logs=str(Path(job.paths.folder)),
+    )
+    run_state.stages[task.name] = record
+    state.save(pipeline_dir, run_state)
+    return record
+
+
+def _end_record(run_state, pipeline_dir: Path, record: state.StageRecord, ended: str, detail: str) -> None:
+    record.state, record.detail = ended, detail
+    state.save(pipeline_dir, run_state)
+
+
+@contextlib.contextmanager
+def _signals_as_interrupts():
+    """SIGTERM (`kill`) and SIGHUP (a closed terminal) stop a local run as Ctrl-C does:
+    its stage processes are stopped before it exits."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_local_run(running: state.Holder, pipeline: str) -> int:
+    """`cancel` of a local run: SIGTERM to its `run`, which stops its stage processes and
+    records the stage as interrupted; wait until it has let go of the run folder."""
+    if running.host != socket.gethostname():
+        raise InvalidInput(f"pipeline '{pipeline}' is running locally on {running.host} (pid {running.pid}): "
+                           "cancel it there")
+    os.kill(running.pid, signal.SIGTERM)
+    deadline = time.time() + STOP_WAIT_S + 10
+    while time.time() < deadline and state.holder_alive(running):
+        time.sleep(POLL_S)
+    ending = f"; it is still ending after {STOP_WAIT_S + 10} s" if state.holder_alive(running) else ""
+    print(f"pipeline '{pipeline}': stopped the local run (pid {running.pid}){ending}")
+    return 0
+
+
+def _stop(job) -> None:
+    """Stop a local job's processes and wait (a while) until they are gone. The job's process
+    is a shell when there are setup lines, and a shell does not pass SIGINT on: every process
+    of the job gets it (submitit's controller then stops its tasks), and SIGKILL if it lingers."""
+    family = [int(job.job_id)] + _descendants(int(job.job_id))
+    job.cancel()
+    _signal_all(family, signal.SIGINT)
+    deadline = time.time() + STOP_WAIT_S
+    while _living(family) and time.time() < deadline:
+        job.done()  # reaps the job's own process once it ends
+        time.sleep(POLL_S)
+    _signal_all(_living(family), signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _living(pids: list[int]) -> list[int]:
+    """The processes among `pids` that still run (not ended, not zombies)."""
+    living = []
+    for pid in pids:
+        try:
+            state_letter = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state_letter != "Z":
+            living.append(pid)
+    return living
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def local_executor(spec: PipelineSpec, task: StageTask):
@@ -97,10 +269,13 @@ def local_parameters(spec: PipelineSpec, task: StageTask) -> dict:
     CUDA_VISIBLE_DEVICES to the first gpus_per_node of `visible_gpus`, or to 0..n-1 without
     them, and to "" when no GPU is asked for: this machine's own CUDA_VISIBLE_DEVICES (e.g.
     4,5,6,7 of a shared node) is passed on, or the job would take GPUs not given to us."""
+    from stages.runner import RUN_PID_ENV
+
+    env = {**hf_cache(spec).env(), RUN_PID_ENV: str(os.getpid()), **spec.cluster.env}
     params = {
-        "timeout_min": slurm_time_to_minutes(task.stage.time or spec.cluster.time),
+        "timeout_min": LOCAL_TIMEOUT_MIN,
         "tasks_per_node": task.processes_per_node,
-        "setup": job_setup_lines(spec),
+        "setup": list(spec.cluster.setup) + _exports(env),
     }
     gpus = spec.cluster.gpus_per_node
     if gpus:
@@ -277,7 +452,7 @@ def slurm_parameters(spec: PipelineSpec, task: StageTask, after: list[str]) -> d
 def slurm_setup_lines(spec: PipelineSpec) -> list[str]:
     """Shell lines of the batch script before srun: the user's setup, then the environment."""
     env = {
-        "HF_HOME": str(hf_home(spec)),
+        **hf_cache(spec).env(),
         # prepare fetched everything on the submit host; compute nodes may have no internet.
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
@@ -286,7 +461,7 @@ def slurm_setup_lines(spec: PipelineSpec) -> list[str]:
         # DeepSpeed's JIT-built ops, compiled once per machine image, not once per job.
         env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
     env.update(spec.cluster.env)  # the pipeline file has the last word
-    return list(spec.cluster.setup) + [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    return list(spec.cluster.setup) + _exports(env)
 
 
 def job_python(spec: PipelineSpec, task: StageTask) -> str:
@@ -314,7 +489,8 @@ def container_command(spec: PipelineSpec, task: StageTask) -> list[str]:
 def container_binds(spec: PipelineSpec, task: StageTask) -> list[str]:
     """Folders the job reads or writes: the folder `run` ran in (the pipeline file's relative
     paths start there), the run folder, local data and model, HF cache, code; then the user's."""
-    paths = [Path.cwd().resolve(), Path(task.pipeline_dir), hf_home(spec)]
+    cache = hf_cache(spec)
+    paths = [Path.cwd().resolve(), Path(task.pipeline_dir), cache.home, cache.hub, cache.datasets]
     data = task.stage.data
     for name in (data.path, data.eval_split if data.eval_split and is_row_file(data.eval_split) else None,
                  task.init_model):

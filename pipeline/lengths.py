@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 from pipeline.errors import InvalidInput
 from pipeline.rows import is_row_file, read_rows
+from pipeline.hfcache import HFCache
 from pipeline.shapes import BUILTIN_PREFIX, cached_config
 
 SAMPLE_ROWS = 1000
@@ -50,14 +51,15 @@ class RowLengths:
         return f"{self.source}, {self.counter}" if self.sampled else f"max_len assumed per row: {self.source}"
 
 
-def sample(data, kind: str, model: str, datasets_cache: Optional[Path] = None, limit: int = SAMPLE_ROWS,
+def sample(data, kind: str, model: str, cache: Optional[HFCache] = None, limit: int = SAMPLE_ROWS,
            seed: int = 0) -> RowLengths:
-    """Token counts of up to `limit` rows of a stage's data (`data`: its DataSpec)."""
+    """Token counts of up to `limit` rows of a stage's data (`data`: its DataSpec); a hub
+    model's tokenizer and a hub dataset are looked for in `cache` (none: not looked for)."""
     rng = random.Random(seed)
-    rows, source = _sample_rows(data, limit, rng, datasets_cache)
+    rows, source = _sample_rows(data, limit, rng, cache.datasets if cache else None)
     if not rows:
         return RowLengths((), source)
-    count, counter = token_counter(model)
+    count, counter = token_counter(model, cache.hub if cache else None)
     if data.chat_template or kind == "sft" and any(data.messages_key in r for r in rows):
         counter += " (chat template tokens not counted)"
     lengths = _row_lengths(rows, kind, data, count)
@@ -69,7 +71,7 @@ def sample(data, kind: str, model: str, datasets_cache: Optional[Path] = None, l
 # --------------------------------------------------------------------------- counting
 
 
-def token_counter(model: str) -> tuple[Callable[[list[str], bool], list[int]], str]:
+def token_counter(model: str, hub_cache: Optional[Path] = None) -> tuple[Callable[[list[str], bool], list[int]], str]:
     """(count(texts, special_tokens) -> token counts, what counts them) for a model name."""
     if model == BUILTIN_PREFIX + "tiny-llama":
         from stages import tiny  # torch-free; its tokenizer needs only `tokenizers`
@@ -78,7 +80,7 @@ def token_counter(model: str) -> tuple[Callable[[list[str], bool], list[int]], s
     path = Path(model).expanduser()
     found = path / "tokenizer.json" if path.is_dir() else None
     if found is None or not found.is_file():
-        config = cached_config(model)
+        config = cached_config(model, hub_cache)
         found = config.parent / "tokenizer.json" if config is not None else None
     if found is None or not found.is_file():
         return _by_characters, f"characters / {CHARS_PER_TOKEN} (no tokenizer.json of {model} on this machine)"

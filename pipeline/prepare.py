@@ -2,7 +2,7 @@
 
 Compute nodes often have no internet, so `prepare` (which `run` does before it
 submits to Slurm) downloads them into the Hugging Face cache the jobs share
-(cluster.hf_home), and the jobs run with HF_HUB_OFFLINE=1 and
+(pipeline/hfcache.py says where), and the jobs run with HF_HUB_OFFLINE=1 and
 HF_DATASETS_OFFLINE=1: they read the cache and never try the network.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeline.config import PipelineSpec
 from pipeline.errors import InvalidInput
+from pipeline.hfcache import HFCache
 from pipeline.rows import is_row_file
 
 # Weights in formats transformers does not load for PyTorch, and the duplicate
@@ -27,15 +28,6 @@ class HubInput:
     kind: str  # model | dataset
     name: str  # the hub id
     splits: tuple[str, ...] = ()
-
-
-def hf_home(spec: PipelineSpec) -> Path:
-    """The cache the submit host fills and the jobs read."""
-    if spec.cluster.hf_home:
-        return Path(spec.cluster.hf_home).expanduser().resolve()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser().resolve()
-    return Path("~/.cache/huggingface").expanduser().resolve()
 
 
 def hub_inputs(spec: PipelineSpec) -> list[HubInput]:
@@ -59,23 +51,24 @@ def _is_hub_id(name: str) -> bool:
     return not name.startswith("builtin:") and not Path(name).expanduser().exists()
 
 
-def fetch(spec: PipelineSpec, echo=print) -> list[HubInput]:
-    """Download every hub input into hf_home(spec); raises InvalidInput naming the field."""
+def fetch(spec: PipelineSpec, cache: HFCache, echo=print) -> list[HubInput]:
+    """Download every hub input into `cache`; raises InvalidInput naming the field."""
     inputs = hub_inputs(spec)
-    home = hf_home(spec)
+    home = cache.home
     if not inputs:
         echo("prepare: nothing to fetch (every model and dataset is local or built in)")
         return inputs
     home.mkdir(parents=True, exist_ok=True)
-    # The hub libraries read HF_HOME when first imported: make it the jobs' cache.
-    os.environ["HF_HOME"] = str(home)
+    # The hub libraries read these when first imported (datasets downloads through the hub
+    # cache, and keeps its modules under HF_HOME): make them the jobs' cache, as the jobs see it.
+    os.environ.update(cache.env())
     for item in inputs:
         echo(f"prepare: fetching {item.kind} {item.name} into {home}")
         try:
             if item.kind == "model":
-                download_model(item.name, home)
+                download_model(item.name, cache.hub)
             else:
-                download_dataset(item.name, item.splits, home)
+                download_dataset(item.name, item.splits, cache.datasets)
         except Exception as err:  # noqa: BLE001 -- any failure is reported against the field
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise InvalidInput(
@@ -85,17 +78,17 @@ def fetch(spec: PipelineSpec, echo=print) -> list[HubInput]:
     return inputs
 
 
-def download_model(repo_id: str, home: Path) -> None:
+def download_model(repo_id: str, hub: Path) -> None:
     from huggingface_hub import HfApi, snapshot_download
 
     ignored = list(IGNORED_MODEL_FILES)
     if any(f.endswith(".safetensors") for f in HfApi().list_repo_files(repo_id)):
         ignored.append("*.bin")  # transformers loads the safetensors copy
-    snapshot_download(repo_id, cache_dir=str(home / "hub"), ignore_patterns=ignored)
+    snapshot_download(repo_id, cache_dir=str(hub), ignore_patterns=ignored)
 
 
-def download_dataset(name: str, splits: tuple[str, ...], home: Path) -> None:
+def download_dataset(name: str, splits: tuple[str, ...], datasets_cache: Path) -> None:
     import datasets
 
     for split in splits:
-        datasets.load_dataset(name, split=split, cache_dir=str(home / "datasets"))
+        datasets.load_dataset(name, split=split, cache_dir=str(datasets_cache))

@@ -15,7 +15,6 @@ Parameter count of a Llama-style decoder (SwiGLU MLP, RMSNorm, RoPE):
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -256,20 +255,11 @@ def tiny_llama_shape() -> ModelShape:
 # --------------------------------------------------------------------------- resolving a name
 
 
-def hub_cache_dir() -> Path:
-    """Where huggingface_hub keeps downloads: $HF_HUB_CACHE, $HF_HOME/hub or ~/.cache/huggingface/hub."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    return Path("~/.cache/huggingface/hub").expanduser()
-
-
-def cached_config(hub_id: str) -> Optional[Path]:
-    """config.json of a hub model in the local cache (the snapshot refs/main names, else the newest)."""
-    if hub_id.count("/") != 1:
+def cached_config(hub_id: str, hub_cache: Optional[Path]) -> Optional[Path]:
+    """config.json of a hub model in the hub cache (the snapshot refs/main names, else the newest)."""
+    if hub_cache is None or hub_id.count("/") != 1:
         return None
-    repo = hub_cache_dir() / ("models--" + hub_id.replace("/", "--"))
+    repo = Path(hub_cache) / ("models--" + hub_id.replace("/", "--"))
     snapshots = repo / "snapshots"
     if not snapshots.is_dir():
         return None
@@ -287,17 +277,18 @@ def _builtin_lookup(model: str) -> Optional[ModelShape]:
     return lowered.get(model.lower())
 
 
-def resolve_shape(model: str) -> ModelShape:
+def resolve_shape(model: str, hub_cache: Optional[Path] = None) -> ModelShape:
     """The shape of what a stage's `model:` names: builtin:NAME, a local folder, a hub id
-    in the local cache, or a hub id in the built-in table (in that order)."""
+    in the hub cache (pipeline/hfcache.py says where; None: none is looked at), or a hub id
+    in the built-in table (in that order)."""
     if model.startswith(BUILTIN_PREFIX):
         if model == BUILTIN_PREFIX + "tiny-llama":
             return tiny_llama_shape()
         raise ShapeNotFound(f"no built-in model '{model}'")
     path = Path(model).expanduser()
     if path.exists():
-        return _shape_of_folder(path, model)
-    cached = cached_config(model)
+        return _shape_of_folder(path, model, hub_cache)
+    cached = cached_config(model, hub_cache)
     if cached is not None:
         return read_config_json(cached)
     builtin = _builtin_lookup(model)
@@ -305,13 +296,13 @@ def resolve_shape(model: str) -> ModelShape:
         return builtin
     raise ShapeNotFound(
         f"cannot tell the size of model '{model}': it is not a local folder, not in the Hugging Face "
-        f"cache ({hub_cache_dir()}), and not one of the built-in shapes ({', '.join(BUILTIN_SHAPES)}). "
+        f"cache ({hub_cache}), and not one of the built-in shapes ({', '.join(BUILTIN_SHAPES)}). "
         f"Download its config first (huggingface-cli download {model} config.json) or give a local "
         "folder holding its config.json."
     )
 
 
-def _shape_of_folder(path: Path, name: str) -> ModelShape:
+def _shape_of_folder(path: Path, name: str, hub_cache: Optional[Path]) -> ModelShape:
     if path.is_file():
         return read_config_json(path)
     config = path / "config.json"
@@ -324,5 +315,5 @@ def _shape_of_folder(path: Path, name: str) -> ModelShape:
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"{adapter}: not readable JSON ({err})") from None
         if base:
-            return replace(resolve_shape(base), source=f"{adapter} -> {base}")
+            return replace(resolve_shape(base, hub_cache), source=f"{adapter} -> {base}")
     raise ShapeNotFound(f"{name} has no config.json; expected a model folder in Hugging Face format")

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Iterator, Optional
 from pydantic import BaseModel, ValidationError
 
 from pipeline import graph, runfolder, slurm
-from pipeline.errors import PipelineError
+from pipeline.errors import InvalidInput, PipelineError
 
 LOG_TAIL_LINES = 15
 
@@ -32,7 +33,9 @@ PENDING, RUNNING, NOT_FINISHED, NOT_STARTED = "pending", "running", "not finishe
 
 
 class StageRecord(BaseModel):
-    job_id: str
+    job_id: str  # the Slurm job, or the local job (submitit's, on the run's host)
+    executor: str = "slurm"  # slurm | local
+    host: str = ""  # where a local job ran
     state: str  # what `status` last called it: pending, running, finished, failed, cancelled
     slurm_state: str = ""  # Slurm's JobState when last seen
     detail: str = ""  # what `status` last said about it
@@ -71,24 +74,118 @@ def save(pipeline_dir: Path, run_state: RunState) -> None:
     os.replace(tmp, path)
 
 
+class Holder(BaseModel):
+    """Who holds the run folder's lock: a `run` running the chain here, or submitting it."""
+
+    pid: int
+    host: str
+    started: str
+    config: str
+    doing: str  # "running it locally" | "submitting it to Slurm"
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}, since {self.started}, {self.doing} (pipeline file {self.config})"
+
+
 @contextlib.contextmanager
-def lock(pipeline_dir: Path) -> Iterator[bool]:
-    """Take the run folder's lock (one `run` submitting at a time) if it is free:
-    yields True, or False when another process holds it."""
+def hold(pipeline_dir: Path, config: str, doing: str, echo=print) -> Iterator[Holder]:
+    """Hold the run folder's lock while a `run` works on it: for its whole length when it runs
+    the chain locally, while it submits when the chain goes to Slurm. Another `run` of the
+    same folder is refused (exit 2) with the holder's pid, host and start. The kernel frees the
+    lock when its holder dies however it dies; a holder record left behind is taken over."""
     Path(pipeline_dir).mkdir(parents=True, exist_ok=True)
-    with open(runfolder.lock_file(pipeline_dir), "a") as handle:
+    me = Holder(pid=os.getpid(), host=socket.gethostname(), started=now(), config=config, doing=doing)
+    with open(runfolder.lock_file(pipeline_dir), "a+") as handle:
+        locked = _try_flock(handle, fcntl.LOCK_EX)
+        left = _read_holder(handle)
+        if locked is False or (locked is None and left is not None and holder_alive(left)):
+            raise InvalidInput(
+                f"another `run` of this pipeline is live on {pipeline_dir}: "
+                + (left.describe() if left else "a process that has not said who it is yet")
+                + ". Wait for it to end, or stop it (`python -m pipeline cancel` stops a local run it holds).")
+        if left is not None and left.pid != me.pid:
+            echo(f"note: took over the run folder's lock from a `run` that ended without releasing it "
+                 f"({left.describe()})")
+        _write_holder(handle, me)
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        except OSError:  # a file system without locks (e.g. Lustre without -o flock)
-            yield True
-            return
-        try:
-            yield True
+            yield me
         finally:
+            _write_holder(handle, None)
+            if locked:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def holder(pipeline_dir: Path) -> Optional[Holder]:
+    """The `run` holding the run folder's lock right now, or None."""
+    path = runfolder.lock_file(pipeline_dir)
+    if not path.is_file():
+        return None
+    with open(path, "a+") as handle:
+        locked = _try_flock(handle, fcntl.LOCK_SH, tries=1)
+        if locked:
             fcntl.flock(handle, fcntl.LOCK_UN)
+            return None
+        left = _read_holder(handle)
+        if locked is None:  # no locks on this file system: trust a live process on this host
+            return left if left is not None and holder_alive(left) else None
+        return left or Holder(pid=0, host="?", started="?", config="?", doing="starting")
+
+
+def save_unless_held(pipeline_dir: Path, run_state: RunState) -> None:
+    """Save what `status` saw, unless a `run` holds the folder (it writes pipeline.json itself)."""
+    with open(runfolder.lock_file(pipeline_dir), "a+") as handle:
+        locked = _try_flock(handle, fcntl.LOCK_EX, tries=1)
+        if locked is False:
+            return
+        try:
+            save(pipeline_dir, run_state)
+        finally:
+            if locked:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _try_flock(handle, mode: int, tries: int = 10) -> Optional[bool]:
+    """True: locked; False: someone else holds it (after `tries` tries 0.1 s apart: `status`
+    takes it for an instant); None: the file system has no locks (e.g. Lustre without -o flock)."""
+    for attempt in range(tries):
+        try:
+            fcntl.flock(handle, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if attempt + 1 < tries:
+                time.sleep(0.1)
+        except OSError:
+            return None
+    return False
+
+
+def _read_holder(handle) -> Optional[Holder]:
+    handle.seek(0)
+    try:
+        return Holder.model_validate_json(handle.read())
+    except (ValidationError, ValueError):
+        return None
+
+
+def _write_holder(handle, who: Optional[Holder]) -> None:
+    handle.seek(0)
+    handle.truncate()
+    if who is not None:
+        handle.write(who.model_dump_json())
+    handle.flush()
+
+
+def holder_alive(who: Holder) -> bool:
+    """A holder process alive on this host (one on another host cannot be checked: assume alive)."""
+    if who.host != socket.gethostname():
+        return True
+    try:
+        os.kill(who.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def now() -> str:
@@ -100,11 +197,17 @@ def now() -> str:
 
 def live_jobs(run_state: Optional[RunState]) -> list[tuple[str, slurm.JobInfo]]:
     """(stage, job) for every recorded job that is still pending or running."""
-    if run_state is None or not run_state.stages:
+    records = _slurm_records(run_state)
+    if not records:
         return []
-    infos = slurm.job_info([r.job_id for r in run_state.stages.values()])
-    return [(name, infos[r.job_id]) for name, r in run_state.stages.items()
-            if r.job_id in infos and infos[r.job_id].live]
+    infos = slurm.job_info([r.job_id for r in records.values()])
+    return [(name, infos[r.job_id]) for name, r in records.items() if r.job_id in infos and infos[r.job_id].live]
+
+
+def _slurm_records(run_state: Optional[RunState]) -> dict[str, StageRecord]:
+    if run_state is None:
+        return {}
+    return {name: r for name, r in run_state.stages.items() if r.executor == "slurm"}
 
 
 def refuse_if_live(pipeline_dir: Path, config: str, tasks: list[graph.StageTask]) -> None:
@@ -117,7 +220,7 @@ def refuse_if_live(pipeline_dir: Path, config: str, tasks: list[graph.StageTask]
             if (name, run_state.stages[name].spec_hash) not in finished]
     if live:
         jobs = ", ".join(f"{name} (job {info.job_id}, {info.state})" for name, info in live)
-        raise PipelineError(
+        raise InvalidInput(
             f"a chain of this pipeline is still live on {pipeline_dir}: {jobs}. "
             f"Follow it with `python -m pipeline status {config}`, or stop it with "
             f"`python -m pipeline cancel {config}` before running again."
@@ -145,10 +248,13 @@ class StageStatus:
         return self.state == FAILED
 
 
-def stage_statuses(tasks: list[graph.StageTask], run_state: Optional[RunState]) -> list[StageStatus]:
-    """Each stage's state: its folder first (finished?), then Slurm, then the record."""
+def stage_statuses(tasks: list[graph.StageTask], run_state: Optional[RunState],
+                   running: Optional[Holder] = None) -> list[StageStatus]:
+    """Each stage's state: its folder first (finished?), then Slurm or the local run (`running`:
+    the `run` holding the folder now), then the record."""
     records = run_state.stages if run_state else {}
-    infos = slurm.job_info([r.job_id for r in records.values()]) if records else {}
+    slurm_records = _slurm_records(run_state)
+    infos = slurm.job_info([r.job_id for r in slurm_records.values()]) if slurm_records else {}
     statuses = []
     for task in tasks:
         record = records.get(task.name)
@@ -159,6 +265,8 @@ def stage_statuses(tasks: list[graph.StageTask], run_state: Optional[RunState]) 
                 status.slurm_state, status.restarts, status.source = info.state, info.restarts, "slurm"
         elif record is None or (record.spec_hash != task.spec_hash and not _is_live(record, infos)):
             status = _from_folder(task)
+        elif record.executor == "local":
+            status = _from_local_run(task, record, running)
         else:
             status = _from_job(task, record, infos.get(record.job_id), run_state)
         if record is not None and status.job_id is None and record.spec_hash == task.spec_hash:
@@ -183,15 +291,34 @@ def _is_live(record: StageRecord, infos: dict) -> bool:
 
 
 def _from_folder(task: graph.StageTask) -> StageStatus:
-    """A stage no Slurm job is known for: what its folder says (the local executor's case)."""
+    """A stage no job is known for: what its folder says."""
     if not task.folder.spec.exists():
         return StageStatus(task.name, NOT_STARTED, "", task.run_dir)
-    latest = task.folder.latest_checkpoint()
-    if latest:
-        detail = f"newest checkpoint {latest}: `run` resumes from it"
+    if graph.recorded_hash(task.folder.path) != task.spec_hash:
+        detail = "holds the outputs of an earlier spec: `run` moves them aside and starts over"
     else:
-        detail = "started, no checkpoint yet"
+        detail = _resume_point(task)
     return StageStatus(task.name, NOT_FINISHED, detail, task.run_dir)
+
+
+def _resume_point(task: graph.StageTask) -> str:
+    latest = task.folder.latest_checkpoint()
+    return f"newest checkpoint {latest}: `run` resumes from it" if latest else "no checkpoint yet: `run` starts it over"
+
+
+def _from_local_run(task, record: StageRecord, running: Optional[Holder]) -> StageStatus:
+    """A stage a local `run` started: running while that run holds the folder, else how it ended."""
+    base = dict(name=task.name, run_dir=task.run_dir, job_id=record.job_id, source="record")
+    if record.state == RUNNING and running is not None:
+        step = _last_step(task.folder)
+        detail = f"local job on {record.host}" + (f", at step {step}" if step is not None else "")
+        return StageStatus(state=RUNNING, detail=detail + f" (`run` {running.pid})", **base)
+    if record.state == RUNNING:  # the run that ran it is gone without saying how the stage ended
+        detail = f"the local `run` on {record.host} ended while the stage ran (killed?); {_resume_point(task)}"
+        return _with_log(StageStatus(state=FAILED, detail=detail, **base), record)
+    if record.state == FAILED:
+        return _with_log(StageStatus(state=FAILED, detail=record.detail, **base), record)
+    return StageStatus(state=record.state, detail=f"{record.detail}; {_resume_point(task)}", **base)
 
 
 def _from_job(task, record: StageRecord, info: Optional[slurm.JobInfo], run_state: RunState) -> StageStatus:

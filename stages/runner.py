@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,10 @@ from pipeline.graph import StageTask
 from pipeline.runfolder import StageFolder, builtin_folder
 
 log = logging.getLogger("stages")
+
+# Set by a local `run` (pipeline/launch.py) to its pid: its stage processes end when it is gone.
+RUN_PID_ENV = "PIPELINE_RUN_PID"
+WATCH_RUN_S = 2.0
 
 
 @dataclass
@@ -94,6 +99,7 @@ def run_stage(task: StageTask) -> dict:
 
     env = distributed.detect()
     _configure_logging(env.rank)
+    _end_with_the_run()
     device = distributed.init(env, task.gpus_per_node)
     devices = distributed.devices(device, env.world_size)
     ctx = StageContext(
@@ -138,6 +144,28 @@ def run_stage(task: StageTask) -> dict:
     distributed.shutdown()
     _exit_hard_at_interpreter_exit()
     return result
+
+
+def _end_with_the_run() -> None:
+    """A stage process of a local run ends when the `run` that started it is gone, however
+    it went (a SIGKILL leaves it no time to stop its stages): no orphan keeps training."""
+    pid = os.environ.get(RUN_PID_ENV)
+    if not pid:
+        return
+
+    def watch():
+        while True:
+            time.sleep(WATCH_RUN_S)
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                log.error("the local `run` that started this stage (pid %s) is gone: stopping", pid)
+                sys.stdout.flush()
+                os._exit(1)
+            except (PermissionError, ValueError):
+                return
+
+    threading.Thread(target=watch, name="end-with-run", daemon=True).start()
 
 
 def _materialize_builtins(task: StageTask, ctx: StageContext) -> None:

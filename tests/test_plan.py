@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline import hardware, plan, shapes
+from pipeline.hfcache import hf_cache
 from pipeline.config import CONFIGS_DIR, LoraSpec, PipelineSpec, load_pipeline
 from pipeline.plan import format_plan, plan_pipeline
 from pipeline.errors import EXIT_DOES_NOT_FIT, EXIT_INVALID, DoesNotFit, InvalidInput
@@ -175,20 +176,20 @@ def _cache_model(root, hub_id, config, revision="abc123"):
 def test_the_hub_cache_beats_the_builtin_table(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     _cache_model(tmp_path, CODELLAMA_34B, {**LLAMA2_7B_CONFIG, "num_hidden_layers": 3})
-    assert shapes.resolve_shape(CODELLAMA_34B).layers == 3
+    assert shapes.resolve_shape(CODELLAMA_34B, hf_cache().hub).layers == 3
 
 
 def test_hf_home_locates_the_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     _cache_model(tmp_path / "hub", "my-org/my-model", LLAMA2_7B_CONFIG)
-    assert shapes.resolve_shape("my-org/my-model") == shapes.BUILTIN_SHAPES["meta-llama/Llama-2-7b-hf"]
+    assert shapes.resolve_shape("my-org/my-model", hf_cache().hub) == shapes.BUILTIN_SHAPES["meta-llama/Llama-2-7b-hf"]
 
 
 def test_an_unknown_model_says_how_to_get_its_config(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(shapes.ShapeNotFound) as err:
-        shapes.resolve_shape("my-org/unknown-model")
+        shapes.resolve_shape("my-org/unknown-model", hf_cache().hub)
     message = str(err.value)
     assert "download" in message and "local folder" in message and str(tmp_path) in message
 

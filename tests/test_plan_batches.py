@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline import flops, lengths, plan, shapes
+from pipeline.hfcache import HFCache
 from pipeline.config import DataSpec
 from pipeline.plan.batches import simulate
 
@@ -153,7 +154,8 @@ def test_builtin_digits_are_generated_and_counted_exactly():
 
 def test_data_that_is_not_here_means_max_len_and_says_why(tmp_path):
     missing = lengths.sample(DataSpec(path=str(tmp_path / "nowhere.jsonl")), "sft", "builtin:tiny-llama")
-    hub = lengths.sample(DataSpec(path="my-org/prefs"), "dpo", "builtin:tiny-llama", datasets_cache=tmp_path)
+    cache = HFCache(home=tmp_path, hub=tmp_path / "hub", datasets=tmp_path)
+    hub = lengths.sample(DataSpec(path="my-org/prefs"), "dpo", "builtin:tiny-llama", cache)
     assert not missing.sampled and "not on this machine" in missing.describe()
     assert not hub.sampled and "not in the cache" in hub.describe() and "max_len assumed" in hub.describe()
 

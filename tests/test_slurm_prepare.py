@@ -8,11 +8,13 @@ by HF_HUB_OFFLINE=1, the way an unreachable hub refuses them.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from pipeline import config as config_module
 from pipeline import prepare
+from pipeline.hfcache import hf_cache
 from tests.conftest import run_cli, tiny_pipeline, write_pipeline
 
 
@@ -36,11 +38,11 @@ def test_hub_models_and_datasets_are_fetched_into_the_configured_cache(workdir, 
     monkeypatch.setattr(prepare, "download_dataset",
                         lambda name, splits, home: fetched.append(("dataset", name, splits, home)))
     spec = config_module.load_pipeline(str(write_pipeline(workdir, hub_pipeline(hf_home="cache"))))
-    prepare.fetch(spec, echo=lambda line: None)
+    prepare.fetch(spec, hf_cache(spec), echo=lambda line: None)
     cache = workdir / "cache"
     assert fetched == [
-        ("model", "some-org/some-model", cache),
-        ("dataset", "some-org/some-rows", ("train", "test"), cache),
+        ("model", "some-org/some-model", cache / "hub"),
+        ("dataset", "some-org/some-rows", ("train", "test"), cache / "datasets"),
     ]
     assert os.environ["HF_HOME"] == str(cache)
 
@@ -75,3 +77,14 @@ def test_what_counts_as_a_hub_dataset(workdir, name, is_hub):
     spec["stages"][0]["data"] = {"path": name}
     parsed = config_module.PipelineSpec.model_validate(spec)
     assert [i.name for i in prepare.hub_inputs(parsed)] == ([name] if is_hub else [])
+
+
+def test_one_cache_for_everyone_the_pipeline_s_hf_home_first_then_the_environment(workdir):
+    environ = {"HF_HOME": "/env/home", "HF_HUB_CACHE": "/env/hub"}
+    spec = config_module.PipelineSpec.model_validate(tiny_pipeline(cluster={"hf_home": "/shared/cache"}))
+    configured = hf_cache(spec, environ)
+    assert (configured.hub, configured.datasets) == (Path("/shared/cache/hub"), Path("/shared/cache/datasets"))
+    from_env = hf_cache(config_module.PipelineSpec.model_validate(tiny_pipeline()), environ)
+    assert (from_env.home, from_env.hub, from_env.datasets) == (Path("/env/home"), Path("/env/hub"),
+                                                                Path("/env/home/datasets"))
+    assert from_env.env()["HF_HUB_CACHE"] == "/env/hub"

@@ -118,7 +118,7 @@ def test_pipeline_json_remembers_how_a_job_ended_after_slurm_forgets_it(slurm_wo
 def test_run_refuses_a_second_chain_while_a_recorded_job_is_live(slurm_world):
     slurm_world["command"]("scontrol", 'echo "JobId=12 JobState=PENDING Reason=BeginTime Restarts=1"')
     result = run_cli("run", slurm_world["config"], cwd=slurm_world["workdir"])
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "still live" in result.stderr and "sft (job 12, PENDING)" in result.stderr
     assert slurm_world["calls"]("sbatch") == []
 
@@ -126,7 +126,7 @@ def test_run_refuses_a_second_chain_while_a_recorded_job_is_live(slurm_world):
 def test_a_local_run_also_refuses_while_a_slurm_chain_trains_into_the_same_folders(slurm_world):
     slurm_world["command"]("scontrol", 'echo "JobId=12 JobState=RUNNING Reason=None"')
     result = run_cli("run", slurm_world["config"], "--executor", "local", cwd=slurm_world["workdir"])
-    assert result.returncode == 1 and "still live" in result.stderr
+    assert result.returncode == 2 and "still live" in result.stderr
 
 
 def test_a_slurm_controller_that_does_not_answer_is_reported_not_guessed(slurm_world):
@@ -145,13 +145,18 @@ def test_status_of_a_pipeline_never_sent_to_slurm_reads_only_the_run_folder(work
     config = write_pipeline(workdir, tiny_pipeline())
     checkpoints = workdir / "runs" / "t" / "sft" / "checkpoints"
     checkpoints.mkdir(parents=True)
-    (checkpoints.parent / "spec.json").write_text("{}")
+    (task,) = graph.build_tasks(config_module.load_pipeline(str(config)))
+    (checkpoints.parent / "spec.json").write_text(json.dumps({"spec_hash": task.spec_hash}))
     (checkpoints / "latest").write_text("step-00000020")
     (checkpoints / "step-00000020").mkdir()  # a complete checkpoint: its folder is there
     result = run_cli("status", config, cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert "not finished" in result.stdout and "checkpoint step-00000020" in result.stdout
     assert not (workdir / "scontrol-called").exists()
+    # The outputs of another spec are not resumed: `run` moves them aside, and status says so.
+    (checkpoints.parent / "spec.json").write_text(json.dumps({"spec_hash": "another"}))
+    result = run_cli("status", config, cwd=workdir)
+    assert "moves them aside" in result.stdout and "resumes" not in result.stdout
 
 
 def test_a_chain_sbatch_refuses_halfway_is_cancelled_not_left_half_submitted(workdir, monkeypatch):

@@ -5,17 +5,19 @@ stage holds besides it, the estimate, the warnings, the fixes, and the refusal
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from pipeline import lengths as row_lengths
 from pipeline.errors import DoesNotFit, InvalidInput
+from pipeline.hfcache import hf_cache
 from pipeline.plan.estimate import Estimate, estimate_stage, stage_models
 from pipeline.plan.fixes import Suggestion, settings_relaxed, suggest
 from pipeline.plan.inputs import Hardware, Knobs, PPOWorkload
 from pipeline.plan.memory import Memory, trainable_tensors
 from pipeline.plan.report import shortfall_text
 from pipeline.plan.timing import TimeEstimate
-from pipeline.prepare import hf_home
+from pipeline.rows import is_row_file
 from pipeline.shapes import ModelShape, resolve_shape
 
 
@@ -93,8 +95,9 @@ def ppo_workload(spec, stage) -> PPOWorkload:
     model (reward.model, an upstream rm stage), a critic for gae (started from the reward
     model, else from the actor's model), rollout sizes."""
     reward_stage = stage.reward.model
-    reward_shape = resolve_shape(_stage_model_name(spec, spec.stage(reward_stage))) if reward_stage else None
-    actor_shape = resolve_shape(_stage_model_name(spec, stage))
+    hub = hf_cache(spec).hub
+    reward_shape = resolve_shape(_stage_model_name(spec, spec.stage(reward_stage)), hub) if reward_stage else None
+    actor_shape = resolve_shape(_stage_model_name(spec, stage), hub)
     return PPOWorkload(
         reward_shape=reward_shape,
         critic_shape=(reward_shape or actor_shape) if stage.advantage == "gae" else None,
@@ -105,6 +108,21 @@ def ppo_workload(spec, stage) -> PPOWorkload:
         new_tokens=stage.max_new_tokens,
         train_passes=stage.ppo_epochs,
     )
+
+
+def known_rows(spec) -> dict:
+    """Training rows per stage where counting is cheap (jsonl lines, the built-in task), for total times."""
+    from stages.tiny import DIGITS_SPLITS  # torch-free constants
+
+    rows = {}
+    for stage in spec.stages:
+        path = stage.data.path
+        if stage.data.is_builtin:
+            rows[stage.name] = DIGITS_SPLITS.get(stage.data.split)
+        elif is_row_file(path) and path.endswith(".jsonl") and Path(path).is_file():
+            with open(path, "rb") as f:
+                rows[stage.name] = sum(1 for line in f if line.strip())
+    return {k: v for k, v in rows.items() if v}
 
 
 def plan_pipeline(spec, rows_by_stage: Optional[dict] = None) -> list[StagePlan]:
@@ -119,14 +137,14 @@ def plan_pipeline(spec, rows_by_stage: Optional[dict] = None) -> list[StagePlan]
         hw = Hardware.from_cluster(spec.cluster)
     except ValueError as err:
         raise InvalidInput(f"cluster.gpu: {err}") from None
-    datasets_cache = hf_home(spec) / "datasets"
+    cache = hf_cache(spec)
     sampled: dict = {}  # stages that read the same data with the same tokenizer share a sample
     plans = []
     for index, stage in enumerate(spec.stages):
         where = f"stages[{index}] ({stage.name})"
         model = _stage_model_name(spec, stage)
         try:
-            shape = resolve_shape(model)
+            shape = resolve_shape(model, cache.hub)
             rows = rows_by_stage.get(stage.name)
             if rows is not None and stage.data.max_rows is not None:
                 rows = min(rows, stage.data.max_rows)
@@ -135,7 +153,7 @@ def plan_pipeline(spec, rows_by_stage: Optional[dict] = None) -> list[StagePlan]
             if stage.kind != "ppo":  # rollouts are generated: their lengths are not in the data
                 key = (stage.data.model_dump_json(), stage.kind, model)
                 if key not in sampled:
-                    sampled[key] = row_lengths.sample(stage.data, stage.kind, model, datasets_cache)
+                    sampled[key] = row_lengths.sample(stage.data, stage.kind, model, cache)
                 lengths = sampled[key]
             plans.append(plan_stage(stage, shape, hw, rows, ppo=ppo, model_name=model, lengths=lengths))
         except ValueError as err:
