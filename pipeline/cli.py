@@ -1,4 +1,4 @@
-"""python -m pipeline validate|plan|run|status|cancel|prepare|run-stage CONFIG
+"""python -m pipeline validate|plan|run|status|cancel|clean|prepare|run-stage CONFIG
 
 CONFIG is a path to a pipeline file or the name of one under pipeline/configs/.
 Exit codes: 0 ok, 1 a stage failed, 2 invalid pipeline file or data, 3 does not fit.
@@ -10,11 +10,12 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from pipeline import config as config_module
-from pipeline import graph, launch, plan, preflight, prepare, slurm, state
+from pipeline import graph, launch, plan, preflight, prepare, runfolder, slurm, state
 from pipeline.errors import InvalidInput, PipelineError
 from pipeline.hfcache import hf_cache
 
@@ -49,7 +50,8 @@ def cmd_plan(args) -> int:
 def cmd_run(args) -> int:
     spec = config_module.load_pipeline(args.config)
     preflight.check(spec)
-    outcome = launch.run(spec, args.config, executor=args.executor, force=args.force)
+    rerun = frozenset(name.strip() for value in args.rerun for name in value.split(",") if name.strip())
+    outcome = launch.run(spec, args.config, executor=args.executor, force=args.force, rerun=rerun)
     pipeline_dir = spec.run_dir.resolve()
     if outcome.executor == "local":
         print(f"\npipeline '{spec.name}' finished; outputs under {pipeline_dir}:")
@@ -78,9 +80,11 @@ def cmd_status(args) -> int:
     if run_state is not None:
         state.refresh(run_state, statuses)
         state.save_unless_held(pipeline_dir, run_state)
+    superseded = [(p, _size(p)) for p in runfolder.superseded_folders(pipeline_dir)]
     if args.json:
         print(json.dumps({"pipeline": spec.name, "run_dir": str(pipeline_dir),
-                          "stages": [dataclasses.asdict(s) for s in statuses]}, indent=2))
+                          "stages": [dataclasses.asdict(s) for s in statuses],
+                          "superseded": [{"path": str(p), "bytes": n} for p, n in superseded]}, indent=2))
     else:
         print(f"pipeline '{spec.name}', run folder {pipeline_dir}")
         if running is not None:
@@ -92,6 +96,11 @@ def cmd_status(args) -> int:
                 print(f"      log: {s.log}")
                 for line in s.log_tail:
                     print(f"      | {line}")
+        if superseded:
+            total = sum(n for _, n in superseded)
+            print(f"  superseded outputs, kept ({_gib(total)}; `python -m pipeline clean {args.config}` removes them):")
+            for path, n in superseded:
+                print(f"    {path.name:<40} {_gib(n)}")
     return 1 if any(s.failed for s in statuses) else 0
 
 
@@ -117,6 +126,32 @@ def cmd_cancel(args) -> int:
     if ending:
         print(f"  jobs {', '.join(ending)} are still ending after {CANCEL_WAIT_S} s; `status` shows when they are gone")
     return 0
+
+
+def cmd_clean(args) -> int:
+    """Remove the stage folders `run` moved aside (superseded outputs); nothing else."""
+    spec = config_module.load_pipeline(args.config)
+    folders = runfolder.superseded_folders(spec.run_dir.resolve())
+    if not folders:
+        print(f"pipeline '{spec.name}': no superseded outputs under {spec.run_dir.resolve()}")
+        return 0
+    total = 0
+    for path in folders:
+        size = _size(path)
+        total += size
+        if not args.dry_run:
+            shutil.rmtree(path)
+        print(f"  {'would remove' if args.dry_run else 'removed'} {path} ({_gib(size)})")
+    print(f"pipeline '{spec.name}': {'would free' if args.dry_run else 'freed'} {_gib(total)}")
+    return 0
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def cmd_prepare(args) -> int:
@@ -162,6 +197,7 @@ COMMANDS = {
     "run": (cmd_run, "run (locally) or submit (to Slurm) every stage that is not finished"),
     "status": (cmd_status, "show each stage's state; for a failed stage, its log"),
     "cancel": (cmd_cancel, "cancel the pipeline's pending and running Slurm jobs, or its local run"),
+    "clean": (cmd_clean, "remove the superseded outputs `run` moved aside (status lists them)"),
     "prepare": (cmd_prepare, "download the models and datasets named by hub id into the shared cache"),
     "run-stage": (cmd_run_stage, "run one stage in this process (one task per GPU, e.g. under srun)"),
 }
@@ -177,8 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
     commands["run"].add_argument("--executor", choices=["local", "slurm"], help="override cluster.executor")
     commands["run"].add_argument("--force", action="store_true", help="run even where the plan says a stage does not fit")
+    commands["run"].add_argument("--rerun", action="append", default=[], metavar="STAGE",
+                                 help="run STAGE (and what starts from it) again from scratch even if finished; "
+                                 "repeat or comma-separate; `all` for every stage")
     commands["plan"].add_argument("--json", action="store_true", help="machine-readable output")
     commands["status"].add_argument("--json", action="store_true", help="machine-readable output")
+    commands["clean"].add_argument("--dry-run", action="store_true", help="list what would be removed")
     commands["run-stage"].add_argument("stage", help="name of the stage to run")
     return parser
 

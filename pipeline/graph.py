@@ -1,10 +1,13 @@
 """From a validated pipeline to the list of stage tasks to submit, in order.
 
-Each stage's outputs live in <runs_dir>/<pipeline>/<stage>/. A stage whose
-result.json carries the same spec hash is finished and skipped; a stage whose
-folder holds the outputs of a different spec has them moved aside (never
-deleted) and starts over; anything else is (re)submitted, and the stage itself
-resumes from its newest checkpoint.
+Each stage's outputs live in <runs_dir>/<pipeline>/<stage>/. A stage's spec
+hash covers its spec, the content of what it reads (pipeline/identity.py) and its
+upstream stages' hashes. A stage whose result.json carries the same spec hash is
+finished and skipped; a stage whose folder holds the outputs of a different spec
+has them moved aside (never deleted) and starts over, and so does every stage
+downstream of one that runs again, or that `run --rerun` names; anything else is
+(re)submitted, and the stage itself resumes from its newest checkpoint. Each
+decision comes with its reason, which `run` prints.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.config import PipelineSpec, Stage, topological_order
+from pipeline.identity import Digests, changed_inputs, input_digests
 from pipeline.runfolder import StageFolder
 
 # Fields that change how a stage is run or logged, not what it produces.
@@ -36,6 +40,7 @@ class StageTask(BaseModel):
     upstream_dirs: dict[str, str]
     processes_per_node: int
     gpus_per_node: int  # asked for: a job that finds none fails rather than train on the CPU
+    inputs: dict[str, dict] = {}  # field -> {path, sha256}: what it reads from disk (pipeline/identity.py)
     spec_hash: str
 
     @property
@@ -51,17 +56,22 @@ class PlannedStage(BaseModel):
     task: StageTask
     action: Literal["skip", "run", "resume"]
     moved_aside: Optional[str] = None
+    reason: str = ""  # why it runs again, when it had outputs
 
 
-def stage_hash(stage, upstream_hashes: list[str], init_model: str) -> str:
+def stage_hash(stage, upstream_hashes: list[str], init_model: str, inputs: dict[str, dict]) -> str:
     spec = stage.model_dump(mode="json", by_alias=True, exclude=OPERATIONAL_FIELDS)
-    blob = json.dumps({"spec": spec, "upstream": upstream_hashes, "init": init_model}, sort_keys=True)
+    content = {field: item["sha256"] for field, item in inputs.items()}
+    blob = json.dumps({"spec": spec, "upstream": upstream_hashes, "init": init_model, "inputs": content},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def build_tasks(spec: PipelineSpec) -> list[StageTask]:
-    """Stage tasks in run order, upstream model folders filled in."""
+def build_tasks(spec: PipelineSpec, digests: Optional[Digests] = None) -> list[StageTask]:
+    """Stage tasks in run order, upstream model folders filled in. `digests` remembers the
+    content digests of the inputs (the caller saves it, or not)."""
     pipeline_dir = spec.run_dir.resolve()
+    digests = digests or Digests(pipeline_dir)
     hashes: dict[str, str] = {}
     tasks = []
     for stage in topological_order(spec.stages):
@@ -72,7 +82,8 @@ def build_tasks(spec: PipelineSpec) -> list[StageTask]:
             init_model = str(Path(stage.model).expanduser().resolve())
         else:
             init_model = stage.model  # a hub id or builtin:NAME
-        digest = stage_hash(stage, [hashes[u] for u in stage.upstream], stage.model or "")
+        inputs = input_digests(stage, digests)
+        digest = stage_hash(stage, [hashes[u] for u in stage.upstream], stage.model or "", inputs)
         hashes[stage.name] = digest
         tasks.append(
             StageTask(
@@ -84,6 +95,7 @@ def build_tasks(spec: PipelineSpec) -> list[StageTask]:
                 upstream_dirs=upstream_dirs,
                 processes_per_node=spec.cluster.processes_per_node,
                 gpus_per_node=spec.cluster.gpus_per_node,
+                inputs=inputs,
                 spec_hash=digest,
             )
         )
@@ -100,26 +112,48 @@ def is_finished(task: StageTask) -> bool:
         return False
 
 
-def plan_actions(tasks: list[StageTask], dry_run: bool = False) -> list[PlannedStage]:
-    """What to do with each stage; moves stale outputs aside unless dry_run."""
+def plan_actions(tasks: list[StageTask], dry_run: bool = False, rerun: frozenset[str] = frozenset()) -> list[PlannedStage]:
+    """What to do with each stage, and why; moves stale outputs aside unless dry_run.
+    `rerun`: stage names to run again from scratch even if finished ("all": every stage)."""
     planned = []
-    rerun: set[str] = set()
+    again: set[str] = set()  # stages that run (their downstream cannot be skipped)
+    fresh: set[str] = set()  # stages that start over (their downstream must too)
     for task in tasks:
-        upstream_rerun = any(u in rerun for u in task.upstream_dirs)
-        if is_finished(task) and not upstream_rerun:
+        upstream_again = [u for u in task.upstream_dirs if u in again]
+        upstream_fresh = [u for u in task.upstream_dirs if u in fresh]
+        asked = "all" in rerun or task.name in rerun
+        if is_finished(task) and not upstream_again and not asked:
             planned.append(PlannedStage(task=task, action="skip"))
             continue
-        rerun.add(task.name)
+        again.add(task.name)
         run_dir = Path(task.run_dir)
         recorded = recorded_hash(run_dir)
         if recorded is None and not run_dir.exists():
+            fresh.add(task.name)
             planned.append(PlannedStage(task=task, action="run"))
-        elif recorded == task.spec_hash:
+        elif recorded == task.spec_hash and not asked and not upstream_fresh:
             planned.append(PlannedStage(task=task, action="resume"))
         else:
+            if asked:
+                reason = "asked for (--rerun)"
+            elif upstream_fresh:
+                reason = f"upstream {', '.join(upstream_fresh)} starts over"
+            else:
+                reason = _why_changed(task)
+            fresh.add(task.name)
             aside = None if dry_run else str(_move_aside(run_dir))
-            planned.append(PlannedStage(task=task, action="run", moved_aside=aside))
+            planned.append(PlannedStage(task=task, action="run", moved_aside=aside, reason=reason))
     return planned
+
+
+def _why_changed(task: StageTask) -> str:
+    """Why a stage's folder holds another spec's outputs: which input changed, or its settings."""
+    try:
+        recorded = json.loads(task.folder.spec.read_text())
+    except (OSError, ValueError):
+        return "its folder holds outputs of an unknown spec"
+    changed = changed_inputs(recorded.get("task", {}).get("inputs", {}), task.inputs)
+    return "; ".join(changed) if changed else "its settings changed"
 
 
 def recorded_hash(run_dir: Path) -> Optional[str]:

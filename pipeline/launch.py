@@ -40,6 +40,7 @@ from pipeline.config import PipelineSpec, slurm_time_to_minutes
 from pipeline.errors import InvalidInput, StageFailed
 from pipeline.graph import PlannedStage, StageTask
 from pipeline.hfcache import hf_cache
+from pipeline.identity import Digests
 from pipeline.rows import is_row_file
 
 POLL_S = 0.5
@@ -61,14 +62,20 @@ class Outcome:
 
 
 def run(spec: PipelineSpec, config: str, executor: Optional[str] = None, force: bool = False,
-        echo=None) -> Outcome:
+        rerun: frozenset[str] = frozenset(), echo=None) -> Outcome:
     """Check what can be checked before anything is written, then run the chain here or
-    submit it to Slurm. Raises InvalidInput (2), DoesNotFit (3) or StageFailed (1)."""
+    submit it to Slurm. `rerun`: stages to run again from scratch ("all": every one).
+    Raises InvalidInput (2), DoesNotFit (3) or StageFailed (1)."""
     echo = echo or default_echo
     executor = executor or spec.cluster.executor
     pipeline_dir = spec.run_dir.resolve()
     cache = hf_cache(spec)
-    tasks = graph.build_tasks(spec)
+    unknown = sorted(set(rerun) - {s.name for s in spec.stages} - {"all"})
+    if unknown:
+        raise InvalidInput(f"--rerun {', '.join(unknown)}: no such stage; stages: "
+                           f"{', '.join(s.name for s in spec.stages)} (or all)")
+    digests = Digests(pipeline_dir)
+    tasks = graph.build_tasks(spec, digests)
     if executor == "slurm":
         check_slurm_ready(spec)
         state.refuse_if_live(pipeline_dir, config, tasks)  # before the download, which may take long
@@ -87,7 +94,8 @@ def run(spec: PipelineSpec, config: str, executor: Optional[str] = None, force: 
     doing = SUBMITTING if executor == "slurm" else RUNNING_LOCALLY
     with state.hold(pipeline_dir, config, doing, echo=echo):
         state.refuse_if_live(pipeline_dir, config, tasks)  # again: someone may have submitted meanwhile
-        planned = graph.plan_actions(tasks)
+        digests.save()
+        planned = graph.plan_actions(tasks, rerun=rerun)
         if executor == "slurm":
             run_state = submit_slurm(spec, planned, config, echo=echo)
             jobs = {i.task.name: run_state.stages[i.task.name].job_id for i in planned if i.action != "skip"}
@@ -120,7 +128,7 @@ def announce(item: PlannedStage, echo) -> bool:
         echo(f"[{task.name}] finished earlier with the same spec: skipped ({task.run_dir})")
         return False
     if item.moved_aside:
-        echo(f"[{task.name}] the spec changed: previous outputs moved to {item.moved_aside}")
+        echo(f"[{task.name}] runs again: {item.reason}; previous outputs moved to {item.moved_aside}")
     write_spec(task)
     return True
 

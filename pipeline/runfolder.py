@@ -2,7 +2,8 @@
 
     runs/<pipeline>/
       pipeline.json                 the chain's Slurm jobs and their states (pipeline/state.py)
-      .pipeline.lock                held by the `run` that is submitting (pipeline/state.py)
+      .pipeline.lock                held by the `run` that is running or submitting (pipeline/state.py)
+      .input-digests.json           content digests of the files stages read (pipeline/identity.py)
       builtin/                      the built-in model and data, written once (stages/tiny.py)
       <stage>/                      one folder per stage: StageFolder
         model/                      the exported model, Hugging Face format
@@ -26,7 +27,9 @@ from typing import Optional
 
 STATE_FILE = "pipeline.json"
 LOCK_FILE = ".pipeline.lock"
+DIGESTS_FILE = ".input-digests.json"
 BUILTIN_FOLDER = "builtin"
+SUPERSEDED = ".superseded-"
 
 
 def state_file(pipeline_dir: Path) -> Path:
@@ -37,8 +40,18 @@ def lock_file(pipeline_dir: Path) -> Path:
     return Path(pipeline_dir) / LOCK_FILE
 
 
+def digests_file(pipeline_dir: Path) -> Path:
+    return Path(pipeline_dir) / DIGESTS_FILE
+
+
 def builtin_folder(pipeline_dir: Path) -> Path:
     return Path(pipeline_dir) / BUILTIN_FOLDER
+
+
+def superseded_folders(pipeline_dir: Path) -> list[Path]:
+    """Stage folders moved aside (<stage>.superseded-<time>), oldest first."""
+    found = [p for p in Path(pipeline_dir).glob(f"*{SUPERSEDED}*") if p.is_dir()]
+    return sorted(found, key=lambda p: p.name.split(SUPERSEDED, 1)[1])
 
 
 @dataclass(frozen=True)
@@ -103,9 +116,9 @@ class StageFolder:
     def superseded(self) -> Path:
         """A free name to move this folder aside to: <stage>.superseded-<time>[-n]."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        target = self.path.with_name(f"{self.path.name}.superseded-{stamp}")
+        target = self.path.with_name(f"{self.path.name}{SUPERSEDED}{stamp}")
         n = 1
         while target.exists():
             n += 1
-            target = self.path.with_name(f"{self.path.name}.superseded-{stamp}-{n}")
+            target = self.path.with_name(f"{self.path.name}{SUPERSEDED}{stamp}-{n}")
         return target
