@@ -170,7 +170,7 @@ def cmd_cancel(args) -> int:
 
 def cmd_prepare(args) -> int:
     spec = config_module.load_pipeline(args.config)
-    preflight.check(spec)
+    preflight.check(spec, fetching=True)
     prepare.fetch(spec, echo=launch.default_echo)
     return 0
 

@@ -435,6 +435,8 @@ class DPOStage(StageBase):
         return self
 
 
+# Built-in rules that compare a completion with the row's label column (label_key).
+RULES_NEEDING_LABELS = ("exact_match", "numeric_match")
 RULE_OPTIONS = {
     "exact_match": set(),
     "numeric_match": {"tolerance"},
@@ -687,14 +689,47 @@ def resolve_config_path(config: str) -> Path:
     raise InvalidInput(f"{config}: no such pipeline file (shipped pipelines: {shipped})")
 
 
+class DuplicateKey(yaml.MarkedYAMLError):
+    """A mapping names the same key twice: YAML keeps the last silently, so a setting
+    written twice would lose one of its values without a word."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges on purpose
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                earlier = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: the base class says so
+                break
+            if earlier is not key_node.start_mark:
+                raise DuplicateKey(
+                    problem=f"key '{key}' is given twice in one mapping, at {_place(earlier)} and "
+                    f"{_place(key_node.start_mark)}; YAML would keep only the last. Keep the one you mean",
+                    problem_mark=key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _place(mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
 def load_pipeline(config: str) -> PipelineSpec:
     """Read and validate a pipeline file; raises InvalidInput with a message for people."""
     path = resolve_config_path(config)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except DuplicateKey as err:
+        raise InvalidInput(f"{path}: {err.problem}") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        where = _place(mark) if mark else "somewhere"
         raise InvalidInput(f"{path}: malformed YAML at {where}: {err.problem}") from None
     except yaml.YAMLError as err:
         raise InvalidInput(f"{path}: malformed YAML: {err}") from None

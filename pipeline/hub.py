@@ -1,0 +1,96 @@
+"""The Hugging Face hub as a pipeline file's names meet it: whether a name is a hub
+id or a path, whether a hub id is in the local cache, and whether the hub answers.
+
+Torch-free and quick: the hub is asked (one HEAD request, HUB_TIMEOUT_S at most)
+only when a local run names a hub id the cache lacks.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+from pipeline.errors import InvalidInput
+from pipeline.shapes import hub_cache_dir
+
+HUB_TIMEOUT_S = 3.0  # an answer within this says the hub is reachable
+# Suffixes that say a name is a file, not a hub id (hub ids may hold dots: Llama-3.2-1B).
+FILE_SUFFIXES = {".txt", ".tsv", ".xlsx", ".xls", ".zip", ".gz", ".bz2", ".xz", ".zst", ".tar", ".arrow",
+                 ".xml", ".html", ".md", ".yaml", ".yml", ".pkl", ".pickle", ".npy", ".npz", ".pt", ".bin",
+                 ".json", ".jsonl", ".csv", ".parquet"}
+TRUE_VALUES = {"1", "ON", "YES", "TRUE"}  # how huggingface_hub reads HF_HUB_OFFLINE
+
+
+def looks_like_path(name: str) -> bool:
+    """A hub id is `org/name` or `name`; anything else that is not on disk is a missing path."""
+    return (name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+            or Path(name).suffix.lower() in FILE_SUFFIXES)
+
+
+def datasets_cache_dir() -> Path:
+    """Where `datasets` keeps prepared datasets: $HF_DATASETS_CACHE, else beside the hub cache."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        return Path(os.environ["HF_DATASETS_CACHE"]).expanduser()
+    return hub_cache_dir().parent / "datasets"
+
+
+def dataset_cached(name: str) -> bool:
+    """Whether hub dataset `name` was fetched into this machine's caches (prepared or raw)."""
+    return ((datasets_cache_dir() / name.replace("/", "___")).exists()
+            or (hub_cache_dir() / ("datasets--" + name.replace("/", "--"))).exists())
+
+
+class Hub:
+    """Refuses hub ids the cache lacks when the hub cannot be reached; asks it once."""
+
+    def __init__(self, offline_refused: bool):
+        self.offline_refused = offline_refused
+        self._asked = False
+        self._reason: Optional[str] = None
+
+    def refuse_if_unreachable(self, where: str, what: str, cache: Path, offline_vars=("HF_HUB_OFFLINE",)) -> None:
+        if not self.offline_refused:
+            return
+        offline = [f"{v}={os.environ[v]}" for v in offline_vars if os.environ.get(v, "").upper() in TRUE_VALUES]
+        reason = offline[0] if offline else self.unreachable()
+        if reason is not None:
+            raise InvalidInput(
+                f"{where}: {what} is not in the local cache ({cache}), and the hub cannot be reached ({reason}). "
+                "Fetch it where the hub can be reached, into the cache this machine reads (HF_HOME): "
+                "python -m pipeline prepare PIPELINE_FILE; or give a local folder"
+            )
+
+    def unreachable(self) -> Optional[str]:
+        """None when the hub answers within HUB_TIMEOUT_S, else why not."""
+        if not self._asked:
+            self._reason = probe(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+            self._asked = True
+        return self._reason
+
+
+def probe(endpoint: str, timeout_s: float = HUB_TIMEOUT_S) -> Optional[str]:
+    """None when `endpoint` answers (any HTTP status) within timeout_s, else why not."""
+    outcome: dict = {}
+
+    def ask():
+        try:
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout_s).close()
+        except urllib.error.HTTPError:
+            pass  # an answer all the same
+        except (OSError, ValueError) as err:
+            outcome["error"] = getattr(err, "reason", None) or err
+            return
+        outcome["ok"] = True
+
+    thread = threading.Thread(target=ask, daemon=True)  # name resolution has no timeout of its own
+    thread.start()
+    thread.join(timeout_s + 0.5)
+    if "ok" in outcome:
+        return None
+    if "error" in outcome:
+        return f"{endpoint} cannot be reached: {outcome['error']}"
+    return f"{endpoint} did not answer within {timeout_s:g} s"
