@@ -240,7 +240,9 @@ class DataSpec(Strict):
     )
     split: str = Field("train", description="Split to train on (hub datasets and builtin:digits).")
     eval_split: Optional[str] = Field(
-        None, description="Split to evaluate on; when absent, eval_fraction of the rows is held out."
+        None,
+        description="Split to evaluate on (hub datasets, dataset folders saved with splits, builtin:digits); "
+        "with a data file, a second file of evaluation rows. When absent, eval_fraction of the rows is held out.",
     )
     eval_fraction: float = Field(
         0.05, gt=0, le=0.5, description="Fraction of the training rows held out for evaluation when no eval_split."

@@ -8,6 +8,7 @@ only when a local run names a hub id the cache lacks.
 from __future__ import annotations
 
 import os
+import ssl
 import threading
 import urllib.error
 import urllib.request
@@ -52,7 +53,8 @@ class Hub:
         self._asked = False
         self._reason: Optional[str] = None
 
-    def refuse_if_unreachable(self, where: str, what: str, cache: Path, offline_vars=("HF_HUB_OFFLINE",)) -> None:
+    def refuse_if_unreachable(self, where: str, what: str, cache: Path, offline_vars: tuple[str, ...]) -> None:
+        """InvalidInput when the hub cannot be reached (an offline_vars variable set, or no answer)."""
         if not self.offline_refused:
             return
         offline = [f"{v}={os.environ[v]}" for v in offline_vars if os.environ.get(v, "").upper() in TRUE_VALUES]
@@ -82,8 +84,10 @@ def probe(endpoint: str, timeout_s: float = HUB_TIMEOUT_S) -> Optional[str]:
         except urllib.error.HTTPError:
             pass  # an answer all the same
         except (OSError, ValueError) as err:
-            outcome["error"] = getattr(err, "reason", None) or err
-            return
+            reason = getattr(err, "reason", None) or err
+            if not isinstance(reason, ssl.SSLError):  # it answered; whom to trust is the hub client's affair
+                outcome["error"] = reason
+                return
         outcome["ok"] = True
 
     thread = threading.Thread(target=ask, daemon=True)  # name resolution has no timeout of its own

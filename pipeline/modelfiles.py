@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Optional
 
 # Files the tokenizer is built from, by the tokenizer kinds transformers loads.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
-                   "sentencepiece.bpe.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "spm.model",
+                   "sentencepiece.bpe.model", "*.tiktoken")
 # Where transformers finds a chat template: tokenizer_config.json's chat_template, or a
 # file of its own (written by transformers >= 4.43).
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
@@ -140,7 +140,7 @@ def _check_torch_file(path: Path, head: bytes, size: int) -> None:
 def tokenizer_problem(folder: Path) -> Optional[str]:
     """Why the folder's tokenizer cannot load (no file to build it from, or a
     tokenizer.json that is not JSON); None when it looks loadable."""
-    present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    present = [name for name in TOKENIZER_FILES if any(p.is_file() for p in folder.glob(name))]
     if not present:
         return (f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save it beside the "
                 "weights: tokenizer.save_pretrained(folder)")

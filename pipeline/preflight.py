@@ -85,7 +85,8 @@ def check_model(name: str, where: str, hub: Hub) -> None:
         if looks_like_path(name):
             raise InvalidInput(f"{where}: model folder {name} does not exist")
         if cached_config(name) is None:
-            hub.refuse_if_unreachable(where, f"model '{name}'", hub_cache_dir())
+            hub.refuse_if_unreachable(where, f"model '{name}'", hub_cache_dir(),
+                                      offline_vars=("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
         return
     config = path / "config.json"
     if not config.is_file():
