@@ -50,10 +50,9 @@ def check_data(stage, where: str, hub: Hub) -> DataFound:
         _check_dataset_folder(stage, path, where, found)
     elif looks_like_path(data.path):
         raise InvalidInput(f"{where}.data.path: {data.path} not found")
-    else:
-        if not dataset_cached(data.path):
-            hub.refuse_if_unreachable(f"{where}.data.path", f"dataset '{data.path}'", datasets_cache_dir(),
-                                      offline_vars=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    elif not dataset_cached(data.path):
+        hub.refuse_if_unreachable(f"{where}.data.path", f"dataset '{data.path}'", datasets_cache_dir(),
+                                  offline_vars=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
     if found.records:
         source, rows = found.records[0]
         found.rows, found.source = len(rows), source
@@ -146,7 +145,7 @@ def _check_dataset_folder(stage, path: Path, where: str, found: DataFound) -> No
         found.columns.append((source, columns))
         if found.rows is None:
             found.rows, found.source = count, source
-            found.chats = stage.kind == "sft" and data.response_key not in columns
+            found.chats = stage.kind == "sft" and not {data.prompt_key, data.response_key} <= set(columns)
 
 
 def check_step_rows(spec: PipelineSpec, stage, where: str, found: DataFound) -> None:

@@ -61,7 +61,8 @@ class Hub:
         reason = offline[0] if offline else self.unreachable()
         if reason is not None:
             raise InvalidInput(
-                f"{where}: {what} is not in the local cache ({cache}), and the hub cannot be reached ({reason}). "
+                f"{where}: {what} is not a folder here, nor in the local cache ({cache}), and the hub cannot be "
+                f"reached ({reason}). "
                 "Fetch it where the hub can be reached, into the cache this machine reads (HF_HOME): "
                 "python -m pipeline prepare PIPELINE_FILE; or give a local folder"
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -255,7 +256,8 @@ def test_a_hub_model_missing_from_the_cache_without_network_points_at_prepare(wo
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     spec = tiny_pipeline()
     spec["stages"][0]["model"] = "some-org/some-model"
-    run_rejected(workdir, spec, "stages[0] (sft).model: model 'some-org/some-model' is not in the local cache",
+    run_rejected(workdir, spec,
+                 "stages[0] (sft).model: model 'some-org/some-model' is not a folder here, nor in the local cache",
                  "HF_HUB_OFFLINE=1", "python -m pipeline prepare")
     # `prepare` itself is not refused for it: it is what fetches it (here, offline, it cannot).
     result = run_cli("prepare", workdir / "pipeline.yaml", cwd=workdir)
@@ -265,11 +267,15 @@ def test_a_hub_model_missing_from_the_cache_without_network_points_at_prepare(wo
 def test_a_hub_that_does_not_answer_counts_as_offline(workdir, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(workdir / "empty-cache"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    with socket.socket() as closed:  # a port that was free a moment ago: nothing listens there
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
     spec = tiny_pipeline()
     spec["stages"][0]["data"] = {"path": "some-org/some-rows"}
-    run_rejected(workdir, spec, "stages[0] (sft).data.path: dataset 'some-org/some-rows' is not in the local cache",
-                 "http://127.0.0.1:9 cannot be reached")
+    run_rejected(workdir, spec,
+                 "stages[0] (sft).data.path: dataset 'some-org/some-rows' is not a folder here, nor in the local cache",
+                 f"{endpoint} cannot be reached")
 
 
 def test_a_data_file_of_an_unsupported_type_names_the_supported_ones(workdir):

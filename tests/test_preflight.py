@@ -204,5 +204,6 @@ def test_a_reward_file_that_hangs_at_import_is_stopped_and_named(tmp_path):
 
 def test_a_reward_file_that_imports_returns_no_problem(tmp_path):
     path = tmp_path / "fine.py"
-    path.write_text("import math\n\n\ndef score(prompts, completions, labels):\n    return [math.pi] * len(completions)\n")
+    path.write_text("import math\n\n\ndef score(prompts, completions, labels):\n"
+                    "    return [math.pi] * len(completions)\n")
     assert preflight.import_problem(f"{path}:score") is None
