@@ -389,9 +389,14 @@ class StageBase(TrainingKnobs):
         return self
 
     @property
+    def upstream_references(self) -> list[tuple[str, str]]:
+        """(field, stage name) of each upstream stage this stage names."""
+        return [("from", self.from_)] if self.from_ else []
+
+    @property
     def upstream(self) -> list[str]:
         """Stages whose outputs this stage needs."""
-        return [self.from_] if self.from_ else []
+        return [name for _, name in self.upstream_references]
 
 
 class SFTStage(StageBase):
@@ -546,8 +551,8 @@ class PPOStage(StageBase):
         return self
 
     @property
-    def upstream(self) -> list[str]:
-        return [s for s in (self.from_, self.reward.model) if s]
+    def upstream_references(self) -> list[tuple[str, str]]:
+        return super().upstream_references + ([("reward.model", self.reward.model)] if self.reward.model else [])
 
 
 Stage = Annotated[Union[SFTStage, RMStage, DPOStage, PPOStage], Field(discriminator="kind")]
@@ -600,12 +605,7 @@ class PipelineSpec(Strict):
             seen.add(stage.name)
         kinds = {s.name: s.kind for s in self.stages}
         for i, stage in enumerate(self.stages):
-            references = [("from", stage.from_)]
-            if stage.kind == "ppo":
-                references.append(("reward.model", stage.reward.model))
-            for field, up in references:
-                if up is None:
-                    continue
+            for field, up in stage.upstream_references:
                 if up not in names:
                     close = difflib.get_close_matches(up, names, n=1)
                     hint = f" (did you mean '{close[0]}'?)" if close else ""

@@ -147,12 +147,7 @@ def check_positions(stage, root: str, where: str) -> None:
 
 def check_upstream(spec: PipelineSpec, stage, where: str) -> None:
     """The upstream exports this stage loads are models it can load (stages/engine.py export)."""
-    references = [("from", stage.from_)]
-    if stage.kind == "ppo":
-        references.append(("reward.model", stage.reward.model))
-    for field_name, name in references:
-        if name is None:
-            continue
+    for field_name, name in stage.upstream_references:
         upstream = spec.stage(name)
         if upstream.lora is not None and not upstream.lora.merge:
             raise InvalidInput(
