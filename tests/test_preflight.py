@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -207,3 +209,34 @@ def test_a_reward_file_that_imports_returns_no_problem(tmp_path):
     path.write_text("import math\n\n\ndef score(prompts, completions, labels):\n"
                     "    return [math.pi] * len(completions)\n")
     assert preflight.import_problem(f"{path}:score") is None
+
+
+def test_preflight_of_every_kind_of_input_imports_no_gpu_library(tmp_path, saved_datasets):
+    """validate runs on login nodes: a local model folder, a data file, a dataset folder
+    and a reward function are all checked without torch, transformers or deepspeed."""
+    from stages import tiny
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 48, "max_position_embeddings": 64}))
+    safetensors(model / "model.safetensors", {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 16)
+    tiny.build_core_tokenizer().save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": tiny.CHAT_TEMPLATE}))
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"p{n}", "response": "r", "label": "r"})
+                                                 + "\n" for n in range(40)))
+    (tmp_path / "mine.py").write_text("def score(prompts, completions, labels):\n    return [0.0] * len(completions)\n")
+    spec = tiny_pipeline(stages=[
+        {"name": "sft", "kind": "sft", "model": str(model), "data": {"path": "rows.jsonl", "chat_template": True}},
+        {"name": "sft2", "kind": "sft", "from": "sft", "data": {"path": str(saved_datasets / "dict")}},
+        {"name": "rl", "kind": "ppo", "from": "sft2", "data": {"path": "rows.jsonl"}, "rollout_batch_size": 16,
+         "micro_batch_size": 8, "reward": {"rules": [{"rule": "exact_match"}, {"function": "mine.py:score"}]}},
+    ])
+    code = ("import sys; from pipeline import config, preflight; "
+            "preflight.check(config.load_pipeline(sys.argv[1])); "
+            "print(sorted(m for m in ('torch', 'transformers', 'deepspeed', 'datasets') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code, str(write_pipeline(tmp_path, spec))], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
