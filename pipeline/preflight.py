@@ -63,7 +63,7 @@ def check(spec: PipelineSpec, fetching: bool = False) -> None:
 
 def check_runs_dir(spec: PipelineSpec) -> None:
     """The pipeline's run folder exists as a writable folder or can be made in one."""
-    folder = Path(os.path.abspath(spec.run_dir.expanduser()))
+    folder = spec.run_dir.resolve()  # as `run` makes it
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
         raise InvalidInput(f"runs_dir: {existing} is a file, so the run folder {folder} cannot be made there; "
