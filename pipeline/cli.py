@@ -156,7 +156,7 @@ def _gib(n: int) -> str:
 
 def cmd_prepare(args) -> int:
     spec = config_module.load_pipeline(args.config)
-    preflight.check(spec)
+    preflight.check(spec, fetching=True)
     prepare.fetch(spec, hf_cache(spec), echo=launch.default_echo)
     return 0
 

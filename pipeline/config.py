@@ -241,7 +241,9 @@ class DataSpec(Strict):
     )
     split: str = Field("train", description="Split to train on (hub datasets and builtin:digits).")
     eval_split: Optional[str] = Field(
-        None, description="Split to evaluate on; when absent, eval_fraction of the rows is held out."
+        None,
+        description="Split to evaluate on (hub datasets, dataset folders saved with splits, builtin:digits); "
+        "with a data file, a second file of evaluation rows. When absent, eval_fraction of the rows is held out.",
     )
     eval_fraction: float = Field(
         0.05, gt=0, le=0.5, description="Fraction of the training rows held out for evaluation when no eval_split."
@@ -388,9 +390,14 @@ class StageBase(TrainingKnobs):
         return self
 
     @property
+    def upstream_references(self) -> list[tuple[str, str]]:
+        """(field, stage name) of each upstream stage this stage names."""
+        return [("from", self.from_)] if self.from_ else []
+
+    @property
     def upstream(self) -> list[str]:
         """Stages whose outputs this stage needs."""
-        return [self.from_] if self.from_ else []
+        return [name for _, name in self.upstream_references]
 
 
 class SFTStage(StageBase):
@@ -436,6 +443,8 @@ class DPOStage(StageBase):
         return self
 
 
+# Built-in rules that compare a completion with the row's label column (label_key).
+RULES_NEEDING_LABELS = ("exact_match", "numeric_match")
 RULE_OPTIONS = {
     "exact_match": set(),
     "numeric_match": {"tolerance"},
@@ -543,8 +552,8 @@ class PPOStage(StageBase):
         return self
 
     @property
-    def upstream(self) -> list[str]:
-        return [s for s in (self.from_, self.reward.model) if s]
+    def upstream_references(self) -> list[tuple[str, str]]:
+        return super().upstream_references + ([("reward.model", self.reward.model)] if self.reward.model else [])
 
 
 Stage = Annotated[Union[SFTStage, RMStage, DPOStage, PPOStage], Field(discriminator="kind")]
@@ -597,12 +606,7 @@ class PipelineSpec(Strict):
             seen.add(stage.name)
         kinds = {s.name: s.kind for s in self.stages}
         for i, stage in enumerate(self.stages):
-            references = [("from", stage.from_)]
-            if stage.kind == "ppo":
-                references.append(("reward.model", stage.reward.model))
-            for field, up in references:
-                if up is None:
-                    continue
+            for field, up in stage.upstream_references:
                 if up not in names:
                     close = difflib.get_close_matches(up, names, n=1)
                     hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -688,14 +692,47 @@ def resolve_config_path(config: str) -> Path:
     raise InvalidInput(f"{config}: no such pipeline file (shipped pipelines: {shipped})")
 
 
+class DuplicateKey(yaml.MarkedYAMLError):
+    """A mapping names the same key twice: YAML keeps the last silently, so a setting
+    written twice would lose one of its values without a word."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges on purpose
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                earlier = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: the base class says so
+                break
+            if earlier is not key_node.start_mark:
+                raise DuplicateKey(
+                    problem=f"key '{key}' is given twice in one mapping, at {_place(earlier)} and "
+                    f"{_place(key_node.start_mark)}; YAML would keep only the last. Keep the one you mean",
+                    problem_mark=key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _place(mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
 def load_pipeline(config: str) -> PipelineSpec:
     """Read and validate a pipeline file; raises InvalidInput with a message for people."""
     path = resolve_config_path(config)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except DuplicateKey as err:
+        raise InvalidInput(f"{path}: {err.problem}") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        where = _place(mark) if mark else "somewhere"
         raise InvalidInput(f"{path}: malformed YAML at {where}: {err.problem}") from None
     except yaml.YAMLError as err:
         raise InvalidInput(f"{path}: malformed YAML: {err}") from None

@@ -1,80 +1,245 @@
 """Checks on what a pipeline file points at, before anything is written or submitted:
-the models exist and look loadable, the data files exist and hold the columns
-each stage needs. Torch-free: it reads config.json and data files as plain files.
+whatever would make a stage fail, or train on nothing, and can be known without
+training. `validate`, `run` and `prepare` call `check`; each refusal is an
+InvalidInput (exit 2) naming the field, file or row, what is wrong and what to do.
+
+- runs_dir: a folder that exists or can be created, writable.
+- models: local folders hold a config.json, weights whose headers are whole
+  (pipeline/modelfiles.py) and a tokenizer; hub ids are in the local cache, or the
+  hub answers (local runs only: a Slurm `run` fetches them itself); max_len within
+  the model's positions; a chat template where the stage formats chats.
+- `from:` and `reward.model`: an upstream export the stage can start from.
+- data: a supported file (UTF-8, every row with the stage's columns), a dataset
+  folder (its splits and columns), builtin:digits; eval_split as the data's kind
+  means it; enough training rows for one optimizer step (or one PPO rollout);
+  label columns where a reward rule compares with labels.
+- reward functions: the file defines the function, and imports in a child process
+  with a time limit (the child's python is the one the stages run with).
+
+Torch-free: files are read as plain files, the reward import runs in a child.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Optional
 
 from pipeline.config import BUILTIN_PREFIX, PipelineSpec
+from pipeline.datacheck import check_data, check_labels, check_step_rows
 from pipeline.errors import InvalidInput
-from pipeline.rows import is_row_file, read_rows, select_rows
+from pipeline.hub import Hub, looks_like_path
+from pipeline.modelfiles import BadModelFile, check_weights, has_chat_template, tokenizer_problem, weight_files
+from pipeline.hfcache import HFCache, hf_cache
+from pipeline.shapes import ShapeNotFound, cached_config, resolve_shape
 
-WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "adapter_model.*")
+REWARD_IMPORT_TIMEOUT_S = 30.0
 
 
-def check(spec: PipelineSpec) -> None:
+def check(spec: PipelineSpec, fetching: bool = False) -> None:
+    """Refuse (InvalidInput) what would fail after training started. `fetching`: called
+    by `prepare`, which downloads the hub ids the cache lacks, so they are not refused."""
+    check_runs_dir(spec)
+    cache = hf_cache(spec)
+    hub = Hub(offline_refused=spec.cluster.executor == "local" and not fetching, cache=cache)
     for i, stage in enumerate(spec.stages):
         where = f"stages[{i}] ({stage.name})"
         if stage.model is not None:
-            check_model(stage.model, f"{where}.model")
-        check_data(stage, where)
+            check_model(stage.model, f"{where}.model", hub)
+        check_upstream(spec, stage, where, cache)
+        root = root_model(spec, stage)
+        check_positions(stage, root, where, cache)
+        found = check_data(stage, where, hub)
+        check_chat_template(stage, root, where, found.chats, cache)
+        check_step_rows(spec, stage, where, found)
         if stage.kind == "ppo":
-            check_reward_functions(stage, where)
+            check_labels(stage, where, found)
+            check_reward_functions(stage, where, imported=not (spec.cluster.executor == "slurm" and spec.container))
 
 
-def looks_like_path(name: str) -> bool:
-    """A hub id is `org/name` or `name`; anything else that is not on disk is a missing path."""
-    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or Path(name).suffix in (".json", ".bin")
+# --------------------------------------------------------------------------- runs_dir
 
 
-def check_model(name: str, where: str) -> None:
+def check_runs_dir(spec: PipelineSpec) -> None:
+    """The pipeline's run folder exists as a writable folder or can be made in one."""
+    folder = spec.run_dir.resolve()  # as `run` makes it
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise InvalidInput(f"runs_dir: {existing} is a file, so the run folder {folder} cannot be made there; "
+                           "set runs_dir to a folder (or move the file away)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        made = "written in" if existing == folder else f"created in {existing}"
+        raise InvalidInput(f"runs_dir: {folder} cannot be {made}: {existing} is not writable by this user "
+                           f"(uid {os.geteuid()}); set runs_dir to a folder you can write, or change its permissions")
+
+
+# --------------------------------------------------------------------------- models
+
+
+def check_model(name: str, where: str, hub: Hub) -> None:
     if name.startswith(BUILTIN_PREFIX):
         return
     path = Path(name).expanduser()
     if not path.exists():
         if looks_like_path(name):
             raise InvalidInput(f"{where}: model folder {name} does not exist")
-        return  # a hub id: fetched by `prepare` on the submit host
+        if cached_config(name, hub.cache.hub) is None:
+            hub.refuse_if_unreachable(where, f"model '{name}'", hub.cache.hub,
+                                      offline_vars=("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+        return
     config = path / "config.json"
     if not config.is_file():
         raise InvalidInput(f"{where}: {name} has no config.json; expected a model folder in Hugging Face format")
     try:
         model_type = json.loads(config.read_text()).get("model_type")
-    except (json.JSONDecodeError, OSError) as err:
+    except (ValueError, OSError) as err:
         raise InvalidInput(f"{where}: {config} is not readable JSON ({err})") from None
     if not model_type:
         raise InvalidInput(f"{where}: {config} has no model_type; is this a Hugging Face model folder?")
-    if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
-        raise InvalidInput(f"{where}: {name} has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
+    try:
+        weights = weight_files(path)
+        if not weights:
+            raise BadModelFile(f"{name} has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
+        for file in weights:
+            check_weights(file)
+    except BadModelFile as err:
+        raise InvalidInput(f"{where}: {err}") from None
+    problem = tokenizer_problem(path)
+    if problem:
+        raise InvalidInput(f"{where}: {problem}")
 
 
-def check_data(stage, where: str) -> None:
-    data = stage.data
-    if data.is_builtin:
+def root_model(spec: PipelineSpec, stage) -> str:
+    """The model a chain of `from:` starts at: its tokenizer and shape are every export's."""
+    while stage.model is None:
+        stage = spec.stage(stage.from_)
+    return stage.model
+
+
+def model_folder(name: str, cache: HFCache) -> Optional[Path]:
+    """The folder holding a model's files on this machine: a local folder or a cached hub snapshot."""
+    if name.startswith(BUILTIN_PREFIX):
+        return None
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    config = cached_config(name, cache.hub)
+    return config.parent if config is not None else None
+
+
+def shape_of(name: str, cache: HFCache):
+    try:
+        return resolve_shape(name, cache.hub)
+    except (ShapeNotFound, ValueError):
+        return None  # an unknown model: nothing to compare with
+
+
+def check_positions(stage, root: str, where: str, cache: HFCache) -> None:
+    shape = shape_of(root, cache)
+    if shape is not None and shape.max_positions and stage.max_len > shape.max_positions:
+        source = f" (max_position_embeddings in {shape.source})" if shape.source != root else ""
+        raise InvalidInput(
+            f"{where}.max_len: {stage.max_len} tokens is beyond the {shape.max_positions} positions of model "
+            f"{root}{source}: positions past them were never trained. Set max_len to {shape.max_positions} or less"
+        )
+
+
+def check_upstream(spec: PipelineSpec, stage, where: str, cache: HFCache) -> None:
+    """The upstream exports this stage loads are models it can load (stages/engine.py export)."""
+    for field_name, name in stage.upstream_references:
+        upstream = spec.stage(name)
+        if upstream.lora is not None and not upstream.lora.merge:
+            raise InvalidInput(
+                f"{where}.{field_name}: stage '{name}' has lora.merge: false, so its model/ is a peft adapter "
+                f"without the model it adapts, which transformers cannot load as the model this stage starts "
+                f"from. Set lora.merge: true in stage '{name}' (the default: adapters merged into the model)"
+            )
+        if field_name == "from" and upstream.kind == "rm" and stage.kind != "rm":
+            shape = shape_of(root_model(spec, upstream), cache)
+            if shape is None or not shape.tied_embeddings:
+                raise InvalidInput(
+                    f"{where}.from: stage '{name}' trains a reward model: its model/ is a sequence classifier "
+                    f"(a score head and no language-model head), so this {stage.kind} stage would start with an "
+                    f"untrained output layer. Start it from the stage '{name}' starts from, and name '{name}' "
+                    "under reward.model where a reward is wanted"
+                )
+
+
+def check_chat_template(stage, root: str, where: str, chats: bool, cache: HFCache) -> None:
+    """Prompts formatted with the chat template (data.chat_template, or chat rows of an SFT
+    stage) need a tokenizer that has one."""
+    if not (stage.data.chat_template or chats):
         return
-    files = [("path", data.path)]
-    if is_row_file(data.path) and data.eval_split:
-        files.append(("eval_split", data.eval_split))
-    for field, name in files:
-        path = Path(name).expanduser()
-        if is_row_file(name):
-            if not path.is_file():
-                raise InvalidInput(f"{where}.data.{field}: data file {name} not found")
-            select_rows(read_rows(path), stage.kind, data, f"{where}.data.{field}: {name}")
-        elif not path.exists() and looks_like_path(name):
-            raise InvalidInput(f"{where}.data.{field}: {name} not found")
+    folder = model_folder(root, cache)
+    if folder is None or has_chat_template(folder):
+        return
+    if stage.data.chat_template:
+        field_name = "data.chat_template"
+        fix = "set data.chat_template: false to join prompt and response as plain text"
+    else:
+        field_name, fix = "data.messages_key", "give prompt/response rows instead"
+    raise InvalidInput(
+        f"{where}.{field_name}: the tokenizer of {root} has no chat template (no chat_template in "
+        f"{folder / 'tokenizer_config.json'}, no chat_template.jinja), and this stage formats chats with it. "
+        f"Add one (tokenizer.chat_template = ...; tokenizer.save_pretrained(folder)), or {fix}"
+    )
 
 
-def check_reward_functions(stage, where: str) -> None:
-    """Each user reward function's file exists and defines it (read, not run)."""
-    from stages.rewards import RewardError, check_function
+# --------------------------------------------------------------------------- rewards
 
+
+def check_reward_functions(stage, where: str, imported: bool = True) -> None:
+    """Each user reward function's file exists and defines it (read, not run); then, where
+    the stage runs with this python, it imports in a child process with a time limit."""
+    from stages.rewards import RewardError, check_function, split_reference
+
+    imported_files = set()
     for j, rule in enumerate(stage.reward.rules):
-        if rule.function:
-            try:
-                check_function(rule.function)
-            except RewardError as err:
-                raise InvalidInput(f"{where}.reward.rules[{j}].function: {err}") from None
+        if not rule.function:
+            continue
+        field_name = f"{where}.reward.rules[{j}].function"
+        try:
+            check_function(rule.function)
+        except RewardError as err:
+            raise InvalidInput(f"{field_name}: {err}") from None
+        path = split_reference(rule.function)[0]
+        if imported and path not in imported_files:
+            imported_files.add(path)
+            problem = import_problem(rule.function)
+            if problem:
+                raise InvalidInput(f"{field_name}: {problem}")
+
+
+IMPORT_CODE = "import sys; from stages.rewards import load_function; load_function(sys.argv[1])"
+
+
+def import_problem(reference: str, timeout_s: float = REWARD_IMPORT_TIMEOUT_S) -> Optional[str]:
+    """Why `path.py:function` does not import as the stage imports it (None when it does),
+    found in a child process that is killed after timeout_s."""
+    from stages.rewards import split_reference
+
+    path = split_reference(reference)[0]
+    code_root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [code_root, os.environ.get("PYTHONPATH")]))}
+    child = subprocess.Popen([sys.executable, "-c", IMPORT_CODE, reference], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True)  # its own process group: a timeout ends all of it
+    try:
+        _, stderr = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, 9)
+        child.communicate()
+        return (f"importing {path} did not finish within {timeout_s:.0f} s; code at the top level of the file "
+                "runs at import: move what waits (downloads, input, servers) into the function")
+    if child.returncode == 0:
+        return None
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    last = lines[-1] if lines else f"exit code {child.returncode}"
+    frames = [line for line in lines if line.startswith('File "') and ", line " in line]
+    at = [f.split(", line ")[1].split(",")[0] for f in frames if Path(f[6:f.index('"', 6)]).resolve() == path.resolve()]
+    place = f" (line {at[-1]})" if at else ""
+    return (f"importing {path} fails{place}: {last}. The stage imports it with this python "
+            f"({sys.executable}): fix the file, or install what it imports")

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import REPO, run_cli, tiny_pipeline, write_pipeline
 
@@ -136,3 +141,235 @@ def test_a_missing_reward_function_is_reported_at_validate_time(workdir):
         "reward": {"rules": [{"function": "rewards/mine.py:score"}]},
     })
     run_rejected(workdir, spec, "stages[1] (rl).reward.rules[0].function", "rewards/mine.py not found")
+
+
+# --------------------------------------------------------------------------- refused before anything trains
+# Each of these passed `validate` once and failed only in the stage, after upstream
+# stages had spent their compute (issue 12).
+
+
+@pytest.fixture(scope="session")
+def saved_models(tmp_path_factory):
+    """The built-in tiny Llama as save_pretrained writes it: whole (safetensors), and as
+    safetensors shards with their index; and its weights as torch.save wrote them before
+    safetensors (pytorch_model.bin, what transformers 4.x saves without safe_serialization)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages import tiny
+
+    root = tmp_path_factory.mktemp("models")
+    tiny.write_tiny_llama(root / "whole")
+    model = AutoModelForCausalLM.from_pretrained(root / "whole")
+    model.save_pretrained(root / "sharded", max_shard_size="100KB")
+    tiny.build_tokenizer().save_pretrained(root / "sharded")
+    shutil.copytree(root / "whole", root / "torch", ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(model.state_dict(), root / "torch" / "pytorch_model.bin")
+    return root
+
+
+@pytest.fixture
+def model_folder(saved_models, workdir):
+    """A copy of one saved model in the working folder, to break as a test needs."""
+
+    def copy(kind="whole"):
+        return Path(shutil.copytree(saved_models / kind, workdir / "model"))
+
+    return copy
+
+
+def with_model(folder, **stage):
+    spec = tiny_pipeline()
+    spec["stages"][0].update(model=str(folder), **stage)
+    return spec
+
+
+def write_rows(workdir, rows, name="rows.jsonl"):
+    (workdir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return name
+
+
+SFT_ROWS = [{"prompt": f"sort {n} =", "response": f" {''.join(sorted(str(n)))}"} for n in range(100, 140)]
+
+
+def test_a_saved_model_folder_and_a_data_file_are_accepted(model_folder, workdir):
+    folder = model_folder()
+    path = write_pipeline(workdir, with_model(folder, data={"path": write_rows(workdir, SFT_ROWS)}))
+    result = run_cli("validate", path, cwd=workdir)
+    assert result.returncode == 0, result.stderr
+
+
+def test_truncated_safetensors_weights_are_refused_by_their_header(model_folder, workdir):
+    weights = model_folder() / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    run_rejected(workdir, with_model(weights.parent), "stages[0] (sft).model", "model.safetensors: tensor",
+                 "cut short", "download or save the model again")
+
+
+def test_a_shard_named_by_the_index_that_is_missing_is_refused(model_folder, workdir):
+    folder = model_folder("sharded")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    run_rejected(workdir, with_model(folder), "model.safetensors.index.json names", "1 of them missing",
+                 shards[-1].name)
+
+
+def test_a_truncated_torch_save_file_is_refused(model_folder, workdir):
+    weights = model_folder("torch") / "pytorch_model.bin"
+    weights.write_bytes(weights.read_bytes()[:-200])
+    run_rejected(workdir, with_model(weights.parent), "pytorch_model.bin: a torch.save archive whose end is missing")
+
+
+def test_a_model_folder_without_a_tokenizer_is_refused(model_folder, workdir):
+    folder = model_folder()
+    (folder / "tokenizer.json").unlink()
+    run_rejected(workdir, with_model(folder), "stages[0] (sft).model", "has no tokenizer", "tokenizer.json",
+                 "save_pretrained")
+
+
+def test_chat_template_with_a_tokenizer_that_has_none_is_refused(model_folder, workdir):
+    folder = model_folder()
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (folder / name).unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    spec = with_model(folder, data={"path": write_rows(workdir, SFT_ROWS), "chat_template": True})
+    run_rejected(workdir, spec, "stages[0] (sft).data.chat_template", "has no chat template",
+                 "data.chat_template: false")
+    chats = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]}
+             for r in SFT_ROWS]
+    spec = with_model(folder, data={"path": write_rows(workdir, chats)})
+    run_rejected(workdir, spec, "stages[0] (sft).data.messages_key", "has no chat template")
+
+
+def test_max_len_beyond_the_model_positions_is_refused(workdir):
+    spec = tiny_pipeline(defaults={"max_len": 96})  # builtin:tiny-llama has 64 positions
+    run_rejected(workdir, spec, "stages[0] (sft).max_len",
+                 "96 tokens is beyond the 64 positions of model builtin:tiny-llama",
+                 "Set max_len to 64 or less")
+
+
+def test_a_hub_model_missing_from_the_cache_without_network_points_at_prepare(workdir, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(workdir / "empty-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = tiny_pipeline()
+    spec["stages"][0]["model"] = "some-org/some-model"
+    run_rejected(workdir, spec,
+                 "stages[0] (sft).model: model 'some-org/some-model' is not a folder here, nor in the local cache",
+                 "HF_HUB_OFFLINE=1", "python -m pipeline prepare")
+    # `prepare` itself is not refused for it: it is what fetches it (here, offline, it cannot).
+    result = run_cli("prepare", workdir / "pipeline.yaml", cwd=workdir)
+    assert_rejected(result, "cannot fetch model 'some-org/some-model'")
+
+
+def test_a_hub_that_does_not_answer_counts_as_offline(workdir, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(workdir / "empty-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with socket.socket() as closed:  # a port that was free a moment ago: nothing listens there
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    spec = tiny_pipeline()
+    spec["stages"][0]["data"] = {"path": "some-org/some-rows"}
+    run_rejected(workdir, spec,
+                 "stages[0] (sft).data.path: dataset 'some-org/some-rows' is not a folder here, nor in the local cache",
+                 f"{endpoint} cannot be reached")
+
+
+def test_a_data_file_of_an_unsupported_type_names_the_supported_ones(workdir):
+    (workdir / "rows.txt").write_text("sort 21 = 12\n")
+    run_rejected(workdir, sft_spec(path="rows.txt"), "stages[0] (sft).data.path: rows.txt", "a .txt file",
+                 "a .jsonl, .json, .csv or .parquet file")
+
+
+def test_a_folder_that_is_not_a_dataset_is_refused(workdir):
+    (workdir / "notes").mkdir()
+    (workdir / "notes" / "readme.md").write_text("rows are elsewhere")
+    run_rejected(workdir, sft_spec(path="notes"), "stages[0] (sft).data.path: notes: a folder that holds no dataset",
+                 "found: readme.md", "dataset_dict.json")
+
+
+def test_fewer_rows_than_one_optimizer_step_are_refused_with_the_numbers(workdir):
+    # 10 usable rows, 1 held out (eval_fraction 0.05, at least one): 9 < 8 rows x 2 processes
+    run_rejected(workdir, sft_spec(path=write_rows(workdir, SFT_ROWS[:10])),
+                 "stages[0] (sft).data: 9 training rows (10 usable in rows.jsonl, less 1 held out for evaluation",
+                 "16 = micro_batch_size 8 x gradient accumulation 1 x 2 processes")
+
+
+def test_a_split_name_as_eval_split_of_a_data_file_is_refused(workdir):
+    run_rejected(workdir, sft_spec(path=write_rows(workdir, SFT_ROWS), eval_split="test"),
+                 "stages[0] (sft).data.eval_split: 'test' is a split name", "eval_split names a second file")
+
+
+def test_non_utf8_bytes_in_a_jsonl_file_name_the_line(workdir):
+    lines = [json.dumps(r).encode() for r in SFT_ROWS]
+    lines[2] = lines[2].replace(b"sort", b"s\xe9rt")  # latin-1, not UTF-8
+    (workdir / "rows.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    run_rejected(workdir, sft_spec(path="rows.jsonl"),
+                 "stages[0] (sft).data.path: rows.jsonl: line 3: not UTF-8 text (byte 0xe9", "save the file as UTF-8")
+
+
+def test_a_duplicate_key_in_the_pipeline_file_names_both_lines(workdir):
+    text = yaml.safe_dump(tiny_pipeline(), sort_keys=False).replace("  max_len: 48\n", "  max_len: 48\n  max_len: 32\n")
+    line = text.splitlines().index("  max_len: 48") + 1
+    run_rejected(workdir, text, f"key 'max_len' is given twice in one mapping, at line {line}, column 3 and "
+                 f"line {line + 1}, column 3")
+
+
+def rl_stage(**stage):
+    return {"name": "rl", "kind": "ppo", "from": "sft", "data": {"path": "builtin:digits"},
+            "advantage": "grpo", "n_samples_per_prompt": 2, "rollout_batch_size": 8, "micro_batch_size": 8,
+            "reward": {"rules": [{"rule": "exact_match"}]}, **stage}
+
+
+def test_a_stage_starting_from_an_unmerged_lora_adapter_is_refused(workdir):
+    spec = tiny_pipeline(defaults={"lora": {"rank": 4, "merge": False}})
+    spec["stages"].append({"name": "dpo", "kind": "dpo", "from": "sft", "data": {"path": "builtin:digits"}})
+    run_rejected(workdir, spec, "stages[1] (dpo).from: stage 'sft' has lora.merge: false",
+                 "Set lora.merge: true in stage 'sft'")
+
+
+def test_a_language_model_stage_starting_from_a_reward_model_is_refused(workdir):
+    spec = tiny_pipeline()
+    spec["stages"] = [{**spec["stages"][0], "name": "rm", "kind": "rm"}, rl_stage(**{"from": "rm"})]
+    run_rejected(workdir, spec, "stages[1] (rl).from: stage 'rm' trains a reward model", "reward.model")
+
+
+def test_exact_match_without_a_label_column_is_refused(workdir):
+    prompts = write_rows(workdir, [{"prompt": r["prompt"]} for r in SFT_ROWS], "prompts.jsonl")
+    spec = tiny_pipeline()
+    spec["stages"].append(rl_stage(data={"path": prompts}))
+    run_rejected(workdir, spec, "stages[1] (rl).label_key: prompts.jsonl: usable row 1 has no 'label' column",
+                 "exact_match rule")
+
+
+def test_a_reward_file_whose_import_fails_names_the_file_line_and_error(workdir):
+    (workdir / "rewards").mkdir()
+    (workdir / "rewards" / "mine.py").write_text(
+        "import os\nimport a_module_that_is_not_installed\n\n\ndef score(prompts, completions, labels):\n"
+        "    return [0.0] * len(completions)\n")
+    spec = tiny_pipeline()
+    spec["stages"].append(rl_stage(reward={"rules": [{"function": "rewards/mine.py:score"}]}))
+    run_rejected(workdir, spec, "stages[1] (rl).reward.rules[0].function: importing rewards/mine.py fails (line 2)",
+                 "ModuleNotFoundError: No module named 'a_module_that_is_not_installed'")
+
+
+def test_a_runs_dir_that_is_a_file_is_refused(workdir):
+    (workdir / "results").write_text("not a folder")
+    run_rejected(workdir, tiny_pipeline(runs_dir="results"), "runs_dir:", "results is a file")
+
+
+def test_a_runs_dir_that_cannot_be_written_is_refused(workdir):
+    (workdir / "shared").mkdir(mode=0o555)
+    path = write_pipeline(workdir, tiny_pipeline(runs_dir="shared/runs"))
+    # Root writes anywhere; in a user namespace of its own it is held to the owner's bits, as users are.
+    as_user = ["unshare", "--user"] if os.geteuid() == 0 else []
+    if as_user and subprocess.run([*as_user, "true"]).returncode != 0:
+        pytest.skip("running as root, and user namespaces are not allowed here")
+    for command in ("validate", "run"):
+        result = subprocess.run([*as_user, sys.executable, "-m", "pipeline", command, str(path)], cwd=workdir,
+                                capture_output=True, text=True, timeout=120)
+        assert_rejected(result, "runs_dir:", "shared is not writable by this user")
+        assert not (workdir / "shared" / "runs").exists()

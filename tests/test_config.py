@@ -85,6 +85,25 @@ def test_malformed_yaml_reports_line_and_column(tmp_path):
     assert "malformed YAML at line 4, column" in info.value.message
 
 
+def test_a_key_given_twice_in_a_nested_mapping_names_both_places(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("name: t\nstages:\n  - {name: sft, kind: sft, model: 'builtin:tiny-llama',\n"
+                    "     data: {path: 'builtin:digits', split: train, split: eval}}\n")
+    with pytest.raises(InvalidInput) as info:
+        load_pipeline(str(path))
+    assert "key 'split' is given twice in one mapping, at line 4, column 37 and line 4, column 51" in info.value.message
+
+
+def test_yaml_merge_keys_override_without_counting_as_duplicates(tmp_path):
+    path = tmp_path / "merged.yaml"
+    path.write_text(
+        "name: t\nstages:\n"
+        "  - &sft {name: sft, kind: sft, model: 'builtin:tiny-llama', data: {path: 'builtin:digits'}, max_len: 32}\n"
+        "  - <<: *sft\n    name: sft2\n")
+    spec = load_pipeline(str(path))
+    assert [s.name for s in spec.stages] == ["sft", "sft2"] and spec.stages[1].max_len == 32
+
+
 def test_upstream_stage_must_exist(tmp_path):
     spec = tiny_pipeline()
     spec["stages"].append({"name": "sft2", "kind": "sft", "from": "stf", "data": {"path": "builtin:digits"}})
