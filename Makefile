@@ -23,7 +23,7 @@ VENV_437 := .venv-437
 # Images for `make containers` / `make container-test`: pinned, current, or both.
 IMAGE ?= pinned current
 
-.PHONY: setup pipeline validate plan status test test-pinned test-437 test-slurm containers container-test docs clean help \
+.PHONY: setup pipeline validate plan status report test test-pinned test-437 test-slurm containers container-test docs clean help \
 	bench-gpu bench-gpu-dry
 
 help:
@@ -37,6 +37,7 @@ help:
 	@echo "make validate CONFIG=...      check a pipeline file, its models and data"
 	@echo "make plan CONFIG=...          will each stage fit its GPUs, how long will it take"
 	@echo "make status CONFIG=...        show each stage's state"
+	@echo "make report CONFIG=...        write runs/<pipeline>/report.html (curves, throughput, memory, plan vs measured)"
 	@echo "make setup                    create $(VENV) with the pinned stack ($(STACK))"
 	@echo "make bench-gpu [BENCH_ARGS=]  the GPU benchmark (project vs TRL, planner vs memory) -> benchmarks/RESULTS.md"
 	@echo "make bench-gpu-dry            the same cases on this CPU, tiny shape: checks the harness, measures nothing"
@@ -63,6 +64,9 @@ plan: setup
 
 status: setup
 	$(BIN)/python -m pipeline status $(CONFIG)
+
+report: setup
+	$(BIN)/python -m pipeline report $(CONFIG)
 
 test: setup
 	$(BIN)/python tests/prebuild_deepspeed_ops.py

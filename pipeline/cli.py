@@ -1,4 +1,4 @@
-"""python -m pipeline validate|plan|run|status|cancel|clean|prepare|run-stage CONFIG
+"""python -m pipeline validate|plan|run|status|report|cancel|clean|prepare|run-stage CONFIG
 
 CONFIG is a path to a pipeline file or the name of one under pipeline/configs/.
 Exit codes: 0 ok, 1 a stage failed, 2 invalid pipeline file or data, 3 does not fit.
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from pipeline import config as config_module
-from pipeline import graph, launch, plan, preflight, prepare, runfolder, slurm, state
+from pipeline import graph, launch, metrics, plan, preflight, prepare, runfolder, slurm, state
 from pipeline.errors import InvalidInput, PipelineError
 from pipeline.hfcache import hf_cache
 
@@ -25,6 +25,7 @@ CANCEL_WAIT_S = 120
 def cmd_validate(args) -> int:
     spec = config_module.load_pipeline(args.config)
     preflight.check(spec)
+    metrics.check_trackers(spec)
     if spec.cluster.executor == "local":
         launch.check_local_gpus(spec)
     tasks = graph.build_tasks(spec)
@@ -50,6 +51,7 @@ def cmd_plan(args) -> int:
 def cmd_run(args) -> int:
     spec = config_module.load_pipeline(args.config)
     preflight.check(spec)
+    metrics.check_trackers(spec)
     rerun = frozenset(name.strip() for value in args.rerun for name in value.split(",") if name.strip())
     outcome = launch.run(spec, args.config, executor=args.executor, force=args.force, rerun=rerun)
     pipeline_dir = spec.run_dir.resolve()
@@ -102,6 +104,15 @@ def cmd_status(args) -> int:
             for path, n in superseded:
                 print(f"    {path.name:<40} {_gib(n)}")
     return 1 if any(s.failed for s in statuses) else 0
+
+
+def cmd_report(args) -> int:
+    from pipeline import report
+
+    spec = config_module.load_pipeline(args.config)
+    path = report.write_report(spec, Path(args.plots) if args.plots else None)
+    print(f"pipeline '{spec.name}': report written to {path}")
+    return 0
 
 
 def cmd_cancel(args) -> int:
@@ -196,6 +207,7 @@ COMMANDS = {
     "plan": (cmd_plan, "estimate each stage's GPU and host memory and time; say what would make it fit"),
     "run": (cmd_run, "run (locally) or submit (to Slurm) every stage that is not finished"),
     "status": (cmd_status, "show each stage's state; for a failed stage, its log"),
+    "report": (cmd_report, "write runs/<pipeline>/report.html: curves, throughput, memory, plan vs measured"),
     "cancel": (cmd_cancel, "cancel the pipeline's pending and running Slurm jobs, or its local run"),
     "clean": (cmd_clean, "remove the superseded outputs `run` moved aside (status lists them)"),
     "prepare": (cmd_prepare, "download the models and datasets named by hub id into the shared cache"),
@@ -220,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands["status"].add_argument("--json", action="store_true", help="machine-readable output")
     commands["clean"].add_argument("--dry-run", action="store_true", help="list what would be removed")
     commands["run-stage"].add_argument("stage", help="name of the stage to run")
+    commands["report"].add_argument("--plots", metavar="DIR", help="also save each plot there as a PNG file")
     return parser
 
 

@@ -106,6 +106,11 @@ SBATCH_SET_BY_PIPELINE = {
 }
 
 
+# Environment variables that hold credentials (HF_TOKEN, WANDB_API_KEY, ...): read from the
+# environment only, never written into a file the pipeline makes.
+SECRET_NAME = re.compile(r"TOKEN|API_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+
 class ClusterSpec(Strict):
     """Where and how the stages run."""
 
@@ -178,6 +183,17 @@ class ClusterSpec(Strict):
         slurm_time_to_minutes(value)
         return value
 
+    @field_validator("env")
+    @classmethod
+    def _no_secrets_in_env(cls, value: dict) -> dict:
+        for key in value:
+            if SECRET_NAME.search(key):
+                raise ValueError(
+                    f"'{key}' looks like a secret, and cluster.env is written into every job's batch script: "
+                    f"export {key} in your shell instead (stage jobs inherit the environment they are submitted from)"
+                )
+        return value
+
     @field_validator("sbatch")
     @classmethod
     def _check_sbatch(cls, value: dict) -> dict:
@@ -209,6 +225,29 @@ class ApptainerSpec(Strict):
         description="Extra `apptainer exec` options, e.g. [--writable-tmpfs]. Avoid --cleanenv: "
         "the job needs Slurm's environment variables. --nv is added when GPUs are requested.",
     )
+
+
+# --------------------------------------------------------------------------- tracking
+
+
+class WandbSpec(Strict):
+    """Weights & Biases logging of every stage (rank 0), beside TensorBoard. Needs the `wandb`
+    package where the stages run (pip install wandb); the API key comes from WANDB_API_KEY in
+    the environment only."""
+
+    project: str = Field(..., min_length=1, description="W&B project the stages log to (one run per stage).")
+    entity: Optional[str] = Field(None, description="W&B team or user; default: the API key's own.")
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline writes the run under runs/<pipeline>/<stage>/wandb/ (compute nodes often have no "
+        "internet; upload later with `wandb sync`); online streams it to W&B while the stage trains.",
+    )
+
+
+class TrackingSpec(Strict):
+    """Experiment trackers besides metrics.jsonl and TensorBoard (always written)."""
+
+    wandb: Optional[WandbSpec] = Field(None, description="Log to Weights & Biases too (off when absent).")
 
 
 # --------------------------------------------------------------------------- stages
@@ -573,6 +612,10 @@ class PipelineSpec(Strict):
         default_factory=ApptainerSpec, description="How stage jobs run inside `container`."
     )
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Where and how stages run.")
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec,
+        description="Experiment tracking besides metrics.jsonl and TensorBoard, e.g. {wandb: {project: my-lab}}.",
+    )
     defaults: StageDefaults = Field(
         default_factory=StageDefaults, description="Training knobs merged into every stage (a stage's own value wins)."
     )

@@ -41,6 +41,7 @@ def reference_markdown() -> str:
     ]
     if hasattr(c, "ApptainerSpec"):
         sections.append(_table("`apptainer:`", c.ApptainerSpec, "apptainer."))
+    sections.append(_table("`tracking.wandb:`", c.WandbSpec, "tracking.wandb."))
     sections += [
         _table("Every stage", c.StageBase, skip=knobs),
         _table("`data:`", c.DataSpec, "data."),

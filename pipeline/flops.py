@@ -65,3 +65,16 @@ def pass_flops(shape: ModelShape, head: str, positions: int, attended: int, *, t
         return forward
     backward = forward + 2 * lora_params * positions if lora_params is not None else 2 * forward
     return forward + backward + (forward if recompute else 0.0)
+
+
+def rollout_sequence_flops(models, length: int, train_passes: int) -> float:
+    """Model FLOPs of one PPO sequence of `length` tokens, as the planner counts a rollout:
+    every model's forward while the experience is made, plus `train_passes` forward and
+    backward passes of each trained one (generation is not counted).
+    models: (shape, head, trained, lora_params) of the actor, reference, critic, reward model."""
+    total = 0.0
+    for shape, head, trained, lora in models:
+        total += sequence_flops(shape, head, length, trained=False)
+        if trained:
+            total += train_passes * sequence_flops(shape, head, length, trained=True, lora_params=lora)
+    return total

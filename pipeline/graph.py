@@ -19,7 +19,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.config import PipelineSpec, Stage, topological_order
+from pipeline.config import PipelineSpec, Stage, WandbSpec, topological_order
 from pipeline.identity import Digests, changed_inputs, input_digests
 from pipeline.runfolder import StageFolder
 
@@ -42,6 +42,7 @@ class StageTask(BaseModel):
     gpus_per_node: int  # asked for: a job that finds none fails rather than train on the CPU
     inputs: dict[str, dict] = {}  # field -> {path, sha256}: what it reads from disk (pipeline/identity.py)
     spec_hash: str
+    wandb: Optional[WandbSpec] = None  # the pipeline's tracking.wandb: how not what the stage trains
 
     @property
     def name(self) -> str:
@@ -97,6 +98,7 @@ def build_tasks(spec: PipelineSpec, digests: Optional[Digests] = None) -> list[S
                 gpus_per_node=spec.cluster.gpus_per_node,
                 inputs=inputs,
                 spec_hash=digest,
+                wandb=spec.tracking.wandb,
             )
         )
     return tasks

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline import graph, plan, prepare, slurm, state
+from pipeline import graph, measured, plan, prepare, slurm, state
 from pipeline.config import PipelineSpec, slurm_time_to_minutes
 from pipeline.errors import InvalidInput, StageFailed
 from pipeline.graph import PlannedStage, StageTask
@@ -96,6 +96,7 @@ def run(spec: PipelineSpec, config: str, executor: Optional[str] = None, force: 
         state.refuse_if_live(pipeline_dir, config, tasks)  # again: someone may have submitted meanwhile
         digests.save()
         planned = graph.plan_actions(tasks, rerun=rerun)
+        measured.save_plans(spec, planned, plan.known_rows(spec))  # each result.json compares itself with it
         if executor == "slurm":
             run_state = submit_slurm(spec, planned, config, echo=echo)
             jobs = {i.task.name: run_state.stages[i.task.name].job_id for i in planned if i.action != "skip"}

@@ -2,6 +2,7 @@
 
     runs/<pipeline>/
       pipeline.json                 the chain's Slurm jobs and their states (pipeline/state.py)
+      report.html                   plots and tables of the whole chain (pipeline/report.py)
       .pipeline.lock                held by the `run` that is running or submitting (pipeline/state.py)
       .input-digests.json           content digests of the files stages read (pipeline/identity.py)
       builtin/                      the built-in model and data, written once (stages/tiny.py)
@@ -11,6 +12,10 @@
         metrics.jsonl               one JSON object per logged step
         result.json                 final metrics and the spec hash that lets a re-run skip the stage
         spec.json                   the resolved stage as it was submitted
+        plan.json                   the planner's prediction for the stage, saved at submission
+        events.jsonl                when each attempt of the job started (a second one is a requeue or resume)
+        tensorboard/                TensorBoard event files (rank 0)
+        wandb/                      the W&B run's files, when tracking.wandb is set
         logs/                       the job's stdout/stderr, one file per process
         reference_logps.pt          DPO's precomputed reference log-probs
       <stage>.superseded-<time>/    a stage folder whose spec changed, moved aside (never deleted)
@@ -30,6 +35,7 @@ LOCK_FILE = ".pipeline.lock"
 DIGESTS_FILE = ".input-digests.json"
 BUILTIN_FOLDER = "builtin"
 SUPERSEDED = ".superseded-"
+REPORT_FILE = "report.html"
 
 
 def state_file(pipeline_dir: Path) -> Path:
@@ -52,6 +58,10 @@ def superseded_folders(pipeline_dir: Path) -> list[Path]:
     """Stage folders moved aside (<stage>.superseded-<time>), oldest first."""
     found = [p for p in Path(pipeline_dir).glob(f"*{SUPERSEDED}*") if p.is_dir()]
     return sorted(found, key=lambda p: p.name.split(SUPERSEDED, 1)[1])
+
+
+def report_file(pipeline_dir: Path) -> Path:
+    return Path(pipeline_dir) / REPORT_FILE
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,22 @@ class StageFolder:
     @property
     def spec(self) -> Path:
         return self.path / "spec.json"
+
+    @property
+    def plan(self) -> Path:
+        return self.path / "plan.json"
+
+    @property
+    def events(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / "wandb"
 
     @property
     def logs(self) -> Path:

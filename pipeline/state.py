@@ -11,6 +11,7 @@ stage finished is always read from the stage's own folder: result.json.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -22,7 +23,7 @@ from typing import Iterator, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from pipeline import graph, runfolder, slurm
+from pipeline import graph, metrics, runfolder, slurm
 from pipeline.errors import InvalidInput, PipelineError
 
 LOG_TAIL_LINES = 15
@@ -242,6 +243,7 @@ class StageStatus:
     log: Optional[str] = None
     log_tail: list[str] = field(default_factory=list)
     source: str = "folder"  # where the state came from: folder, slurm (or accounting), record
+    progress: Optional[dict] = None  # a running stage's last step, total_steps, eta_s and its time (metrics.jsonl)
 
     @property
     def failed(self) -> bool:
@@ -310,9 +312,10 @@ def _from_local_run(task, record: StageRecord, running: Optional[Holder]) -> Sta
     """A stage a local `run` started: running while that run holds the folder, else how it ended."""
     base = dict(name=task.name, run_dir=task.run_dir, job_id=record.job_id, source="record")
     if record.state == RUNNING and running is not None:
-        step = _last_step(task.folder)
-        detail = f"local job on {record.host}" + (f", at step {step}" if step is not None else "")
-        return StageStatus(state=RUNNING, detail=detail + f" (`run` {running.pid})", **base)
+        progress = metrics.progress(task.folder.metrics)
+        detail = f"local job on {record.host}" + (f", {progress.text()}" if progress is not None else "")
+        return StageStatus(state=RUNNING, detail=detail + f" (`run` {running.pid})", progress=_as_dict(progress),
+                           **base)
     if record.state == RUNNING:  # the run that ran it is gone without saying how the stage ended
         detail = f"the local `run` on {record.host} ended while the stage ran (killed?); {_resume_point(task)}"
         return _with_log(StageStatus(state=FAILED, detail=detail, **base), record)
@@ -347,9 +350,9 @@ def _from_job(task, record: StageRecord, info: Optional[slurm.JobInfo], run_stat
     if info.state == "COMPLETING":
         return StageStatus(state=RUNNING, detail="ending: Slurm is cleaning up its processes" + older, **base)
     if info.live:
-        step = _last_step(task.folder)
-        detail = f"on {info.nodes}" + (f", at step {step}" if step is not None else "") + requeued
-        return StageStatus(state=RUNNING, detail=detail + older, **base)
+        progress = metrics.progress(task.folder.metrics)
+        detail = f"on {info.nodes}" + (f", {progress.text()}" if progress is not None else "") + requeued
+        return StageStatus(state=RUNNING, detail=detail + older, progress=_as_dict(progress), **base)
     if info.state == "CANCELLED":
         if info.reason == "DependencyNeverSatisfied":
             upstream = [run_state.job_stage(j) or f"job {j}" for j in record.after]
@@ -389,17 +392,8 @@ def _task_index(path: Path, job_id: str) -> int:
         return 1 << 30
 
 
-def _last_step(folder: runfolder.StageFolder) -> Optional[int]:
-    try:
-        lines = folder.metrics.read_text().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return None
+def _as_dict(progress: Optional[metrics.Progress]) -> Optional[dict]:
+    return None if progress is None else dataclasses.asdict(progress)
 
 
 def _result_summary(task: graph.StageTask) -> str:

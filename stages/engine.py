@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.deepspeed_settings import bucket_elements, persistence_threshold
-from stages import batching, compat
+from stages import batching, compat, tracking
 
 log = logging.getLogger("stages")
 
@@ -154,30 +154,8 @@ def initialize(model, stage, ds_config: dict, total_steps: int):
 # --------------------------------------------------------------------------- metrics
 
 
-class Metrics:
-    """metrics.jsonl (one JSON object per logged step) and a console line, rank 0 only."""
-
-    def __init__(self, path: Path, is_main: bool):
-        self.path, self.is_main = path, is_main
-
-    def truncate_after(self, step: int) -> None:
-        """Forget lines past `step`: a resumed run rewrites them."""
-        if not self.is_main or not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
-
-    def write(self, record: dict) -> None:
-        if not self.is_main:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        shown = " ".join(f"{k}={_fmt(v)}" for k, v in record.items())
-        print(shown, flush=True)
-
-
-def _fmt(value) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+# Metrics (metrics.jsonl, TensorBoard, W&B, the progress line) live in stages/tracking.py.
+Metrics = tracking.Metrics
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -251,7 +229,7 @@ class Loop:
 def train(engine, loop: Loop, stage, ctx) -> dict:
     """Run (or resume) the optimizer steps; returns initial and final eval metrics."""
     checkpoints = Checkpoints(ctx.folder, stage.keep_checkpoints, ctx.is_main)
-    metrics = Metrics(ctx.folder.metrics, ctx.is_main)
+    metrics = Metrics(ctx, loop.total_steps)
     world = dist.get_world_size()
 
     state = checkpoints.load(engine)
@@ -285,7 +263,7 @@ def train(engine, loop: Loop, stage, ctx) -> dict:
                 window.add(batch, shares, loop.flops(batch) if micro.weight else 0.0)
             step += 1
             if step % stage.log_interval == 0 or step == loop.total_steps:
-                record = {"step": step, **window.close(step, stage.log_interval)}
+                record = {"step": step, **window.close(_steps_in_window(step, stage.log_interval))}
                 record["lr"] = engine.get_lr()[0]
                 norm = engine.get_global_grad_norm()
                 if norm is not None:
@@ -304,16 +282,19 @@ def train(engine, loop: Loop, stage, ctx) -> dict:
 
     final = loop.evaluate()
     metrics.write({"step": step, **{f"eval_{k}": v for k, v in final.items()}})
+    metrics.close()
     return {"initial": initial, "final": final, "steps": step}
 
 
 class Window:
     """What happened since the last metrics record: the stage's metric shares (summed on
-    the device, read once per record), tokens, model FLOPs, time and peak memory."""
+    the device, read once per record), tokens, model FLOPs, time and peak memory.
+    A PPO rollout is one window: its sequences are added once, however often they are trained on."""
 
     def __init__(self, ctx):
         self.device, self.on_gpu = ctx.device, ctx.on_gpu
         self.peak_flops = _device_peak_flops(ctx)
+        self.nodes = max(1, ctx.world_size // ctx.task.processes_per_node)
         self.restart()
 
     def restart(self) -> None:
@@ -332,24 +313,32 @@ class Window:
         self.processed += batch.processed_tokens
         self.flops += flops
 
-    def close(self, step: int, interval: int) -> dict:
-        """The record's numbers (means over the window's steps and every process); restarts the window."""
+    def close(self, steps: int) -> dict:
+        """The record's numbers (means over the window's `steps` optimizer steps and every
+        process; memory: the largest process's GPU peak, host memory per node); restarts the window."""
         elapsed = max(time.time() - self.started, 1e-9)
-        steps = _steps_in_window(step, interval)
         names = list(self.sums)
         local = torch.stack([self.sums[k] for k in names] + [
-            torch.tensor(float(v), device=self.device) for v in (self.real, self.processed, self.flops)])
+            torch.tensor(float(v), device=self.device)
+            for v in (self.real, self.processed, self.flops, tracking.host_rss_bytes())])
         totals = all_reduce_sums(local.double())
-        *means, real, processed, flops = totals
+        *means, real, processed, flops, rss = totals
         record = {k: v / steps for k, v in zip(names, means)}
         world = dist.get_world_size()
+        gpu_peak = gpu_reserved = None
+        if self.on_gpu:
+            peaks = torch.tensor([torch.cuda.max_memory_allocated(self.device),
+                                  torch.cuda.max_memory_reserved(self.device)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+            gpu_peak, gpu_reserved = (v / 2**30 for v in peaks.tolist())
         record.update(
             tokens_per_s=real / elapsed,
             token_efficiency=real / max(processed, 1.0),
             step_s=elapsed / steps,
             mfu=flops / (elapsed * world * self.peak_flops) if self.peak_flops else None,
-            gpu_mem_peak_gib=torch.cuda.max_memory_allocated(self.device) / 2**30 if self.on_gpu else None,
-            gpu_mem_reserved_gib=torch.cuda.max_memory_reserved(self.device) / 2**30 if self.on_gpu else None,
+            gpu_mem_peak_gib=gpu_peak,
+            gpu_mem_reserved_gib=gpu_reserved,
+            host_rss_gib=rss / self.nodes / 2**30,
         )
         self.restart()
         return record

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from pipeline.flops import rollout_sequence_flops
 from stages import batching, data, engine, models
 from stages import losses as L
 from stages.rewards import RuleReward, RunningMoments
@@ -80,6 +81,14 @@ def run(task, ctx) -> dict:
         rm_config = ctx.frozen_model_config(stage, rm_path, offload=stage.reward_offload)
         reward_model = models.load_frozen(AutoModelForSequenceClassification, rm_path, stage, rm_config, ctx.device,
                                           offload=stage.reward_offload, num_labels=1)
+    # model FLOPs of a rollout's sequences, for MFU: actor, reference, critic, reward model
+    flop_models = [(models.shape_of(model_path), "lm", True, models.lora_params(actor.module)),
+                   (models.shape_of(model_path), "lm", False, None)]
+    if critic is not None:
+        flop_models.append((models.shape_of(critic_path), "scalar", True, models.lora_params(critic.module)))
+    if reward_model is not None:
+        flop_models.append((models.shape_of(rm_path), "scalar", False, None))
+    window = engine.Window(ctx)  # a rollout's tokens, FLOPs, time and memory
     rules = RuleReward.from_specs(stage.reward.rules)
     moments = RunningMoments()
     kl_control = (L.AdaptiveKLController(stage.kl_coef, stage.kl_target, 10_000) if stage.kl_target
@@ -166,7 +175,7 @@ def run(task, ctx) -> dict:
 
     # ---- resume
     checkpoints = engine.Checkpoints(ctx.folder, stage.keep_checkpoints, ctx.is_main)
-    metrics = engine.Metrics(ctx.folder.metrics, ctx.is_main)
+    metrics = engine.Metrics(ctx, total_steps)
     others = {"critic": critic} if critic is not None else None
     state = checkpoints.load(actor, others)
     if state is None:
@@ -190,6 +199,7 @@ def run(task, ctx) -> dict:
 
         # rollout: sample, score, and the frozen models' views of the samples
         t0 = time.time()
+        window.restart()
         responses = generate(batch_prompts)
         t_generate = time.time() - t0
         rewards, terms = score(batch_prompts, responses)
@@ -208,6 +218,7 @@ def run(task, ctx) -> dict:
             for start in range(0, len(batch_prompts), stage.micro_batch_size):
                 sl = slice(start, start + stage.micro_batch_size)
                 batch = sequences(batch_prompts[sl], responses[sl])
+                window.add(batch, {}, sum(rollout_sequence_flops(flop_models, n, stage.ppo_epochs) for n in batch.lengths))
                 mask = batch.loss_mask[:, 1:].float()
                 old, _ = logprobs_of(actor, batch)
                 ref, _ = logprobs_of(reference, batch)
@@ -292,9 +303,12 @@ def run(task, ctx) -> dict:
             **{k: v / world for k, v in zip(sums, averaged)},
             "response_length": gen_tokens / (len(responses) * world),
             "generate_s": t_generate,
+            "score_s": t1 - t0 - t_generate,  # rewards, and the frozen models' and critic's passes
             "train_s": t_train,
+            "rollout_s": time.time() - t0,
             "generate_tokens_per_s": gen_tokens / max(t_generate, 1e-9),
             "lr": actor.get_lr()[0],
+            **window.close(step - previous_step),
         }
         metrics.write(record)  # one line per rollout: each is already a mean over its updates
         crossed = lambda interval: interval and step // interval > previous_step // interval  # noqa: E731
@@ -308,6 +322,7 @@ def run(task, ctx) -> dict:
 
     final_reward = held_out_reward()
     metrics.write({"step": step, "eval_reward": final_reward})
+    metrics.close()
     engine.export(actor, tokenizer, stage, ctx.folder.model, ctx.is_main)
     return {
         "initial_reward": initial_reward,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
+from pipeline import measured, timeline
 from pipeline.graph import StageTask
 from pipeline.runfolder import StageFolder, builtin_folder
 
@@ -112,6 +113,8 @@ def run_stage(task: StageTask) -> dict:
         on_gpu=device.type == "cuda",
     )
     ctx.folder.path.mkdir(parents=True, exist_ok=True)
+    if ctx.is_main:
+        timeline.record_start(ctx.folder)  # every attempt: the report's timeline shows requeues
     _materialize_builtins(task, ctx)
     # Every rank says where it is (each task has its own log): multi-node problems show here.
     print(
@@ -137,6 +140,7 @@ def run_stage(task: StageTask) -> dict:
         **metrics,
     }
     if ctx.is_main:
+        result.update(measured.plan_vs_measured(ctx.folder, task.stage.kind))  # beside the plan.json
         tmp = ctx.folder.result.with_name(f".{ctx.folder.result.name}.tmp")
         tmp.write_text(json.dumps(result, indent=2) + "\n")
         os.replace(tmp, ctx.folder.result)

@@ -1,0 +1,118 @@
+"""Plan versus measured: the planner's prediction for each stage, saved into the stage's
+folder when it is submitted (plan.json), and the run's own numbers beside it in result.json.
+
+Torch-free: `run` saves the plans on the submit host; the stage job (rank 0) adds the
+comparison to result.json from its metrics.jsonl; `report` and `docs` read both back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from statistics import fmean
+from typing import Optional
+
+from pipeline import metrics as records
+from pipeline.errors import PipelineError
+from pipeline.runfolder import StageFolder
+
+GiB = 1024**3
+# The numbers compared, in the units metrics.jsonl uses.
+COMPARED = ("gpu_mem_peak_gib", "host_mem_gib", "step_s", "tokens_per_s", "mfu", "token_efficiency")
+
+
+def save_plans(spec, planned, rows_by_stage: Optional[dict] = None) -> None:
+    """Write each submitted stage's plan (the planner's JSON, as `plan --json` prints it) into
+    its folder. A pipeline the planner cannot estimate (e.g. a model whose shape is not known
+    yet) gets no plan.json: the run goes on, and its result.json says `planned: null`."""
+    from pipeline import plan
+
+    try:
+        entries = {e["stage"]: e for e in plan.plan_to_json(plan.plan_pipeline(spec, rows_by_stage))["stages"]}
+    except PipelineError:
+        return
+    saved_at = time.strftime("%Y-%m-%dT%H:%M:%S")
+    for item in planned:
+        if item.action == "skip" or item.task.name not in entries:
+            continue
+        folder = item.task.folder
+        folder.path.mkdir(parents=True, exist_ok=True)
+        _write_atomically(folder.plan, {"saved_at": saved_at, **entries[item.task.name]})
+
+
+def planned_numbers(plan_entry: dict) -> dict:
+    """The prediction of one stage's plan.json, in metrics.jsonl's units (GiB, seconds).
+    Time, tokens/s and MFU are null where the planner gives no time (a CPU run, an unknown GPU)."""
+    time_ = plan_entry.get("time") or {}
+    gpu, host = plan_entry.get("gpu") or {}, plan_entry.get("host") or {}
+    gib = lambda n: None if n is None else n / GiB  # noqa: E731
+    return {
+        "unit": time_.get("unit", "optimizer step" if plan_entry.get("kind") != "ppo" else "rollout"),
+        "gpu_mem_peak_gib": gib(gpu.get("peak_bytes")),  # null for a CPU run
+        "host_mem_gib": gib(host.get("peak_bytes")),
+        "step_s": time_.get("step_s"),
+        "tokens_per_s": time_.get("tokens_per_s"),
+        "mfu": time_.get("mfu"),
+        "token_efficiency": time_.get("token_efficiency") or _simulated_efficiency(plan_entry.get("batches")),
+    }
+
+
+def _simulated_efficiency(batches: Optional[dict]) -> Optional[float]:
+    """Real / processed tokens of the planner's simulated micro batches (known without a GPU)."""
+    if not batches or not batches.get("processed_tokens_per_step"):
+        return None
+    return batches["real_tokens_per_step"] / batches["processed_tokens_per_step"]
+
+
+def measured_numbers(training: list[dict], kind: str) -> dict:
+    """The run's numbers: peaks are the largest over its records (GPU: the largest process;
+    host: per node), rates the mean over its records after the first, which also holds
+    start-up costs (when there is only one, that one). A PPO stage's unit is the rollout."""
+    steady = training[1:] or training
+
+    def mean(key):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return fmean(values) if values else None
+
+    def peak(key):
+        values = [r[key] for r in training if r.get(key) is not None]
+        return max(values) if values else None
+
+    rollout = kind == "ppo"
+    return {
+        "unit": "rollout" if rollout else "optimizer step",
+        "gpu_mem_peak_gib": peak("gpu_mem_peak_gib"),
+        "gpu_mem_reserved_gib": peak("gpu_mem_reserved_gib"),
+        "host_mem_gib": peak("host_rss_gib"),
+        "step_s": mean("rollout_s" if rollout else "step_s"),
+        "tokens_per_s": mean("tokens_per_s"),
+        "mfu": mean("mfu"),
+        "token_efficiency": mean("token_efficiency"),
+        "records": len(training),
+    }
+
+
+def plan_vs_measured(folder: StageFolder, kind: str) -> dict:
+    """What result.json records beside the stage's own metrics: {"measured": ..., "planned": ...}."""
+    plan_entry = read_json(folder.plan)
+    training = records.training(records.read(folder.metrics))
+    return {
+        "measured": measured_numbers(training, kind),
+        "planned": planned_numbers(plan_entry) if plan_entry else None,
+    }
+
+
+def read_json(path: Path) -> Optional[dict]:
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _write_atomically(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)

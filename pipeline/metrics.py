@@ -1,0 +1,200 @@
+"""What a metrics.jsonl record holds, and how people and programs read it.
+
+Torch-free: the stages write records (stages/tracking.py), and the login node
+reads them back for `status` (a running stage's step/total and ETA), the HTML
+report and the README's measured columns. One owner for the record's names, the
+TensorBoard group of each key, and the progress line.
+
+A record is a training record (one per log interval, or one per rollout for
+PPO) or an eval record (every key but `step` and `time` starts with `eval_`).
+Every training record of every stage kind carries MEASURED_KEYS; the GPU ones
+are null on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+# Keys every training record carries, in every stage kind.
+MEASURED_KEYS = (
+    "tokens_per_s",  # real tokens (padding not counted) per second, all processes
+    "token_efficiency",  # real / processed tokens
+    "step_s",  # seconds per optimizer step (evaluation and saving excluded)
+    "mfu",  # model FLOPs (pipeline/flops.py) over the GPUs' datasheet peak; null on CPU
+    "gpu_mem_peak_gib",  # torch's max allocated since the previous record, the largest of all processes
+    "gpu_mem_reserved_gib",  # torch's max reserved since the previous record, the largest of all processes
+    "host_rss_gib",  # resident memory of the stage's processes, per node
+    "eta_s",  # seconds until the last step, at this run's pace so far (evaluation and saving included)
+)
+GPU_ONLY_KEYS = ("mfu", "gpu_mem_peak_gib", "gpu_mem_reserved_gib")
+# Bookkeeping, not plotted: the wall-clock time of the record and the stage's step count.
+CLOCK_KEYS = ("step", "time", "total_steps")
+# What the progress line shows after the step, if the record has it.
+HEADLINE_KEYS = ("loss", "policy_loss", "reward")
+
+GROUPS = {
+    "perf": ("tokens_per_s", "token_efficiency", "step_s", "mfu", "rollout_s", "generate_tokens_per_s"),
+    "memory": ("gpu_mem_peak_gib", "gpu_mem_reserved_gib", "host_rss_gib"),
+    "time": ("generate_s", "score_s", "train_s"),  # where a PPO rollout's time goes
+    "progress": ("eta_s", "epoch", "rollout"),
+    "optim": ("lr", "grad_norm", "kl_coef"),
+}
+_GROUP_OF = {key: group for group, keys in GROUPS.items() for key in keys}
+
+
+def tag(key: str) -> Optional[str]:
+    """The TensorBoard tag of a record key (train/loss, eval/loss, perf/mfu, ...); None
+    for bookkeeping keys."""
+    if key in CLOCK_KEYS:
+        return None
+    if key.startswith("eval_"):
+        return "eval/" + key[len("eval_"):]
+    return f"{_GROUP_OF.get(key, 'train')}/{key}"
+
+
+def is_eval(record: dict) -> bool:
+    keys = [k for k in record if k not in CLOCK_KEYS]
+    return bool(keys) and all(k.startswith("eval_") for k in keys)
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """(tag, value) of every number of a record worth plotting: nulls and bookkeeping left out."""
+    out = {}
+    for key, value in record.items():
+        name = tag(key)
+        if name is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isfinite(value):
+                out[name] = float(value)
+    return out
+
+
+def read(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a line being written right now (no newline yet) is skipped."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
+def training(records: Iterable[dict]) -> list[dict]:
+    return [r for r in records if not is_eval(r)]
+
+
+def evaluations(records: Iterable[dict]) -> list[dict]:
+    return [r for r in records if is_eval(r)]
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def eta_seconds(steps_done: int, elapsed_s: float, steps_left: int) -> Optional[float]:
+    """Seconds left at the pace so far: `steps_done` steps took `elapsed_s`. None before the first step."""
+    if steps_left <= 0:
+        return 0.0
+    if steps_done <= 0:
+        return None
+    return elapsed_s / steps_done * steps_left
+
+
+def duration_text(seconds: Optional[float]) -> str:
+    """0:42, 12:05, 3:07:15, 2d 03:07:15 — the way a log line shows a time span."""
+    if seconds is None:
+        return "?"
+    total = int(round(seconds))
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    text = f"{hours}:{minutes:02d}:{secs:02d}" if hours or days else f"{minutes}:{secs:02d}"
+    return f"{days}d {text}" if days else text
+
+
+def number_text(value) -> str:
+    if isinstance(value, float):
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+            return f"{value:.3g}"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def progress_line(stage: str, record: dict) -> str:
+    """One line per training record, readable in a log file:
+    `[sft] step 40/200  20%  ETA 1:20  loss 0.5312  tokens/s 12,345 | lr=0.003 ...`."""
+    step, total = record["step"], record.get("total_steps")
+    head = f"[{stage}] step {step}/{total} {100 * step / total:3.0f}%" if total else f"[{stage}] step {step}"
+    parts = [head, f"ETA {duration_text(record.get('eta_s'))}"]
+    parts += [f"{k} {number_text(record[k])}" for k in HEADLINE_KEYS if record.get(k) is not None]
+    if record.get("tokens_per_s") is not None:
+        parts.append(f"tokens/s {record['tokens_per_s']:,.0f}")
+    shown = {"eta_s", "tokens_per_s", *HEADLINE_KEYS, *CLOCK_KEYS}
+    rest = " ".join(f"{k}={number_text(v)}" for k, v in record.items() if k not in shown and v is not None)
+    return "  ".join(parts) + (f" | {rest}" if rest else "")
+
+
+def eval_line(stage: str, record: dict) -> str:
+    shown = " ".join(f"{k}={number_text(v)}" for k, v in record.items() if k not in CLOCK_KEYS)
+    return f"[{stage}] eval at step {record['step']}: {shown}"
+
+
+@dataclass
+class Progress:
+    step: int
+    total_steps: Optional[int]
+    eta_s: Optional[float]
+    time: Optional[float]  # when the record was written (unix seconds)
+
+    def text(self, now: Optional[float] = None) -> str:
+        """`step 40/200 (20%), ETA 1:20 as of 0:05 ago`."""
+        if self.total_steps:
+            out = f"step {self.step}/{self.total_steps} ({100 * self.step / self.total_steps:.0f}%)"
+        else:
+            out = f"step {self.step}"
+        if self.eta_s is not None:
+            out += f", ETA {duration_text(self.eta_s)}"
+        if self.time is not None:
+            age = max(0.0, (now if now is not None else time.time()) - self.time)
+            out += f" as of {duration_text(age)} ago"
+        return out
+
+
+def progress(metrics_path: Path) -> Optional[Progress]:
+    """Where a stage is, from the last training record of its metrics.jsonl; None before its first."""
+    records = training(read(metrics_path))
+    if not records:
+        return None
+    last = records[-1]
+    return Progress(int(last["step"]), last.get("total_steps"), last.get("eta_s"), last.get("time"))
+
+
+# --------------------------------------------------------------------------- trackers
+
+
+def check_trackers(spec) -> None:
+    """The trackers a pipeline asks for can be imported by the python its stages run with
+    (this one, unless they run in a container, which has to bring its own): InvalidInput (exit 2)."""
+    import importlib.util
+
+    from pipeline.errors import InvalidInput
+
+    wandb = spec.tracking.wandb
+    if wandb is None or (spec.container and spec.cluster.executor == "slurm"):
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise InvalidInput(
+            f"tracking.wandb: project '{wandb.project}' asks for Weights & Biases, but the wandb package is not "
+            "installed in this python: `pip install wandb`, or remove tracking.wandb (TensorBoard files are "
+            "written either way)"
+        )

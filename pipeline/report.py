@@ -1,0 +1,248 @@
+"""`python -m pipeline report CONFIG`: runs/<pipeline>/report.html, one self-contained page
+(PNG plots embedded as base64, no script, no server) about the whole chain: its timeline,
+each stage's final metrics, plan versus measured, and per stage the training and eval
+curves, throughput and memory over time. Works on a chain that is still running: it shows
+what the folders hold so far.
+
+Reads only the run folder (metrics.jsonl, result.json, plan.json, events.jsonl) and
+pipeline.json; plots with matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+import time
+from typing import Optional
+
+from pipeline import graph, measured, runfolder, state, timeline
+from pipeline import metrics as records
+
+COLORS = {timeline.QUEUED: "#c7c7c7", timeline.RUNNING: "#4c72b0", timeline.REQUEUED: "#dd8452"}
+COMPARED_LABELS = {
+    "gpu_mem_peak_gib": "GPU memory peak per process (GiB)",
+    "host_mem_gib": "host memory per node (GiB)",
+    "step_s": "seconds per {unit}",
+    "tokens_per_s": "tokens/s",
+    "mfu": "MFU",
+    "token_efficiency": "real / processed tokens",
+}
+
+
+def write_report(spec) -> "os.PathLike":
+    """Write the report of a pipeline's run folder; returns its path."""
+    pipeline_dir = spec.run_dir.resolve()
+    tasks = graph.build_tasks(spec)
+    page = render(spec.name, tasks, state.load(pipeline_dir))
+    path = runfolder.report_file(pipeline_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(page)
+    os.replace(tmp, path)
+    return path
+
+
+def render(name: str, tasks: list, run_state: Optional[state.RunState]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    submitted = {n: r.submitted_at for n, r in run_state.stages.items()} if run_state else {}
+    stages = [_StageData(task, submitted.get(task.name)) for task in tasks]
+    parts = [f"<h1>pipeline {_e(name)}</h1>",
+             f"<p>Run folder {_e(tasks[0].pipeline_dir)} &middot; report written {time.strftime('%Y-%m-%d %H:%M:%S')}"
+             f"{'' if all(s.finished for s in stages) else ' &middot; <b>partial</b>: stages still to finish'}</p>",
+             "<h2>Timeline</h2>", _timeline_figure(stages),
+             "<h2>Final metrics</h2>", _final_table(stages),
+             "<h2>Plan versus measured</h2>", _plan_table(stages)]
+    for stage in stages:
+        parts.append(f"<h2 id='{_e(stage.name)}'>Stage {_e(stage.name)} ({_e(stage.kind)})</h2>")
+        if not stage.records:
+            parts.append("<p>No metrics yet.</p>")
+            continue
+        for title, figure in stage.figures():
+            parts.append(f"<h3>{_e(title)}</h3>{figure}")
+    return _PAGE.format(title=_e(f"pipeline {name}"), body="\n".join(parts))
+
+
+class _StageData:
+    """What one stage's folder holds."""
+
+    def __init__(self, task, submitted_at: Optional[str]):
+        self.task, self.name, self.kind = task, task.name, task.stage.kind
+        folder = task.folder
+        self.records = records.read(folder.metrics)
+        self.training = records.training(self.records)
+        self.evals = records.evaluations(self.records)
+        self.result = measured.read_json(folder.result) if graph.is_finished(task) else None
+        self.finished = self.result is not None
+        self.plan = measured.read_json(folder.plan)
+        self.timeline = timeline.stage_timeline(folder, submitted_at)
+        self.progress = records.progress(folder.metrics)
+
+    @property
+    def state(self) -> str:
+        if self.finished:
+            return "done"
+        if self.progress is not None:
+            return self.progress.text()
+        return "started" if self.timeline.segments else "not started"
+
+    def comparison(self) -> dict:
+        if self.result is not None and "measured" in self.result:
+            return {"measured": self.result["measured"], "planned": self.result.get("planned")}
+        return measured.plan_vs_measured(self.task.folder, self.kind)  # a running stage: so far
+
+    def figures(self) -> list[tuple[str, str]]:
+        out = []
+        train = _series(self.training, "train/")
+        if train:
+            out.append(("Training curves (by optimizer step)", _grid(train, "step")))
+        evals = _series(self.evals, "eval/")
+        if evals:
+            out.append(("Evaluation (by optimizer step)", _grid(evals, "step", marker="o")))
+        start = min((r["time"] for r in self.records if "time" in r), default=None)
+        perf = _series(self.training, "perf/", "time/", clock=start)
+        if perf:
+            out.append(("Throughput and where the time goes (by minutes since the first record)",
+                        _grid(perf, "minutes")))
+        memory = _series(self.training, "memory/", clock=start)
+        if memory:
+            out.append(("Memory (by minutes since the first record)", _grid(memory, "minutes", together=True)))
+        return out
+
+
+def _series(rows: list[dict], *prefixes: str, clock: Optional[float] = None) -> dict[str, tuple[list, list]]:
+    """{tag: (x, y)} of the record keys whose TensorBoard tag starts with one of `prefixes`;
+    x is the step, or minutes since `clock`."""
+    out: dict[str, tuple[list, list]] = {}
+    for row in rows:
+        x = row["step"] if clock is None else (row.get("time", clock) - clock) / 60
+        for name, value in records.scalars(row).items():
+            if name.startswith(prefixes):
+                xs, ys = out.setdefault(name, ([], []))
+                xs.append(x)
+                ys.append(value)
+    return out
+
+
+def _grid(series: dict, xlabel: str, marker: Optional[str] = None, together: bool = False) -> str:
+    """Small multiples, four to a row (or all lines in one plot)."""
+    import matplotlib.pyplot as plt
+
+    names = list(series)
+    panels = [names] if together else [[n] for n in names]
+    columns = min(4, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 2.5 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for name in panel:
+            xs, ys = series[name]
+            ax.plot(xs, ys, marker=marker or ("." if len(xs) < 30 else None), label=name.split("/", 1)[1])
+        ax.set_title(panel[0] if not together else ", ".join(n.split("/", 1)[1] for n in panel), fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        if together:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    return _embed(fig)
+
+
+def _timeline_figure(stages: list[_StageData]) -> str:
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = [s for s in stages if s.timeline.segments]
+    if not rows:
+        return "<p>No stage has started yet.</p>"
+    origin = min(seg.start for s in rows for seg in s.timeline.segments)
+    fig, ax = plt.subplots(figsize=(11, 0.55 * len(rows) + 1.2))
+    for y, stage in enumerate(reversed(rows)):
+        for seg in stage.timeline.segments:
+            ax.barh(y, max(seg.end - seg.start, 0.5) / 60, left=(seg.start - origin) / 60, height=0.5,
+                    color=COLORS[seg.state])
+        if stage.timeline.done is not None:
+            ax.plot((stage.timeline.done - origin) / 60, y, marker="D", color="#55a868")
+    ax.set_yticks(range(len(rows)), [s.name for s in reversed(rows)])
+    ax.set_xlabel("minutes since the first submission")
+    ax.grid(axis="x", alpha=0.3)
+    handles = [Patch(color=c, label=s) for s, c in COLORS.items()]
+    handles.append(plt.Line2D([], [], marker="D", color="#55a868", linestyle="", label=timeline.DONE))
+    ax.legend(handles=handles, loc="lower right", fontsize=8, ncol=4)
+    return _embed(fig)
+
+
+def _final_table(stages: list[_StageData]) -> str:
+    head = "<tr><th>stage</th><th>kind</th><th>state</th><th>seconds</th><th>result</th></tr>"
+    body = []
+    for s in stages:
+        numbers = {k: v for k, v in (s.result or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("seconds", "world_size")}
+        shown = ", ".join(f"{_e(k)}&nbsp;=&nbsp;{records.number_text(v)}" for k, v in numbers.items()) or "&mdash;"
+        seconds = s.result.get("seconds", "") if s.result else ""
+        body.append(f"<tr><td>{_e(s.name)}</td><td>{_e(s.kind)}</td><td>{_e(s.state)}</td><td>{seconds}</td>"
+                    f"<td>{shown}</td></tr>")
+    return f"<table>{head}{''.join(body)}</table>"
+
+
+def _plan_table(stages: list[_StageData]) -> str:
+    head = "<tr><th>stage</th><th>quantity</th><th>planned</th><th>measured</th><th>measured / planned</th></tr>"
+    body = []
+    for s in stages:
+        if not s.training and s.plan is None:
+            continue
+        both = s.comparison()
+        planned, got = both.get("planned") or {}, both["measured"]
+        unit = got.get("unit", "step")
+        for key in measured.COMPARED:
+            label = COMPARED_LABELS[key]
+            p, m = planned.get(key), got.get(key)
+            if p is None and m is None:
+                continue
+            ratio = f"{m / p:.2f}" if p and m is not None else "&mdash;"
+            body.append(f"<tr><td>{_e(s.name)}</td><td>{_e(label.format(unit=unit))}</td>"
+                        f"<td>{_num(p)}</td><td>{_num(m)}</td><td>{ratio}</td></tr>")
+    if not body:
+        return "<p>Nothing planned or measured yet.</p>"
+    note = ("<p class='note'>Planned: the stage's plan.json, saved when it was submitted (time needs a known GPU). "
+            "Measured: result.json, or metrics.jsonl so far; memory is the largest record, rates the mean of the "
+            "records after the first.</p>")
+    return f"<table>{head}{''.join(body)}</table>{note}"
+
+
+def _num(value) -> str:
+    return "&mdash;" if value is None else records.number_text(float(value))
+
+
+def _embed(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    data = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return f"<img alt='plot' src='data:image/png;base64,{data}'>"
+
+
+def _e(text) -> str:
+    return html.escape(str(text), quote=True)
+
+
+_PAGE = """<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; color: #222; max-width: 1500px; }}
+table {{ border-collapse: collapse; margin: 0.5em 0 1em; font-size: 0.9em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }}
+th {{ background: #f0f0f0; }}
+img {{ max-width: 100%; }}
+.note {{ color: #666; font-size: 0.85em; }}
+</style></head>
+<body>
+{body}
+</body></html>
+"""
