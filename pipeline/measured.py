@@ -116,3 +116,45 @@ def _write_atomically(path: Path, payload: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- a whole run, in one table row
+
+# The number that says whether a stage of each kind worked (a key of its result.json).
+HEADLINE_RESULT = {"sft": "final_eval_loss", "rm": "eval_accuracy", "dpo": "eval_reward_accuracy",
+                   "ppo": "final_reward"}
+
+
+def run_summary(tasks) -> Optional[dict]:
+    """A finished chain in a few words, from its stages' result.json (the README's measured
+    columns): hardware, wall time of its stages, peak memory, each stage's headline result.
+    None unless every stage finished."""
+    from pipeline.graph import is_finished
+
+    if not all(is_finished(t) for t in tasks):
+        return None
+    results = [(t, read_json(t.folder.result)) for t in tasks]
+    devices = results[0][1].get("devices") or {}
+    world = results[0][1].get("world_size")
+    if devices.get("type") == "cuda":
+        hardware = f"{world} x {devices.get('name')}"
+    else:
+        hardware = f"CPU ({devices.get('name') or 'unknown'}), {world} processes"
+    peaks = [(r.get("measured") or {}) for _, r in results]
+    gpu = [p["gpu_mem_peak_gib"] for p in peaks if p.get("gpu_mem_peak_gib") is not None]
+    host = [p["host_mem_gib"] for p in peaks if p.get("host_mem_gib") is not None]
+    memory = [f"{max(gpu):.1f} GiB GPU per process"] if gpu else []
+    memory += [f"{max(host):.1f} GiB host per node"] if host else []
+    headline = []
+    for task, result in results:
+        key = HEADLINE_RESULT.get(task.stage.kind)
+        if key in result:
+            headline.append(f"{task.name} {key}={records.number_text(result[key])}")
+    finished = max(t.folder.result.stat().st_mtime for t in tasks)
+    return {
+        "hardware": hardware,
+        "seconds": round(sum(r.get("seconds", 0.0) for _, r in results), 1),
+        "peak_memory": ", ".join(memory) or None,
+        "result": ", ".join(headline),
+        "date": time.strftime("%Y-%m-%d", time.localtime(finished)),
+    }

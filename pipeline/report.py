@@ -14,7 +14,9 @@ import base64
 import html
 import io
 import os
+import re
 import time
+from pathlib import Path
 from typing import Optional
 
 from pipeline import graph, measured, runfolder, state, timeline
@@ -31,8 +33,9 @@ COMPARED_LABELS = {
 }
 
 
-def write_report(spec) -> "os.PathLike":
-    """Write the report of a pipeline's run folder; returns its path."""
+def write_report(spec, plots_dir: Optional[Path] = None) -> Path:
+    """Write the report of a pipeline's run folder; returns its path. With `plots_dir`, each
+    plot is also saved there as <pipeline>-<plot>.png (e.g. for a README)."""
     pipeline_dir = spec.run_dir.resolve()
     tasks = graph.build_tasks(spec)
     page = render(spec.name, tasks, state.load(pipeline_dir))
@@ -41,7 +44,20 @@ def write_report(spec) -> "os.PathLike":
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(page)
     os.replace(tmp, path)
+    if plots_dir is not None:
+        save_plots(page, spec.name, Path(plots_dir))
     return path
+
+
+def save_plots(page: str, name: str, folder: Path) -> list[Path]:
+    """The page's embedded PNGs as files, named after their alt text."""
+    folder.mkdir(parents=True, exist_ok=True)
+    saved = []
+    for alt, data in re.findall(r"<img alt='([^']*)' src='data:image/png;base64,([^']+)'>", page):
+        path = folder / f"{name}-{re.sub(r'[^A-Za-z0-9]+', '-', html.unescape(alt)).strip('-')}.png"
+        path.write_bytes(base64.b64decode(data))
+        saved.append(path)
+    return saved
 
 
 def render(name: str, tasks: list, run_state: Optional[state.RunState]) -> str:
@@ -55,7 +71,7 @@ def render(name: str, tasks: list, run_state: Optional[state.RunState]) -> str:
              f"{'' if all(s.finished for s in stages) else ' &middot; <b>partial</b>: stages still to finish'}</p>",
              "<h2>Timeline</h2>", _timeline_figure(stages),
              "<h2>Final metrics</h2>", _final_table(stages),
-             "<h2>Plan versus measured</h2>", _plan_table(stages)]
+             "<h2>Plan versus measured</h2>", _plan_table(stages), _plan_figure(stages)]
     for stage in stages:
         parts.append(f"<h2 id='{_e(stage.name)}'>Stage {_e(stage.name)} ({_e(stage.kind)})</h2>")
         if not stage.records:
@@ -98,18 +114,19 @@ class _StageData:
         out = []
         train = _series(self.training, "train/")
         if train:
-            out.append(("Training curves (by optimizer step)", _grid(train, "step")))
+            out.append(("Training curves (by optimizer step)", _grid(train, "step", f"{self.name} training")))
         evals = _series(self.evals, "eval/")
         if evals:
-            out.append(("Evaluation (by optimizer step)", _grid(evals, "step", marker="o")))
+            out.append(("Evaluation (by optimizer step)", _grid(evals, "step", f"{self.name} eval", marker="o")))
         start = min((r["time"] for r in self.records if "time" in r), default=None)
         perf = _series(self.training, "perf/", "time/", clock=start)
         if perf:
             out.append(("Throughput and where the time goes (by minutes since the first record)",
-                        _grid(perf, "minutes")))
+                        _grid(perf, "minutes", f"{self.name} throughput")))
         memory = _series(self.training, "memory/", clock=start)
         if memory:
-            out.append(("Memory (by minutes since the first record)", _grid(memory, "minutes", together=True)))
+            out.append(("Memory (by minutes since the first record)",
+                        _grid(memory, "minutes", f"{self.name} memory", together=True)))
         return out
 
 
@@ -127,7 +144,7 @@ def _series(rows: list[dict], *prefixes: str, clock: Optional[float] = None) -> 
     return out
 
 
-def _grid(series: dict, xlabel: str, marker: Optional[str] = None, together: bool = False) -> str:
+def _grid(series: dict, xlabel: str, alt: str, marker: Optional[str] = None, together: bool = False) -> str:
     """Small multiples, four to a row (or all lines in one plot)."""
     import matplotlib.pyplot as plt
 
@@ -136,6 +153,9 @@ def _grid(series: dict, xlabel: str, marker: Optional[str] = None, together: boo
     columns = min(4, len(panels))
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 2.5 * rows), squeeze=False)
+    # Fixed margins: tight_layout would measure every tick label again (most of the report's time).
+    fig.subplots_adjust(left=0.6 / (3.4 * columns), right=1 - 0.15 / (3.4 * columns), bottom=0.5 / (2.5 * rows),
+                        top=1 - 0.3 / (2.5 * rows), wspace=0.35, hspace=0.55)
     for ax, panel in zip(axes.flat, panels):
         for name in panel:
             xs, ys = series[name]
@@ -148,7 +168,7 @@ def _grid(series: dict, xlabel: str, marker: Optional[str] = None, together: boo
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    return _embed(fig)
+    return _embed(fig, alt)
 
 
 def _timeline_figure(stages: list[_StageData]) -> str:
@@ -159,7 +179,9 @@ def _timeline_figure(stages: list[_StageData]) -> str:
     if not rows:
         return "<p>No stage has started yet.</p>"
     origin = min(seg.start for s in rows for seg in s.timeline.segments)
-    fig, ax = plt.subplots(figsize=(11, 0.55 * len(rows) + 1.2))
+    height = 0.55 * len(rows) + 1.2
+    fig, ax = plt.subplots(figsize=(11, height))
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.55 / height, top=1 - 0.35 / height)
     for y, stage in enumerate(reversed(rows)):
         for seg in stage.timeline.segments:
             ax.barh(y, max(seg.end - seg.start, 0.5) / 60, left=(seg.start - origin) / 60, height=0.5,
@@ -171,8 +193,8 @@ def _timeline_figure(stages: list[_StageData]) -> str:
     ax.grid(axis="x", alpha=0.3)
     handles = [Patch(color=c, label=s) for s, c in COLORS.items()]
     handles.append(plt.Line2D([], [], marker="D", color="#55a868", linestyle="", label=timeline.DONE))
-    ax.legend(handles=handles, loc="lower right", fontsize=8, ncol=4)
-    return _embed(fig)
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.01), fontsize=8, ncol=4, frameon=False)
+    return _embed(fig, "timeline")
 
 
 def _final_table(stages: list[_StageData]) -> str:
@@ -213,19 +235,45 @@ def _plan_table(stages: list[_StageData]) -> str:
     return f"<table>{head}{''.join(body)}</table>{note}"
 
 
+def _plan_figure(stages: list[_StageData]) -> str:
+    """One bar pair (planned, measured) per stage for each quantity that has both somewhere."""
+    import matplotlib.pyplot as plt
+
+    pairs = {s.name: s.comparison() for s in stages if s.training or s.plan is not None}
+    keys = [k for k in measured.COMPARED
+            if any((c.get("planned") or {}).get(k) is not None and c["measured"].get(k) is not None
+                   for c in pairs.values())]
+    if not keys:
+        return ""
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.4 * len(keys), 2.8), squeeze=False)
+    fig.subplots_adjust(left=0.6 / (3.4 * len(keys)), right=0.98, bottom=0.15, top=0.88, wspace=0.35)
+    names = list(pairs)
+    for ax, key in zip(axes.flat, keys):
+        planned = [(pairs[n].get("planned") or {}).get(key) or 0.0 for n in names]
+        got = [pairs[n]["measured"].get(key) or 0.0 for n in names]
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], planned, width=0.4, label="planned", color="#8c8c8c")
+        ax.bar([x + 0.2 for x in xs], got, width=0.4, label="measured", color="#4c72b0")
+        ax.set_xticks(list(xs), names, fontsize=8)
+        ax.set_title(COMPARED_LABELS[key].format(unit="step"), fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    return _embed(fig, "plan vs measured")
+
+
 def _num(value) -> str:
     return "&mdash;" if value is None else records.number_text(float(value))
 
 
-def _embed(fig) -> str:
+def _embed(fig, alt: str) -> str:
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90)
     plt.close(fig)
     data = base64.b64encode(buffer.getvalue()).decode("ascii")
-    return f"<img alt='plot' src='data:image/png;base64,{data}'>"
+    return f"<img alt='{_e(alt)}' src='data:image/png;base64,{data}'>"
 
 
 def _e(text) -> str:

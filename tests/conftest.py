@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,47 @@ def read_result(run_dir: Path) -> dict:
 def workdir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+# Stand-ins for credentials, set in the environment of the shared tiny-chain run: no file the
+# run writes may contain them (tests/test_observe_run.py greps for them).
+SECRET_MARKERS = {"HF_TOKEN": "hf_marker_c0ffee_never_written", "WANDB_API_KEY": "wandb_marker_c0ffee_never_written"}
+
+
+@dataclass
+class TinyChain:
+    workdir: Path
+    runs: Path  # runs/tiny
+    stdout: str
+    status_while_paused: str  # `python -m pipeline status tiny` while the sft stage was stopped after its first record
+
+
+@pytest.fixture(scope="session")
+def tiny_chain(tmp_path_factory) -> TinyChain:
+    """`python -m pipeline run tiny` once per test session (the shipped chain, ~2 min on 2 cores),
+    with secrets in its environment; its sft stage is paused (SIGSTOP) after its first training
+    record while `status` looks at it, then let go."""
+    import psutil
+
+    workdir = tmp_path_factory.mktemp("tiny-chain")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **SECRET_MARKERS}
+    process = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "tiny"], cwd=workdir, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = workdir / "runs" / "tiny" / "sft" / "metrics.jsonl"
+    status = ""
+    deadline = time.time() + 300
+    while process.poll() is None and time.time() < deadline:
+        if metrics.exists() and any('"loss"' in line for line in metrics.read_text().splitlines()):
+            jobs = psutil.Process(process.pid).children(recursive=True)
+            for job in jobs:
+                job.suspend()
+            try:
+                status = run_cli("status", "tiny", cwd=workdir, timeout=120).stdout
+            finally:
+                for job in jobs:
+                    job.resume()
+            break
+        time.sleep(0.2)
+    stdout, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, stdout[-5000:]
+    return TinyChain(workdir, workdir / "runs" / "tiny", stdout, status)

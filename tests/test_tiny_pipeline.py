@@ -8,17 +8,14 @@ import math
 import pytest
 import torch
 
-from tests.conftest import read_metrics, read_result, run_cli
+from tests.conftest import read_metrics, read_result
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tiny_runs(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("tiny")
-    result = run_cli("run", "tiny", cwd=workdir)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return workdir / "runs" / "tiny"
+def tiny_runs(tiny_chain):
+    return tiny_chain.runs  # one run of the chain per session (tests/conftest.py)
 
 
 def test_the_sft_stage_trains_packed_with_almost_no_padding(tiny_runs):

@@ -1,0 +1,137 @@
+"""Seeing a run, the pure parts: ETA, the progress line, TensorBoard tags, the timeline, plan
+versus measured, the README's measured columns, and where secrets and trackers are refused."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from pipeline import docs, measured, timeline
+from pipeline import metrics as records
+from pipeline.config import PipelineSpec
+from pipeline.errors import InvalidInput
+from tests.conftest import run_cli, tiny_pipeline, write_pipeline
+
+
+def test_eta_is_the_pace_so_far_times_the_steps_left():
+    assert records.eta_seconds(10, 50.0, 30) == pytest.approx(150.0)  # 5 s a step, 30 steps to go
+    assert records.eta_seconds(0, 3.0, 30) is None  # no pace yet
+    assert records.eta_seconds(200, 999.0, 0) == 0.0
+
+
+@pytest.mark.parametrize("seconds, text", [(42.4, "0:42"), (725, "12:05"), (11235, "3:07:15"),
+                                           (2 * 86400 + 11235, "2d 3:07:15"), (None, "?")])
+def test_durations_read_like_a_clock(seconds, text):
+    assert records.duration_text(seconds) == text
+
+
+def test_the_progress_line_gives_step_of_total_percent_eta_loss_and_tokens_per_second():
+    record = {"step": 40, "loss": 0.53124, "tokens_per_s": 12345.6, "mfu": None, "lr": 0.003, "eta_s": 80.0,
+              "total_steps": 200, "time": 1.0}
+    line = records.progress_line("sft", record)
+    assert line == "[sft] step 40/200  20%  ETA 1:20  loss 0.5312  tokens/s 12,346 | lr=0.003"
+    assert "\r" not in line
+
+
+def test_status_says_how_old_the_progress_it_shows_is():
+    progress = records.Progress(step=40, total_steps=200, eta_s=80.0, time=1000.0)
+    assert progress.text(now=1005.0) == "step 40/200 (20%), ETA 1:20 as of 0:05 ago"
+
+
+@pytest.mark.parametrize("key, tag", [
+    ("loss", "train/loss"), ("reward", "train/reward"), ("eval_loss", "eval/loss"), ("mfu", "perf/mfu"),
+    ("tokens_per_s", "perf/tokens_per_s"), ("host_rss_gib", "memory/host_rss_gib"), ("generate_s", "time/generate_s"),
+    ("score_s", "time/score_s"), ("lr", "optim/lr"), ("eta_s", "progress/eta_s"), ("step", None), ("time", None),
+])
+def test_tensorboard_groups_each_key(key, tag):
+    assert records.tag(key) == tag
+
+
+def test_only_finite_numbers_are_plotted():
+    record = {"step": 5, "loss": 1.5, "mfu": None, "grad_norm": float("nan"), "epoch": 0, "time": 3.0}
+    assert records.scalars(record) == {"train/loss": 1.5, "progress/epoch": 0.0}
+
+
+def test_an_eval_record_is_told_from_a_training_record():
+    assert records.is_eval({"step": 0, "eval_loss": 3.2, "time": 1.0})
+    assert not records.is_eval({"step": 5, "loss": 3.2, "eval_loss": 3.0})
+
+
+def test_a_requeued_stage_shows_queued_running_requeued_running():
+    found = timeline.segments(submitted=0.0, attempts=[100.0, 10.0], activity=[20.0, 50.0, 120.0], done=130.0)
+    assert [(s.state, s.start, s.end) for s in found] == [
+        ("queued", 0.0, 10.0), ("running", 10.0, 50.0), ("requeued", 50.0, 100.0), ("running", 100.0, 130.0)]
+
+
+def test_a_running_stage_runs_until_its_newest_record():
+    found = timeline.segments(submitted=None, attempts=[10.0], activity=[5.0, 20.0, 35.0], done=None)
+    assert [(s.state, s.start, s.end) for s in found] == [("running", 10.0, 35.0)]
+
+
+def test_measured_rates_leave_out_the_first_record_and_memory_takes_the_peak():
+    training = [
+        {"step": 5, "step_s": 3.0, "tokens_per_s": 100.0, "host_rss_gib": 1.0, "gpu_mem_peak_gib": None, "mfu": None},
+        {"step": 10, "step_s": 1.0, "tokens_per_s": 300.0, "host_rss_gib": 2.5, "gpu_mem_peak_gib": None, "mfu": None},
+        {"step": 15, "step_s": 0.5, "tokens_per_s": 500.0, "host_rss_gib": 2.0, "gpu_mem_peak_gib": None, "mfu": None},
+    ]
+    got = measured.measured_numbers(training, "sft")
+    assert got["step_s"] == pytest.approx(0.75)
+    assert got["tokens_per_s"] == pytest.approx(400.0)
+    assert got["host_mem_gib"] == 2.5
+    assert got["gpu_mem_peak_gib"] is None and got["mfu"] is None
+    rollouts = [{"step": 2, "step_s": 9.0, "rollout_s": 18.0}, {"step": 4, "step_s": 5.0, "rollout_s": 10.0}]
+    assert measured.measured_numbers(rollouts, "ppo")["step_s"] == 10.0  # PPO's unit: the rollout
+
+
+def test_the_plan_is_read_in_the_units_of_the_metrics():
+    entry = {"kind": "sft", "gpu": {"peak_bytes": 3 * 2**30}, "host": {"peak_bytes": 2**29},
+             "time": {"unit": "optimizer step", "step_s": 2.0, "tokens_per_s": 5.0, "mfu": 0.3, "token_efficiency": 0.9},
+             "batches": {"real_tokens_per_step": 90, "processed_tokens_per_step": 100}}
+    assert measured.planned_numbers(entry) == {"unit": "optimizer step", "gpu_mem_peak_gib": 3.0, "host_mem_gib": 0.5,
+                                               "step_s": 2.0, "tokens_per_s": 5.0, "mfu": 0.3, "token_efficiency": 0.9}
+    cpu = {**entry, "gpu": {"peak_bytes": None}, "time": None}
+    planned = measured.planned_numbers(cpu)
+    assert planned["gpu_mem_peak_gib"] is None and planned["step_s"] is None
+    assert planned["token_efficiency"] == pytest.approx(0.9)  # from the simulated batches, no GPU needed
+
+
+def test_the_shipped_table_gains_measured_columns_only_where_a_run_exists():
+    table = ("| file | hardware | stages | the plan says |\n|---|---|---|---|\n"
+             "| `a.yaml` | CPU | SFT | 2 min |\n| `b.yaml` | 8 A100 | DPO | fits |\n")
+    runs = {"a.yaml": {"hardware": "CPU (x), 2 processes", "date": "2026-11-22", "seconds": 65.0,
+                       "peak_memory": "0.9 GiB host per node", "result": "sft final_eval_loss=0.23"}}
+    rows = docs.pipelines_table(table, runs).splitlines()
+    assert rows[0] == "| file | hardware | stages | the plan says | measured on | time | peak memory | result |"
+    assert rows[2] == ("| `a.yaml` | CPU | SFT | 2 min | CPU (x), 2 processes, 2026-11-22 | 65 s | "
+                       "0.9 GiB host per node | sft final_eval_loss=0.23 |")
+    assert rows[3] == "| `b.yaml` | 8 A100 | DPO | fits | not run |  |  |  |"
+
+
+def test_the_readme_measured_columns_come_from_docs_measured_json():
+    text = docs.README.read_text()
+    table = text.split(docs.PIPELINES_START, 1)[1].split(docs.PIPELINES_END, 1)[0]
+    assert table.strip() == docs.pipelines_table(table, docs.load_measured()).strip(), "run `make docs`"
+
+
+def test_a_secret_in_cluster_env_is_refused_before_it_reaches_a_batch_script():
+    spec = tiny_pipeline(cluster={"env": {"HF_TOKEN": "hf_abc", "OMP_NUM_THREADS": "4"}})
+    with pytest.raises(Exception) as caught:
+        PipelineSpec.model_validate(spec)
+    assert "HF_TOKEN" in str(caught.value) and "export HF_TOKEN in your shell" in str(caught.value)
+
+
+def test_wandb_is_off_by_default_and_offline_when_asked_for():
+    assert PipelineSpec.model_validate(tiny_pipeline()).tracking.wandb is None
+    spec = PipelineSpec.model_validate(tiny_pipeline(tracking={"wandb": {"project": "p"}}))
+    assert spec.tracking.wandb.mode == "offline"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_validate_refuses_wandb_tracking_without_the_package(workdir):
+    path = write_pipeline(workdir, tiny_pipeline(tracking={"wandb": {"project": "my-lab", "mode": "online"}}))
+    result = run_cli("validate", path, cwd=workdir)
+    assert result.returncode == InvalidInput.exit_code, result.stderr
+    assert "tracking.wandb" in result.stderr and "pip install wandb" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (workdir / "runs").exists()

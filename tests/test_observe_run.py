@@ -1,0 +1,129 @@
+"""Seeing a run, end to end, on the one shared run of the shipped tiny chain (tests/conftest.py):
+the measured keys in every training record, TensorBoard files that TensorBoard itself reads,
+status of a paused stage, plan versus measured in result.json, the HTML report, and no secret
+in any file the run wrote."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import pytest
+
+from pipeline import measured
+from pipeline import metrics as records
+from tests.conftest import SECRET_MARKERS, read_metrics, read_result, run_cli
+
+pytestmark = pytest.mark.slow
+
+STAGES = ("sft", "rm", "dpo", "rl")
+
+
+def test_every_training_record_of_every_stage_has_the_measured_keys(tiny_chain):
+    for stage in STAGES:
+        training = records.training(read_metrics(tiny_chain.runs / stage))
+        assert training, stage
+        for record in training:
+            for key in records.MEASURED_KEYS:
+                assert key in record, (stage, key)
+                # This machine has no GPU: exactly the GPU-only keys are null.
+                assert (record[key] is None) == (key in records.GPU_ONLY_KEYS), (stage, key, record[key])
+            assert record["host_rss_gib"] > 0.1  # two processes with torch loaded
+        assert training[0]["eta_s"] > 0 and training[-1]["eta_s"] == 0.0
+        assert training[-1]["step"] == training[-1]["total_steps"]
+
+
+def test_a_ppo_rollout_splits_its_time_into_generation_scoring_and_training(tiny_chain):
+    for record in records.training(read_metrics(tiny_chain.runs / "rl")):
+        parts = record["generate_s"] + record["score_s"] + record["train_s"]
+        assert min(record["generate_s"], record["score_s"], record["train_s"]) > 0
+        assert parts <= record["rollout_s"] <= parts + 1.0  # the rest: advantages, the record's own sums
+
+
+def test_tensorboard_reads_every_stage_s_events_with_the_values_of_metrics_jsonl(tiny_chain):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for stage in STAGES:
+        accumulator = EventAccumulator(str(tiny_chain.runs / stage / "tensorboard"))
+        accumulator.Reload()
+        tags = set(accumulator.Tags()["scalars"])
+        lines = read_metrics(tiny_chain.runs / stage)
+        expected = {name for record in lines for name in records.scalars(record)}
+        assert tags == expected, stage
+        headline = "train/reward" if stage == "rl" else "train/loss"
+        key = headline.split("/")[1]
+        logged = [(r["step"], r[key]) for r in records.training(lines)]
+        events = [(e.step, e.value) for e in accumulator.Scalars(headline)]
+        assert [s for s, _ in events] == [s for s, _ in logged], stage
+        assert [v for _, v in events] == pytest.approx([v for _, v in logged], rel=1e-6), stage
+        assert "eval/" + ("reward" if stage == "rl" else "loss") in tags
+
+
+def test_status_shows_step_of_total_and_eta_of_a_paused_stage(tiny_chain):
+    sft = next(line for line in tiny_chain.status_while_paused.splitlines() if line.strip().startswith("sft"))
+    step, total = map(int, re.search(r"step (\d+)/(\d+) \(\d+%\)", sft).groups())
+    assert 0 < step < total == 200, sft
+    assert re.search(r"ETA \d+:\d\d as of \d+:\d\d ago", sft), sft
+
+
+def test_the_progress_lines_of_the_log_have_no_carriage_returns(tiny_chain):
+    lines = [line for line in tiny_chain.stdout.splitlines() if "[sft] step " in line]
+    assert len(lines) == 200 // 20  # one per log interval
+    assert "ETA" in lines[0] and "loss" in lines[0] and "tokens/s" in lines[0]
+    assert "\r" not in tiny_chain.stdout
+
+
+def test_result_json_puts_the_measured_numbers_beside_the_saved_plan(tiny_chain):
+    for stage in STAGES:
+        folder = tiny_chain.runs / stage
+        result, plan = read_result(folder), json.loads((folder / "plan.json").read_text())
+        training = records.training(read_metrics(folder))
+        assert result["measured"]["host_mem_gib"] == max(r["host_rss_gib"] for r in training)
+        assert result["measured"]["gpu_mem_peak_gib"] is None
+        assert result["planned"]["host_mem_gib"] == plan["host"]["peak_bytes"] / 2**30
+    # The saved plan is the planner's own JSON for that stage.
+    printed = json.loads(run_cli("plan", "tiny", "--json", cwd=tiny_chain.workdir).stdout)
+    saved = json.loads((tiny_chain.runs / "dpo" / "plan.json").read_text())
+    saved.pop("saved_at")
+    assert saved == next(s for s in printed["stages"] if s["stage"] == "dpo")
+
+
+def test_the_report_is_one_self_contained_page_with_every_plot(tiny_chain):
+    result = run_cli("report", "tiny", cwd=tiny_chain.workdir)
+    assert result.returncode == 0, result.stderr
+    page = (tiny_chain.runs / "report.html").read_text()
+    images = re.findall(r"<img alt='([^']*)' src='data:image/png;base64,([^']+)'>", page)
+    alts = [alt for alt, _ in images]
+    assert alts[:2] == ["timeline", "plan vs measured"]
+    for stage in STAGES:
+        assert [a for a in alts if a.startswith(stage + " ")] == [
+            f"{stage} training", f"{stage} eval", f"{stage} throughput", f"{stage} memory"]
+    for _, data in images:
+        assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "http" not in page.replace("http-equiv", "")  # nothing fetched from anywhere
+    assert "partial" not in page
+
+
+def test_no_secret_from_the_environment_is_written_anywhere_under_runs(tiny_chain):
+    # runs/tiny/<stage>/logs is the submitit folder of each stage's job.
+    files = [p for p in tiny_chain.runs.rglob("*") if p.is_file()]
+    assert any(p.match("*/logs/*_submitted.pkl") for p in files)
+    for path in files:
+        content = path.read_bytes()
+        for name, marker in SECRET_MARKERS.items():
+            assert marker.encode() not in content, f"{name} written to {path}"
+    assert all(m not in tiny_chain.stdout for m in SECRET_MARKERS.values())
+
+
+def test_the_readme_row_of_a_finished_run_comes_from_its_result_files(tiny_chain, monkeypatch):
+    from pipeline.config import load_pipeline
+    from pipeline.graph import build_tasks
+
+    monkeypatch.chdir(tiny_chain.workdir)  # runs_dir is relative to the folder the command runs in
+    summary = measured.run_summary(build_tasks(load_pipeline("tiny")))
+    seconds = sum(read_result(tiny_chain.runs / s)["seconds"] for s in STAGES)
+    assert summary["seconds"] == pytest.approx(seconds, abs=0.1)
+    assert summary["hardware"].startswith("CPU") and summary["hardware"].endswith("2 processes")
+    final_reward = read_result(tiny_chain.runs / "rl")["final_reward"]
+    assert f"rl final_reward={records.number_text(final_reward)}" in summary["result"]
