@@ -135,3 +135,68 @@ def test_validate_refuses_wandb_tracking_without_the_package(workdir):
     assert "tracking.wandb" in result.stderr and "pip install wandb" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (workdir / "runs").exists()
+
+
+GPU_WINDOW = r"""
+import json, os, sys, types
+from pathlib import Path
+import torch, torch.distributed as dist
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", RANK="0", WORLD_SIZE="1")
+dist.init_process_group("nccl", rank=0, world_size=1)
+from pipeline import metrics as records
+from pipeline.runfolder import StageFolder
+from stages import engine, tracking
+
+device = torch.device("cuda", 0)
+torch.cuda.set_device(device)
+task = types.SimpleNamespace(stage=types.SimpleNamespace(precision="bf16", kind="sft"), processes_per_node=1,
+                             name="gpu", pipeline="p", wandb=None, spec_hash="x")
+folder = StageFolder(Path(sys.argv[1]))
+folder.path.mkdir(parents=True, exist_ok=True)
+ctx = types.SimpleNamespace(device=device, on_gpu=True, world_size=1, task=task, folder=folder, is_main=True)
+window, metrics = engine.Window(ctx), tracking.Metrics(ctx, total_steps=3)
+metrics.truncate_after(-1)
+batch = types.SimpleNamespace(real_tokens=1000, processed_tokens=1250)
+n, reps = 8192, 50
+for step in range(1, 4):
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(reps):
+        c = a @ b
+    torch.cuda.synchronize()
+    window.add(batch, {"loss": torch.tensor(1.0, device=device)}, flops=reps * 2.0 * n**3)
+    del a, b, c
+    metrics.write({"step": step, **window.close(1)})
+metrics.close()
+print(json.dumps({"records": records.training(records.read(folder.metrics)),
+                  "peak_flops": engine._device_peak_flops(ctx)}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_records_measure_memory_and_mfu_of_a_known_workload(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-c", GPU_WINDOW, str(tmp_path / "gpu")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for record in out["records"]:
+        # a, b and c (8192^2 bf16, 128 MiB each) live at once; nothing else is allocated.
+        assert 0.375 <= record["gpu_mem_peak_gib"] < 0.75
+        assert record["gpu_mem_reserved_gib"] >= record["gpu_mem_peak_gib"]
+        assert record["token_efficiency"] == pytest.approx(0.8)
+        if out["peak_flops"]:  # a GPU of pipeline/hardware.py's catalogue: a large bf16 matmul
+            assert 0.2 < record["mfu"] < 1.0
+    assert records.training(out["records"])[-1]["eta_s"] == 0.0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "gpu" / "tensorboard"))
+    events.Reload()
+    assert {"memory/gpu_mem_peak_gib", "perf/mfu"} <= set(events.Tags()["scalars"])

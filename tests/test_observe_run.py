@@ -6,6 +6,7 @@ in any file the run wrote."""
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import re
 
@@ -13,7 +14,7 @@ import pytest
 
 from pipeline import measured
 from pipeline import metrics as records
-from tests.conftest import SECRET_MARKERS, read_metrics, read_result, run_cli
+from tests.conftest import SECRET_MARKERS, read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -127,3 +128,23 @@ def test_the_readme_row_of_a_finished_run_comes_from_its_result_files(tiny_chain
     assert summary["hardware"].startswith("CPU") and summary["hardware"].endswith("2 processes")
     final_reward = read_result(tiny_chain.runs / "rl")["final_reward"]
     assert f"rl final_reward={records.number_text(final_reward)}" in summary["result"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed (optional)")
+def test_wandb_offline_writes_its_run_in_the_stage_folder_and_no_secret(workdir):
+    import os
+    import subprocess
+    import sys
+
+    spec = tiny_pipeline(tracking={"wandb": {"project": "tests"}})
+    spec["stages"][0]["max_steps"] = 10
+    path = write_pipeline(workdir, spec)
+    env = {**os.environ, **SECRET_MARKERS}
+    done = subprocess.run([sys.executable, "-m", "pipeline", "run", str(path)], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = list((workdir / "runs" / "t" / "sft" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
+    for file in (p for p in workdir.rglob("*") if p.is_file()):
+        content = file.read_bytes()
+        assert not any(m.encode() in content for m in SECRET_MARKERS.values()), file
