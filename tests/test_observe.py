@@ -175,13 +175,17 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_records_measure_memory_and_mfu_of_a_known_workload(tmp_path):
     import json
     import subprocess
     import sys
 
+    import torch
+
     from tests.conftest import REPO
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
 
     done = subprocess.run([sys.executable, "-c", GPU_WINDOW, str(tmp_path / "gpu")], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
@@ -200,3 +204,33 @@ def test_on_a_gpu_the_records_measure_memory_and_mfu_of_a_known_workload(tmp_pat
     events = EventAccumulator(str(tmp_path / "gpu" / "tensorboard"))
     events.Reload()
     assert {"memory/gpu_mem_peak_gib", "perf/mfu"} <= set(events.Tags()["scalars"])
+
+
+def test_the_report_of_a_chain_still_running_shows_what_its_folders_hold_so_far(workdir):
+    import json
+    import re
+
+    from pipeline import report
+    from pipeline.config import load_pipeline
+    from pipeline.graph import build_tasks
+
+    spec = tiny_pipeline(stages=[
+        {"name": "sft", "kind": "sft", "model": "builtin:tiny-llama", "data": {"path": "builtin:digits"}, "max_steps": 40},
+        {"name": "dpo", "kind": "dpo", "from": "sft", "data": {"path": "builtin:digits"}, "max_steps": 10},
+    ])
+    tasks = build_tasks(load_pipeline(str(write_pipeline(workdir, spec))))
+    sft = tasks[0].folder
+    sft.path.mkdir(parents=True)
+    sft.spec.write_text("{}")
+    sft.events.write_text(json.dumps({"event": "started", "time": 1000.0}) + "\n")
+    lines = [{"step": 0, "eval_loss": 3.0, "time": 1001.0}]
+    lines += [{"step": s, "loss": 3.0 - s / 10, "tokens_per_s": 500.0, "step_s": 0.1, "host_rss_gib": 0.8,
+               "gpu_mem_peak_gib": None, "eta_s": 4.0 - s / 10, "total_steps": 40, "time": 1001.0 + s / 10}
+              for s in (5, 10, 15)]
+    sft.metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    page = report.render("t", tasks, None)
+    assert "<b>partial</b>" in page
+    assert re.findall(r"<img alt='([^']*)'", page) == ["timeline", "sft training", "sft eval", "sft throughput",
+                                                        "sft memory"]
+    assert "step 15/40 (38%)" in page  # sft's state in the final metrics table
+    assert page.count("No metrics yet") == 1  # dpo
