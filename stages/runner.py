@@ -199,7 +199,7 @@ def _end_with_the_run(folder: StageFolder, rank: int) -> None:
                 with contextlib.suppress(OSError):
                     failure.write(folder, failure.Failure(
                         rank=rank, host=socket.gethostname(), kind=failure.STOPPED, message=message,
-                        log=str(_submitit_path("stderr")), job_id=failure.task_job_id(), time=time.time()))
+                        log=str(_submitit_path("stderr") or "") or None, job_id=failure.task_job_id(), time=time.time()))
                 sys.stdout.flush()
                 os._exit(1)
             except (PermissionError, ValueError):
