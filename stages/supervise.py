@@ -42,7 +42,9 @@ def main(argv: list[str]) -> int:
     for sig in FORWARDED:
         signal.signal(sig, lambda number, _frame: child.send_signal(number))
     code = child.wait()
-    if code not in (0, REQUEUE_EXIT_CODE) and failure.read_record(folder.failure_record(rank)) is None:
+    recorded = failure.read_record(folder.failure_record(rank))
+    # (A record of another job is stale: e.g. written by a stage process of a killed earlier run.)
+    if code not in (0, REQUEUE_EXIT_CODE) and (recorded is None or recorded.job_id != failure.task_job_id()):
         after = oom_kill_count()
         oom_killed = code == -signal.SIGKILL and None not in (oom_kills, after) and after > oom_kills
         failure.write(folder, failure.died(rank, code, oom_killed, log=_log_path(folder, rank)))
