@@ -8,6 +8,7 @@ training process killed by SIGKILL in a two-process stage.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -169,18 +170,21 @@ def _memory_cgroup(tmp_name: str):
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
-            root, limit = Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max"
+            root, limit, no_swap = Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max", ("memory.swap.max", "0")
         elif "memory" in controllers.split(","):
             root, limit = Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes"
+            no_swap = ("memory.swappiness", "0")
         else:
             continue
         try:
             group = root / tmp_name
             group.mkdir()
             (group / limit).write_text(str(64 << 20))
-            return group
         except OSError:
             return None
+        with contextlib.suppress(OSError):  # with swap, the hog would page out instead of being killed
+            (group / no_swap[0]).write_text(no_swap[1])
+        return group
     return None
 
 
@@ -198,7 +202,7 @@ def test_a_task_the_out_of_memory_killer_ends_is_recorded_as_host_out_of_memory(
             env=env, capture_output=True, text=True, timeout=60)
     finally:
         time.sleep(0.2)
-        with __import__("contextlib").suppress(OSError):
+        with contextlib.suppress(OSError):
             group.rmdir()
     assert done.returncode == 128 + signal.SIGKILL, done.stderr
     (record,) = failure.read(folder)
@@ -208,11 +212,11 @@ def test_a_task_the_out_of_memory_killer_ends_is_recorded_as_host_out_of_memory(
 
 
 DISK_SCRIPT = r"""
-import json, os, subprocess, sys, torch
+import json, os, subprocess, sys
 from pathlib import Path
 from pipeline import failure
 from pipeline.runfolder import StageFolder
-from stages import distributed, engine, tiny
+from stages import distributed, engine, models, tiny
 from tests.test_engine import stage
 from tests.test_failures import fill
 
@@ -224,7 +228,7 @@ import deepspeed
 from transformers import AutoModelForCausalLM
 deepspeed.init_distributed(dist_backend="gloo")
 model_dir = tiny.materialize("tiny-llama", work / "builtin")
-tokenizer = __import__("stages.models", fromlist=["x"]).load_tokenizer(str(model_dir))
+tokenizer = models.load_tokenizer(str(model_dir))
 spec = stage(zero_stage=2, precision="fp32")
 model = AutoModelForCausalLM.from_pretrained(model_dir)
 ds = engine.initialize(model, spec, engine.deepspeed_config(spec, 1, 64, on_gpu=False), total_steps=10)
