@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from pipeline.errors import InvalidInput
-from pipeline.runfolder import StageFolder, remove
+from pipeline.runfolder import StageFolder, remove, temporary
 
 INVALID_INPUT = "invalid input"
 DISK_FULL = "disk full"
@@ -186,20 +186,20 @@ def _short(filename: str) -> str:
 
 
 @contextlib.contextmanager
-def saving(path: Path, what: str, partial: Optional[Path] = None) -> Iterator[None]:
-    """Write `what` at `path`; if it fails, raise WriteFailed with the errno that explains
-    it and remove `partial` (what the write left half done; default `path`).
+def saving(path: Path, what: str) -> Iterator[None]:
+    """Write `what` at `path` (a file or a folder); if that fails, remove what it half wrote
+    and, when the cause is the disk (full, read-only, not ours), raise WriteFailed saying so.
 
     Writers such as torch.save report a full disk as "[enforce fail at
-    inline_container.cc:...]" with no errno; a probe write beside `path` then
-    asks the file system why, before the partial files are removed (which frees space).
+    inline_container.cc:...]" with no errno; a probe write beside `path` then asks the file
+    system why, before the partial files are removed (which frees space).
     """
     try:
         yield
     except Exception as err:
-        code = next((c for c in map(error_number, causes(err)) if c), None) or _probe(path)
+        code = next((c for c in map(error_number, causes(err)) if c in WRITE_ERRORS), None) or _probe(path)
         free = free_space(path)  # before the partial files go
-        remove(partial or path)
+        remove(path)
         if code not in WRITE_ERRORS:
             raise
         raise WriteFailed(code, str(path), what, free) from err
@@ -211,7 +211,7 @@ def _probe(path: Path, size: int = 1 << 20) -> Optional[int]:
     folder = Path(path)
     while not folder.is_dir() and folder != folder.parent:
         folder = folder.parent
-    probe = folder / f".write-probe-{os.getpid()}"
+    probe = temporary(folder / f"write-probe-{os.getpid()}")
     try:
         with open(probe, "wb") as f:
             f.write(b"\0" * size)
@@ -220,8 +220,7 @@ def _probe(path: Path, size: int = 1 << 20) -> Optional[int]:
     except OSError as err:
         return err.errno
     finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
+        remove(probe)
     return None
 
 
