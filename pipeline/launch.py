@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline import graph, measured, plan, prepare, slurm, state
+from pipeline import failure, graph, measured, plan, prepare, slurm, state
 from pipeline.config import PipelineSpec, slurm_time_to_minutes
-from pipeline.errors import InvalidInput, StageFailed
+from pipeline.errors import InvalidInput, PipelineError, StageFailed
 from pipeline.graph import PlannedStage, StageTask
 from pipeline.hfcache import hf_cache
 from pipeline.identity import Digests
@@ -157,10 +157,12 @@ def run_local(spec: PipelineSpec, planned: list[PlannedStage], config: str, echo
             _stop(job)
             _end_record(run_state, pipeline_dir, record, state.CANCELLED, "interrupted")
             raise
-        if job.state != "FINISHED" or job.exception() is not None:
-            message = failure_message(task.name, job)
-            _end_record(run_state, pipeline_dir, record, state.FAILED, message.splitlines()[0])
-            raise StageFailed(message)
+        # A recorded failure first: job.exception() waits for every task's result, and a
+        # killed task never writes one.
+        if failure.read(task.folder, job.job_id) or job.state != "FINISHED" or job.exception() is not None:
+            error = stage_failure(task, job)
+            _end_record(run_state, pipeline_dir, record, state.FAILED, error.message.splitlines()[0])
+            raise error
         _end_record(run_state, pipeline_dir, record, state.FINISHED, "")
         echo(f"[{task.name}] done: {task.folder.result}")
 
@@ -267,9 +269,16 @@ def local_executor(spec: PipelineSpec, task: StageTask):
     """A submitit LocalExecutor set up for one stage job: one process per task, and the GPUs."""
     import submitit
 
-    executor = submitit.LocalExecutor(folder=task.folder.logs)
+    executor = submitit.LocalExecutor(folder=task.folder.logs, python=supervised_python(task))
     executor.update_parameters(**local_parameters(spec, task))
     return executor
+
+
+def supervised_python(task: StageTask) -> str:
+    """How each task's python starts: under stages/supervise.py, which records a task that dies
+    without a word (a signal, an exit code) so the failure names it."""
+    python = shlex.quote(sys.executable)
+    return f"{python} -m stages.supervise {shlex.quote(task.run_dir)} {python}"
 
 
 def local_parameters(spec: PipelineSpec, task: StageTask) -> dict:
@@ -339,13 +348,21 @@ def _follow(job, echo) -> None:
         time.sleep(POLL_S)
 
 
-def failure_message(stage: str, job) -> str:
+def stage_failure(task: StageTask, job) -> PipelineError:
+    """What `run` ends with when a local stage job failed: the ranks' recorded cause
+    (pipeline/failure.py; bad input found at stage time is exit 2, like any bad input),
+    else the last lines of the first log with a traceback."""
+    records = failure.read(task.folder, job.job_id)
+    explained = failure.explain(task.name, records)
+    if explained is not None:
+        invalid = failure.explaining(records).kind == failure.INVALID_INPUT
+        return (InvalidInput if invalid else StageFailed)(explained)
     err_path = Path(job.paths.stderr)
     tail = ""
     if err_path.exists():
         lines = [line for line in err_path.read_text(errors="replace").splitlines() if line.strip()]
         tail = "\n".join("    " + line for line in lines[-15:])
-    return f"stage {stage} failed (job {job.job_id}, state {job.state}); log: {err_path}\n{tail}"
+    return StageFailed(f"stage {task.name} failed (job {job.job_id}, state {job.state}); log: {err_path}\n{tail}")
 
 
 def default_echo(line: str) -> None:

@@ -17,14 +17,18 @@
         tensorboard/                TensorBoard event files (rank 0)
         wandb/                      the W&B run's files, when tracking.wandb is set
         logs/                       the job's stdout/stderr, one file per process
+        failures/rank-<N>.json      why process N failed (pipeline/failure.py); blank while it runs
         reference_logps.pt          DPO's precomputed reference log-probs
       <stage>.superseded-<time>/    a stage folder whose spec changed, moved aside (never deleted)
+    <name>.tmp                      a file or folder being written, renamed to <name> once complete
 
 Torch-free: the login node reads it to submit and to show status.
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +40,7 @@ DIGESTS_FILE = ".input-digests.json"
 BUILTIN_FOLDER = "builtin"
 SUPERSEDED = ".superseded-"
 REPORT_FILE = "report.html"
+TEMPORARY_SUFFIX = ".tmp"
 
 
 def state_file(pipeline_dir: Path) -> Path:
@@ -62,6 +67,21 @@ def superseded_folders(pipeline_dir: Path) -> list[Path]:
 
 def report_file(pipeline_dir: Path) -> Path:
     return Path(pipeline_dir) / REPORT_FILE
+
+
+def temporary(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place, so no reader sees half of it."""
+    return path.with_name(path.name + TEMPORARY_SUFFIX)
+
+
+def remove(path: Path) -> None:
+    """Remove a file or a folder, if it is there."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 @dataclass(frozen=True)
@@ -123,6 +143,14 @@ class StageFolder:
     def reference_logps(self) -> Path:
         return self.path / "reference_logps.pt"
 
+    @property
+    def failures(self) -> Path:
+        return self.path / "failures"
+
+    def failure_record(self, rank: int) -> Path:
+        """Why process `rank` failed (pipeline/failure.py); a blank reservation while it runs."""
+        return self.failures / f"rank-{rank:05d}.json"
+
     @staticmethod
     def checkpoint_tag(step: int) -> str:
         return f"step-{step:08d}"
@@ -138,6 +166,13 @@ class StageFolder:
         except OSError:
             return None
         return tag if (self.checkpoints / tag).is_dir() else None
+
+    def leftovers(self) -> list[Path]:
+        """What an interrupted write left behind: temporaries, and checkpoint folders newer
+        than the one `latest` names (a save that never completed)."""
+        found = [p for folder in (self.path, self.checkpoints) for p in folder.glob(f"*{TEMPORARY_SUFFIX}")]
+        latest = self.latest_checkpoint() or ""
+        return found + [self.checkpoints / tag for tag in self.checkpoint_tags() if tag > latest]
 
     def superseded(self) -> Path:
         """A free name to move this folder aside to: <stage>.superseded-<time>[-n]."""

@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from pipeline import graph, metrics, runfolder, slurm
+from pipeline import failure, graph, metrics, runfolder, slurm
 from pipeline.errors import InvalidInput, PipelineError
 
 LOG_TAIL_LINES = 15
@@ -369,11 +369,25 @@ def _from_job(task, record: StageRecord, info: Optional[slurm.JobInfo], run_stat
 
 
 def _with_log(status: StageStatus, record: StageRecord) -> StageStatus:
-    """Point at the log that explains the failure: the first rank whose stderr holds a
-    traceback, else rank 0's."""
+    """Say why the job failed: the cause its ranks recorded (pipeline/failure.py), or srun's
+    word on a task that died without one, and that rank's log. Without either, point at the
+    first log that holds a traceback (else rank 0's) and show its last lines."""
     logs = Path(record.logs)
+    batch_err = logs / f"{record.job_id}_0_log.err"  # the batch script's stderr: srun writes there too
+    records = failure.read(runfolder.StageFolder(Path(status.run_dir)), record.job_id)
+    if all(r.secondary for r in records) and batch_err.is_file():
+        recorded = {r.rank for r in records}
+        died = failure.srun_deaths(batch_err.read_text(errors="replace"))
+        records += [d for d in died if d.rank not in recorded]
+    cause = failure.summary(records)
+    if cause is not None:
+        if cause not in status.detail:  # a local run's record already says it
+            status.detail = f"{status.detail}: {cause}" if status.detail else cause
+        first = failure.explaining(records)
+        status.log = first.log or str(logs / f"{record.job_id}_{first.rank}_log.err")
+        return status
     candidates = sorted(logs.glob(f"{record.job_id}_*_log.err"), key=lambda p: _task_index(p, record.job_id))
-    chosen = logs / f"{record.job_id}_0_log.err"
+    chosen = batch_err
     for path in candidates:
         if "Traceback" in path.read_text(errors="replace"):
             chosen = path

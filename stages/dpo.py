@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from pipeline.failure import saving
 from pipeline.flops import sequence_flops
+from pipeline.runfolder import temporary
 from stages import data, engine, models
 from stages.losses import dpo_loss, token_logprobs
 
@@ -169,8 +171,9 @@ def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_con
             tables[split] = table.float().cpu()
     reference.release()
     if ctx.is_main:
-        tmp = cache.with_suffix(".tmp")
-        torch.save({"spec_hash": task.spec_hash, "logps": tables}, tmp)
+        tmp = temporary(cache)
+        with saving(tmp, "the reference log-probs"):
+            torch.save({"spec_hash": task.spec_hash, "logps": tables}, tmp)
         tmp.replace(cache)
     dist.barrier()
     return tables

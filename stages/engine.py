@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.deepspeed_settings import bucket_elements, persistence_threshold
+from pipeline.failure import saving
+from pipeline.runfolder import temporary
 from stages import batching, compat, tracking
 
 log = logging.getLogger("stages")
@@ -175,16 +177,22 @@ class Checkpoints:
         self.folder = stage_folder.checkpoints
 
     def save(self, engine, step: int, client_state: dict, others: Optional[dict] = None) -> None:
-        """Save `engine` (and any `others`, e.g. a critic, inside the same tag folder)."""
+        """Save `engine` (and any `others`, e.g. a critic, inside the same tag folder).
+
+        A save that fails on any rank (a full disk, a folder it may not write, a rank
+        lost mid-save) removes its tag folder there, so `latest` keeps naming the
+        previous checkpoint and nothing half-written stays; the error says why."""
         tag = self.stage_folder.checkpoint_tag(step)
-        engine.save_checkpoint(str(self.folder), tag=tag, client_state=client_state, save_latest=False)
-        for name, other in (others or {}).items():
-            other.save_checkpoint(str(self.folder / tag), tag=name, save_latest=False)
-        dist.barrier()
+        with saving(self.folder / tag, f"checkpoint {tag}"):
+            engine.save_checkpoint(str(self.folder), tag=tag, client_state=client_state, save_latest=False)
+            for name, other in (others or {}).items():
+                other.save_checkpoint(str(self.folder / tag), tag=name, save_latest=False)
+            dist.barrier()
         if self.is_main:
             marker = self.stage_folder.latest_marker
-            tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
-            tmp.write_text(tag)
+            tmp = temporary(marker)
+            with saving(tmp, f"the marker naming checkpoint {tag}"):
+                tmp.write_text(tag)
             os.replace(tmp, marker)
             for old in self.stage_folder.checkpoint_tags()[: -self.keep]:
                 shutil.rmtree(self.folder / old, ignore_errors=True)
@@ -421,19 +429,20 @@ def export(engine, tokenizer, stage, out_dir: Path, is_main: bool, extra_files: 
         engine.empty_partition_cache()
     state = gather_state_dict(module, is_main)
     if is_main:
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        tmp = temporary(out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         is_peft = hasattr(module, "peft_config")
-        # The config as the model came, not as loading adapted it (e.g. positions capped).
-        with compat.exported_config(module):
-            if is_peft and stage.lora.merge:
-                base = module.get_base_model()
-                base.save_pretrained(tmp, state_dict=merge_lora_state_dict(state, stage.lora.alpha / stage.lora.rank))
-            else:
-                module.save_pretrained(tmp, state_dict=state)
-        tokenizer.save_pretrained(tmp)
-        for name, content in (extra_files or {}).items():
-            (tmp / name).write_text(json.dumps(content, indent=2))
+        with saving(tmp, "the exported model"):
+            # The config as the model came, not as loading adapted it (e.g. positions capped).
+            with compat.exported_config(module):
+                if is_peft and stage.lora.merge:
+                    base = module.get_base_model()
+                    base.save_pretrained(tmp, state_dict=merge_lora_state_dict(state, stage.lora.alpha / stage.lora.rank))
+                else:
+                    module.save_pretrained(tmp, state_dict=state)
+            tokenizer.save_pretrained(tmp)
+            for name, content in (extra_files or {}).items():
+                (tmp / name).write_text(json.dumps(content, indent=2))
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
     dist.barrier()

@@ -8,6 +8,7 @@ imports it to submit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import importlib
 import json
@@ -19,12 +20,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
-from pipeline import measured, timeline
+from pipeline import failure, measured, timeline
+from pipeline.failure import saving
 from pipeline.graph import StageTask
-from pipeline.runfolder import StageFolder, builtin_folder
+from pipeline.runfolder import StageFolder, builtin_folder, remove, temporary
 
 log = logging.getLogger("stages")
 
@@ -96,11 +99,36 @@ class StageJob(Checkpointable):
 
 
 def run_stage(task: StageTask) -> dict:
+    """Run the stage as this process (one rank of the job).
+
+    If it fails, this rank records why in its failure record (pipeline/failure.py:
+    the cause, the place, what to do) and re-raises, so the job fails with the full
+    traceback in this rank's log; `run` and `status` print the record instead."""
+    rank = failure.task_rank()
+    log_path = _submitit_path("stderr")
+    try:
+        failure.reserve(task.folder, rank)
+        result = _run_stage(task)
+    except Exception as err:
+        try:
+            failure.record_exception(task.folder, rank, err, log=str(log_path) if log_path else None)
+        except Exception as unrecorded:  # noqa: BLE001 -- the log still has the traceback
+            print(f"could not record the failure in {task.folder.failure_record(rank)}: {unrecorded}",
+                  file=sys.stderr, flush=True)
+        if log_path is not None:  # a submitit job, which exits 1 after this error anyway
+            _exit_hard_at_interpreter_exit(1)
+        raise
+    failure.release(task.folder, rank)
+    _exit_hard_at_interpreter_exit(0)
+    return result
+
+
+def _run_stage(task: StageTask) -> dict:
     from stages import distributed
 
     env = distributed.detect()
     _configure_logging(env.rank)
-    _end_with_the_run()
+    _end_with_the_run(task.folder, env.rank)
     device = distributed.init(env, task.gpus_per_node)
     devices = distributed.devices(device, env.world_size)
     ctx = StageContext(
@@ -114,6 +142,8 @@ def run_stage(task: StageTask) -> dict:
     )
     ctx.folder.path.mkdir(parents=True, exist_ok=True)
     if ctx.is_main:
+        for leftover in ctx.folder.leftovers():  # of an attempt killed mid-write
+            remove(leftover)
         timeline.record_start(ctx.folder)  # every attempt: the report's timeline shows requeues
     _materialize_builtins(task, ctx)
     # Every rank says where it is (each task has its own log): multi-node problems show here.
@@ -141,18 +171,19 @@ def run_stage(task: StageTask) -> dict:
     }
     if ctx.is_main:
         result.update(measured.plan_vs_measured(ctx.folder, task.stage.kind))  # beside the plan.json
-        tmp = ctx.folder.result.with_name(f".{ctx.folder.result.name}.tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp = temporary(ctx.folder.result)
+        with saving(tmp, "result.json"):
+            tmp.write_text(json.dumps(result, indent=2) + "\n")
         os.replace(tmp, ctx.folder.result)
         log.info("stage %s finished: %s", task.name, json.dumps(metrics))
     distributed.shutdown()
-    _exit_hard_at_interpreter_exit()
     return result
 
 
-def _end_with_the_run() -> None:
+def _end_with_the_run(folder: StageFolder, rank: int) -> None:
     """A stage process of a local run ends when the `run` that started it is gone, however
-    it went (a SIGKILL leaves it no time to stop its stages): no orphan keeps training."""
+    it went (a SIGKILL leaves it no time to stop its stages): no orphan keeps training.
+    Its failure record says so."""
     pid = os.environ.get(RUN_PID_ENV)
     if not pid:
         return
@@ -163,7 +194,12 @@ def _end_with_the_run() -> None:
             try:
                 os.kill(int(pid), 0)
             except ProcessLookupError:
-                log.error("the local `run` that started this stage (pid %s) is gone: stopping", pid)
+                message = f"the local `run` that started it (pid {pid}) is gone, so it stopped"
+                log.error("stage process: %s", message)
+                with contextlib.suppress(OSError):
+                    failure.write(folder, failure.Failure(
+                        rank=rank, host=socket.gethostname(), kind=failure.STOPPED, message=message,
+                        log=str(_submitit_path("stderr") or "") or None, job_id=failure.task_job_id(), time=time.time()))
                 sys.stdout.flush()
                 os._exit(1)
             except (PermissionError, ValueError):
@@ -190,22 +226,38 @@ def _materialize_builtins(task: StageTask, ctx: StageContext) -> None:
     dist.barrier()
 
 
-def _exit_hard_at_interpreter_exit() -> None:
-    """After a stage succeeded, leave with os._exit(0) once everything is flushed.
+def _exit_hard_at_interpreter_exit(code: int) -> None:
+    """Once the stage has succeeded (0) or recorded its failure (1), leave with os._exit(code)
+    when everything is flushed, after removing what submitit may have left half-written.
 
     DeepSpeed's ZeRO-3 leaves C++ threads behind that sometimes abort the
     interpreter's own teardown ("terminate called without an active exception"),
-    turning a finished stage into a failed job. submitit has written the job's
-    result before the interpreter exits, so nothing is lost by skipping teardown.
+    turning a finished stage into a failed job, or keeping a failed rank alive while
+    the others wait for it. submitit has written the job's result (or error) before the
+    interpreter exits, so nothing is lost by skipping teardown; if that write failed (a
+    full disk), its `.save_tmp` would make the next attempt's write fail too.
     """
+    leftover = _submitit_path("result_pickle")
 
     def hard_exit():
+        if leftover is not None:
+            remove(Path(f"{leftover}.save_tmp"))  # submitit's temporary name
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()
-        os._exit(0)
+        os._exit(code)
 
     atexit.register(hard_exit)
+
+
+def _submitit_path(name: str) -> Optional[Path]:
+    """This task's submitit file `name` (stderr, result_pickle), when it runs as a submitit job."""
+    try:
+        from submitit import JobEnvironment
+
+        return Path(getattr(JobEnvironment().paths, name))
+    except Exception:  # noqa: BLE001 -- not a submitit job (e.g. run-stage under srun)
+        return None
 
 
 def _configure_logging(rank: int) -> None:

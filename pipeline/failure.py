@@ -1,0 +1,395 @@
+"""Why a stage failed, as one message a person can act on: the cause, the place, what to do.
+
+Every process (rank) of a stage job has a failure record in the stage folder
+(`StageFolder.failure_record`). It is reserved, blank, when the rank starts, so a
+cause can still be written when the disk is full; it is removed when the rank
+succeeds. A rank that raises writes what went wrong there (`record_exception`);
+locally, a rank that dies without a word (a signal, an exit code) is recorded by
+the process that watches it (stages/supervise.py); on Slurm, srun's own lines
+about dead tasks say it (`srun_deaths`). `run` and `status` print `explain`'s
+message: a cause beats the other ranks' lost connections. The full traceback
+stays in the rank's log.
+
+Torch-free: `status` reads the records on a login node; stages write them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errnos
+import json
+import os
+import re
+import signal
+import socket
+import sysconfig
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from pipeline.errors import InvalidInput
+from pipeline.runfolder import StageFolder, remove, temporary
+
+INVALID_INPUT = "invalid input"
+DISK_FULL = "disk full"
+PERMISSION_DENIED = "permission denied"
+HOST_OUT_OF_MEMORY = "host out of memory"
+GPU_OUT_OF_MEMORY = "GPU out of memory"
+PROCESS_DIED = "process died"
+STOPPED = "stopped"  # on purpose: e.g. the local `run` that started it is gone
+LOST_PEER = "lost a peer"
+ERROR = "error"
+
+RESERVED_BYTES = 4096  # written when a rank starts; a record fits in it, so it needs no new space
+PLAN_HINT = "`python -m pipeline plan CONFIG` shows what each process needs"
+
+# What a rank says when another rank died under it: a consequence, not a cause.
+_PEER_LOST = re.compile(
+    r"connection (reset|closed) by peer|broken pipe|remote process exited|communicator was aborted"
+    r"|socket timeout|timed out waiting|NCCL (error|communicator)", re.IGNORECASE)
+WRITE_ERRORS = (errnos.ENOSPC, errnos.EDQUOT, errnos.EACCES, errnos.EPERM, errnos.EROFS)
+_ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]|os error (\d+)|Error code (\d+)")
+
+
+@dataclass
+class Failure:
+    rank: int
+    host: str
+    kind: str  # one of the names above
+    message: str  # the cause and what to do
+    log: Optional[str] = None  # the rank's stderr: the full traceback
+    job_id: Optional[str] = None
+    secondary: bool = False  # a consequence of another rank's failure
+    time: float = 0.0
+
+
+# --------------------------------------------------------------------------- what went wrong
+
+
+class WriteFailed(OSError):
+    """Writing `what` at `filename` failed; errno says why, `free` what the disk had left then
+    (see `saving`)."""
+
+    def __init__(self, code: int, filename: str, what: str, free: Optional[str] = None):
+        super().__init__(code, os.strerror(code), filename)
+        self.what, self.free = what, free
+
+
+def causes(err: BaseException) -> Iterator[BaseException]:
+    """The error and what it was raised from (explicitly, or while handling), outermost first."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+
+
+def error_number(err: BaseException) -> Optional[int]:
+    """The errno an error carries, as an attribute or in its text (safetensors, torch's allocator)."""
+    if isinstance(err, OSError) and err.errno:
+        return err.errno
+    match = _ERRNO_IN_TEXT.search(str(err))
+    if match:
+        return int(next(g for g in match.groups() if g))
+    text = str(err)
+    for code in WRITE_ERRORS + (errnos.ENOMEM,):
+        if os.strerror(code) in text:
+            return code
+    return None
+
+
+def describe(err: BaseException) -> tuple[str, str, bool]:
+    """(kind, message, secondary) for an exception raised in a stage."""
+    for cause in causes(err):
+        if isinstance(cause, InvalidInput):
+            return INVALID_INPUT, cause.message, False
+        if type(cause).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(cause):
+            return GPU_OUT_OF_MEMORY, (
+                f"{_first_line(cause)}. {PLAN_HINT}; lower micro_batch_tokens or max_len, or turn on "
+                "gradient_checkpointing, zero_stage: 3 or optimizer_offload"), False
+        code = None if isinstance(cause, MemoryError) else error_number(cause)
+        if isinstance(cause, MemoryError) or code == errnos.ENOMEM:
+            detail = _first_line(cause) or type(cause).__name__
+            return HOST_OUT_OF_MEMORY, (
+                f"{detail}{_place(err)}. {PLAN_HINT} in host RAM; give the job more (cluster.mem) "
+                "or run fewer processes per node"), False
+        if code in (errnos.ENOSPC, errnos.EDQUOT):
+            return DISK_FULL, _write_message(cause, code, "Free space there, or set runs_dir to a disk with room"), False
+        if code in (errnos.EACCES, errnos.EPERM, errnos.EROFS):
+            return PERMISSION_DENIED, _write_message(cause, code, "Make it writable, or set runs_dir to a folder "
+                                                     "you can write"), False
+    if any(_PEER_LOST.search(str(cause)) for cause in causes(err)):
+        return LOST_PEER, f"lost its connection to another process ({_first_line(err)[:200]})", True
+    return ERROR, f"{type(err).__name__}: {_first_line(err)}{_place(err)}", False
+
+
+def _write_message(err: BaseException, code: int, advice: str) -> str:
+    """What could not be done where, and what to do; a failed save also says that `run` goes on."""
+    path = getattr(err, "filename", None)
+    if isinstance(err, WriteFailed):
+        text = f"cannot write {path} ({err.what}): {os.strerror(code)}"
+    else:
+        text = f"{path}: {os.strerror(code)}" if path else _first_line(err)
+    room = getattr(err, "free", None) or (free_space(path) if path else None)
+    if room is not None and code in (errnos.ENOSPC, errnos.EDQUOT):
+        text += f" ({room} free on that file system)"
+    text += f". {advice}"
+    if isinstance(err, WriteFailed):
+        text += "; then `run` again: the stage resumes from its newest complete checkpoint, if any"
+    return text
+
+
+def free_space(path) -> Optional[str]:
+    """Bytes left to this user on the file system holding `path` (its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return None
+    return _bytes(stat.f_bavail * stat.f_frsize)
+
+
+def _bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def _place(err: BaseException) -> str:
+    """' at FILE:LINE in FUNCTION': the innermost frame of the deepest cause that is not
+    Python's or an installed package's code (a stage file, or the user's reward file)."""
+    library = tuple(filter(None, {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}))
+    for cause in reversed(list(causes(err))):
+        frames = [f for f in traceback.extract_tb(cause.__traceback__) if not f.filename.startswith(library)]
+        if frames:
+            frame = frames[-1]
+            return f" at {_short(frame.filename)}:{frame.lineno} in {frame.name}"
+    return ""
+
+
+def _short(filename: str) -> str:
+    try:
+        return str(Path(filename).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return filename
+
+
+@contextlib.contextmanager
+def saving(path: Path, what: str) -> Iterator[None]:
+    """Write `what` at `path` (a file or a folder); if that fails, remove what it half wrote
+    and, when the cause is the disk (full, read-only, not ours), raise WriteFailed saying so.
+
+    Writers such as torch.save report a full disk as "[enforce fail at
+    inline_container.cc:...]" with no errno; a probe write beside `path` then asks the file
+    system why, before the partial files are removed (which frees space).
+    """
+    try:
+        yield
+    except Exception as err:
+        code = next((c for c in map(error_number, causes(err)) if c in WRITE_ERRORS), None) or _probe(path)
+        free = free_space(path)  # before the partial files go
+        remove(path)
+        if code not in WRITE_ERRORS:
+            raise
+        raise WriteFailed(code, str(path), what, free) from err
+
+
+def _probe(path: Path, size: int = 1 << 20) -> Optional[int]:
+    """Write `size` bytes in the nearest existing folder of `path` and remove them; the errno
+    it meets, or None."""
+    folder = Path(path)
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    probe = temporary(folder / f"write-probe-{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * size)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        return err.errno
+    finally:
+        remove(probe)
+    return None
+
+
+# --------------------------------------------------------------------------- the records
+
+
+def task_rank() -> int:
+    """This process's rank from its launcher's variables (before torch.distributed is up)."""
+    for name in ("SUBMITIT_LOCAL_GLOBALID", "SLURM_PROCID", "RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def task_job_id() -> Optional[str]:
+    return os.environ.get("SUBMITIT_LOCAL_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+
+
+def reserve(folder: StageFolder, rank: int) -> None:
+    """A blank record for this rank (replacing one from an earlier attempt)."""
+    path = folder.failure_record(rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b" " * RESERVED_BYTES)
+
+
+def release(folder: StageFolder, rank: int) -> None:
+    with contextlib.suppress(OSError):
+        folder.failure_record(rank).unlink()
+
+
+def write(folder: StageFolder, failure: Failure) -> None:
+    """Write the record over its reserved blank, in place: no new space is needed."""
+    path = folder.failure_record(failure.rank)
+    data = json.dumps(asdict(failure)).encode()
+    if len(data) > RESERVED_BYTES:
+        failure.message = failure.message[: max(0, len(failure.message) - (len(data) - RESERVED_BYTES) - 3)] + "..."
+        data = json.dumps(asdict(failure)).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data.ljust(RESERVED_BYTES))
+        os.ftruncate(fd, max(len(data), RESERVED_BYTES))
+    finally:
+        os.close(fd)
+
+
+def record_exception(folder: StageFolder, rank: int, err: BaseException, log: Optional[str]) -> Failure:
+    kind, message, secondary = describe(err)
+    failure = Failure(rank=rank, host=socket.gethostname(), kind=kind, message=message, log=log,
+                      job_id=task_job_id(), secondary=secondary, time=time.time())
+    write(folder, failure)
+    return failure
+
+
+def died(rank: int, returncode: int, oom_killed: bool, log: Optional[str]) -> Failure:
+    """The record of a rank whose process ended by a signal or an exit code without saying why."""
+    if returncode < 0:
+        name = _signal_name(-returncode)
+        message = f"the process was killed by {name} (signal {-returncode})"
+        if oom_killed:
+            message += (": the kernel's out-of-memory killer ended it (host RAM ran out). "
+                        f"{PLAN_HINT} in host RAM; give the job more (cluster.mem) or run fewer processes per node")
+        elif -returncode == signal.SIGKILL:
+            message += (": the kernel's out-of-memory killer sends it when host RAM runs out (see `dmesg`), "
+                        "or a person or the scheduler killed it")
+    else:
+        message = f"the process exited with code {returncode} without a Python error (a crash in native code, or os._exit)"
+    return Failure(rank=rank, host=socket.gethostname(), kind=HOST_OUT_OF_MEMORY if oom_killed else PROCESS_DIED,
+                   message=message, log=log, job_id=task_job_id(), time=time.time())
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def read(folder: StageFolder, job_id: Optional[str] = None) -> list[Failure]:
+    """The written records (not the blank reservations), of one job when job_id is given."""
+    paths = sorted(folder.failures.glob("rank-*.json")) if folder.failures.is_dir() else []
+    found = [f for f in map(read_record, paths) if f is not None]
+    return [f for f in found if job_id is None or f.job_id in (None, job_id)]
+
+
+def read_record(path: Path) -> Optional[Failure]:
+    """One rank's record; None while it is blank (reserved) or unreadable."""
+    try:
+        text = path.read_text(errors="replace").strip()
+        return Failure(**json.loads(text)) if text else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+# --------------------------------------------------------------------------- the message
+
+
+def explaining(failures: list[Failure]) -> Optional[Failure]:
+    """The record that explains the failure: bad input, else the first cause, else a lost connection."""
+    if not failures:
+        return None
+    candidates = [f for f in failures if f.kind == INVALID_INPUT] or [f for f in failures if not f.secondary]
+    if candidates:
+        return min(candidates, key=lambda f: (f.time, f.rank))
+    return min(failures, key=lambda f: f.rank)
+
+
+def summary(failures: list[Failure]) -> Optional[str]:
+    """The cause in one paragraph (what, on which rank and host, what to do); None without records."""
+    first = explaining(failures)
+    if first is None:
+        return None
+    if first.kind == INVALID_INPUT:
+        return first.message
+    text = f"{first.kind} on rank {first.rank} (host {first.host}): {first.message}"
+    if first.secondary:
+        return text + ("; no process recorded a cause of its own: one may have been killed or crashed "
+                       "(each rank's log is in the stage's logs folder)")
+    followers = sorted({f.rank for f in failures if f.secondary})
+    if followers:
+        ranks = ", ".join(map(str, followers))
+        text += (f"; rank {ranks} then stopped: it lost its connection to it" if len(followers) == 1 else
+                 f"; ranks {ranks} then stopped: they lost their connection to it")
+    return text
+
+
+def explain(stage: str, failures: list[Failure]) -> Optional[str]:
+    """What `run` prints for a failed stage, or None when no rank left a record."""
+    first = explaining(failures)
+    if first is None:
+        return None
+    if first.kind == INVALID_INPUT:
+        return f"stage {stage}: {first.message}"
+    return f"stage {stage} failed: {summary(failures)}" + (f"\n  log: {first.log}" if first.log else "")
+
+
+_SRUN_TASK_END = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+?)\s*$", re.MULTILINE)
+
+
+def srun_deaths(text: str) -> list[Failure]:
+    """Records for the tasks srun says died (its 'srun: error: HOST: task N: ...' lines in the
+    batch script's stderr): what a Slurm stage cannot write for itself when it is killed."""
+    failures = []
+    for host, tasks, what in _SRUN_TASK_END.findall(text):
+        what = what.removesuffix(" (core dumped)")
+        exited = re.fullmatch(r"Exited with exit code (\d+)", what)
+        if what == "Out Of Memory":
+            kind, message = HOST_OUT_OF_MEMORY, (
+                f"Slurm ended it: the job used more host memory than it asked for. {PLAN_HINT} in host RAM; "
+                "ask for more (cluster.mem) or run fewer processes per node")
+        elif exited:
+            kind, message = PROCESS_DIED, f"the process exited with code {exited.group(1)}"
+        else:
+            kind, message = PROCESS_DIED, f"the process was killed: {what} ({_signal_named(what)})"
+        for rank in _ranks(tasks):
+            failures.append(Failure(rank=rank, host=host, kind=kind, message=message))
+    return failures
+
+
+def _signal_named(description: str) -> str:
+    for sig in signal.Signals:
+        if signal.strsignal(sig) == description:
+            return sig.name
+    return "a signal"
+
+
+def _ranks(tasks: str) -> list[int]:
+    ranks = []
+    for part in tasks.split(","):
+        low, _, high = part.partition("-")
+        ranks += list(range(int(low), int(high or low) + 1))
+    return ranks

@@ -1,0 +1,97 @@
+"""Watch one task of a local stage job and record how it ended if it could not say so itself.
+
+    python -m stages.supervise RUN_DIR COMMAND...
+
+The local executor (pipeline/launch.py) starts each task of a stage job through
+this: it runs COMMAND (submitit's `python -u -m submitit.core._submit ...`) as a
+child, passes on the signals the job controller sends (interrupt, terminate,
+submitit's USR2 for a time-out), and exits as the child did. When the child was
+killed by a signal or exited non-zero without writing its failure record (the
+kernel's out-of-memory killer, a crash in native code), it writes one for it —
+rank, host, signal or exit code — so the failure names the process that died,
+not the ranks that then lost their connection to it. On Slurm, srun reports the
+same in the job's log (pipeline/failure.py reads it).
+
+Torch-free, and light: it lives as long as the task.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+from pipeline import failure
+from pipeline.runfolder import StageFolder
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+REQUEUE_EXIT_CODE = 144  # submitit's local executor: the task asks to be started again
+
+
+def main(argv: list[str]) -> int:
+    folder, command = StageFolder(Path(argv[0])), argv[1:]
+    rank = failure.task_rank()
+    failure.reserve(folder, rank)  # the child writes its cause here; so may we
+    oom_kills = oom_kill_count()
+    child = subprocess.Popen(command, preexec_fn=_die_with_parent)
+    for sig in FORWARDED:
+        signal.signal(sig, lambda number, _frame: child.send_signal(number))
+    code = child.wait()
+    recorded = failure.read_record(folder.failure_record(rank))
+    # (A record of another job is stale: e.g. written by a stage process of a killed earlier run.)
+    if code not in (0, REQUEUE_EXIT_CODE) and (recorded is None or recorded.job_id != failure.task_job_id()):
+        after = oom_kill_count()
+        oom_killed = code == -signal.SIGKILL and None not in (oom_kills, after) and after > oom_kills
+        failure.write(folder, failure.died(rank, code, oom_killed, log=_log_path(folder, rank)))
+    return 128 - code if code < 0 else code
+
+
+def _die_with_parent() -> None:
+    """In the child: be killed when this watcher dies (e.g. SIGKILLed with the job), never orphaned."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def oom_kill_count() -> Optional[int]:
+    """How many processes the kernel's out-of-memory killer has ended in this process's memory
+    cgroup (v2 memory.events, v1 memory.oom_control); None where it cannot be read."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidates = [Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events"]
+        elif "memory" in controllers.split(","):
+            candidates = [Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control"]
+        else:
+            continue
+        for candidate in candidates:
+            try:
+                match = re.search(r"^oom_kill (\d+)$", candidate.read_text(), re.MULTILINE)
+            except OSError:
+                continue
+            if match:
+                return int(match.group(1))
+    return None
+
+
+def _log_path(folder: StageFolder, rank: int) -> Optional[str]:
+    job_id = failure.task_job_id()
+    if job_id is None:
+        return None
+    from submitit.core.utils import JobPaths
+
+    return str(JobPaths(folder.logs, job_id, rank).stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
