@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
 from pipeline import config as config_module
-from pipeline import graph, launch, metrics, plan, preflight, prepare, runfolder, slurm, state
+from pipeline import failure, graph, launch, metrics, plan, preflight, prepare, runfolder, slurm, state
 from pipeline.errors import InvalidInput, PipelineError
 from pipeline.hfcache import hf_cache
 
@@ -190,16 +189,12 @@ def cmd_run_stage(args) -> int:
     if recorded not in (None, task.spec_hash):
         raise InvalidInput(f"{task.run_dir} holds the outputs of a different spec of stage {task.name}; "
                            "move it aside, or use `python -m pipeline run`, which does")
-    if _task_rank() == 0:
+    if failure.task_rank() == 0:
         launch.write_spec(task)
     from stages.runner import run_stage
 
     run_stage(task)
     return 0
-
-
-def _task_rank() -> int:
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 COMMANDS = {
