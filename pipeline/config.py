@@ -334,7 +334,19 @@ class TrainingKnobs(Strict):
         "auto", description="Attention kernel; auto = flash_attention_2 when installed and on GPU, else sdpa."
     )
     lora: Optional[LoraSpec] = Field(None, description="Train LoRA adapters instead of all parameters.")
-    max_len: int = Field(2048, ge=8, le=1_000_000, description="Longest tokenised row; longer rows are truncated.")
+    max_len: int = Field(
+        2048, ge=8, le=1_000_000,
+        description="Longest tokenised sequence; longer ones lose their last tokens, and rows left with nothing "
+        "to learn are dropped (see max_truncated_share).",
+    )
+    max_truncated_share: float = Field(
+        0.1, ge=0, le=1,
+        description="Largest share of a stage's rows (train and eval) that max_len may cut: rows that lose tokens, "
+        "and rows left with nothing to learn, which are dropped (sft: no response token left; rm, dpo: no response "
+        "token left, or chosen and rejected cut to the same tokens; ppo: a prompt with less than max_new_tokens of "
+        "room loses tokens, one that fills max_len has nothing to learn). Above it validate, run and the stage "
+        "refuse, with the numbers.",
+    )
     micro_batch_size: int = Field(
         1, ge=1, le=4096,
         description="Rows per process per forward pass without packing; with packing it sets the default "

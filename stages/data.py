@@ -1,15 +1,18 @@
-"""Rows to tokens: loading, the train/eval split, tokenisation, padding and batching.
+"""Rows to tokens: loading, the train/eval split, tokenisation, what max_len cuts,
+padding and batching.
 
 Tokenised rows are dicts of plain lists. Prompt and response are tokenised
 separately so the boundary between them is exact: the loss mask covers the
-response tokens (and the closing eos) only.
+response tokens (and the closing eos) only. Rows that max_len leaves with nothing
+to learn are dropped, and a stage that max_len cuts too much is refused (see
+"truncation" below; `python -m stages.data` is validate's run of the same code).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.config import BUILTIN_PREFIX, DataSpec
@@ -72,20 +75,33 @@ def _load_dataset_split(path: str, split: str) -> list[dict]:
 # --------------------------------------------------------------------------- tokenising
 
 
-def encode_prompt(tokenizer, prompt: str, data: DataSpec) -> list[int]:
+def encode_prompts(tokenizer, prompts: list[str], data: DataSpec) -> list[list[int]]:
+    """Each prompt's tokens, special tokens (bos) included; plain text in one batched call."""
     if data.chat_template:
-        return _chat_ids(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return tokenizer(prompt)["input_ids"]
+        return [_chat_ids(tokenizer, [{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+    return tokenizer(list(prompts))["input_ids"] if prompts else []
+
+
+def encode_responses(tokenizer, prompts: list[str], responses: list[str], data: DataSpec) -> list[list[int]]:
+    """Each response's tokens as they follow encode_prompts(prompt), closing eos included."""
+    if data.chat_template:
+        out = []
+        for prompt, response in zip(prompts, responses):
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            prefix = _chat_ids(tokenizer, messages[:1], add_generation_prompt=True)
+            out.append(_chat_ids(tokenizer, messages, add_generation_prompt=False)[len(prefix):])
+        return out
+    if not responses:
+        return []
+    return [ids + [tokenizer.eos_token_id] for ids in tokenizer(list(responses), add_special_tokens=False)["input_ids"]]
+
+
+def encode_prompt(tokenizer, prompt: str, data: DataSpec) -> list[int]:
+    return encode_prompts(tokenizer, [prompt], data)[0]
 
 
 def encode_response(tokenizer, prompt: str, response: str, data: DataSpec) -> list[int]:
-    """Response tokens that follow encode_prompt(prompt), closing eos included."""
-    if data.chat_template:
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-        prefix = _chat_ids(tokenizer, messages[:1], add_generation_prompt=True)
-        full = _chat_ids(tokenizer, messages, add_generation_prompt=False)
-        return full[len(prefix):]
-    return tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return encode_responses(tokenizer, [prompt], [response], data)[0]
 
 
 def _chat_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
@@ -94,37 +110,211 @@ def _chat_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
     return compat.chat_template_ids(tokenizer, messages, add_generation_prompt)
 
 
+Sequence = tuple[list[int], list[int]]  # (input_ids, loss_mask), before max_len
+
+
+def _sft_sequences(rows: list[dict], tokenizer, data: DataSpec) -> list[tuple[Sequence]]:
+    """Each row's one sequence: its tokens and a loss mask that is 1 on the tokens the model must
+    learn to produce."""
+    out: list = [None] * len(rows)
+    plain = [i for i, row in enumerate(rows) if data.prompt_key in row and data.response_key in row]
+    prompts = [rows[i][data.prompt_key] for i in plain]
+    responses = encode_responses(tokenizer, prompts, [rows[i][data.response_key] for i in plain], data)
+    for i, prompt_ids, response_ids in zip(plain, encode_prompts(tokenizer, prompts, data), responses):
+        out[i] = ((prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)),)
+    for i, row in enumerate(rows):
+        if out[i] is None:  # chat messages: learn every assistant turn
+            messages = row[data.messages_key]
+            ids, mask = [], []
+            for j, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                prefix = _chat_ids(tokenizer, messages[:j], add_generation_prompt=True)
+                full = _chat_ids(tokenizer, messages[: j + 1], add_generation_prompt=False)
+                mask += [0] * (len(prefix) - len(ids)) + [1] * (len(full) - len(prefix))
+                ids = full
+            out[i] = ((ids, mask),)
+    return out
+
+
+def _pair_sequences(rows: list[dict], tokenizer, data: DataSpec) -> list[tuple[Sequence, Sequence]]:
+    """Prompt + chosen and prompt + rejected of each row, each with its response mask."""
+    prompts = [row[data.prompt_key] for row in rows]
+    prompt_ids = encode_prompts(tokenizer, prompts, data)
+    chosen, rejected = (encode_responses(tokenizer, prompts, [row[key] for row in rows], data)
+                        for key in (data.chosen_key, data.rejected_key))
+    return [tuple((p + r, [0] * len(p) + [1] * len(r)) for r in sides)
+            for p, *sides in zip(prompt_ids, chosen, rejected)]
+
+
+def _cut(sequences, max_len: int) -> dict:
+    """A tokenised row (the form sequences_of reads) with each sequence cut to max_len."""
+    if len(sequences) == 1:
+        (ids, mask), = sequences
+        return {"input_ids": ids[:max_len], "loss_mask": mask[:max_len]}
+    out = {}
+    for side, (ids, mask) in zip(("chosen", "rejected"), sequences):
+        out[f"{side}_input_ids"], out[f"{side}_loss_mask"] = ids[:max_len], mask[:max_len]
+    return out
+
+
 def tokenize_sft(row: dict, tokenizer, data: DataSpec, max_len: int) -> dict:
     """input_ids and a loss mask that is 1 on the tokens the model must learn to produce."""
-    if data.prompt_key in row and data.response_key in row:
-        prompt_ids = encode_prompt(tokenizer, row[data.prompt_key], data)
-        response_ids = encode_response(tokenizer, row[data.prompt_key], row[data.response_key], data)
-        ids = prompt_ids + response_ids
-        mask = [0] * len(prompt_ids) + [1] * len(response_ids)
-    else:  # chat messages: learn every assistant turn
-        messages = row[data.messages_key]
-        ids, mask = [], []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prefix = _chat_ids(tokenizer, messages[:i], add_generation_prompt=True)
-            full = _chat_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
-            mask += [0] * (len(prefix) - len(ids)) + [1] * (len(full) - len(prefix))
-            ids = full
-    return {"input_ids": ids[:max_len], "loss_mask": mask[:max_len]}
+    return _cut(_sft_sequences([row], tokenizer, data)[0], max_len)
 
 
 def tokenize_pair(row: dict, tokenizer, data: DataSpec, max_len: int) -> dict:
     """Prompt + chosen and prompt + rejected, each with its response mask."""
-    prompt = row[data.prompt_key]
-    prompt_ids = encode_prompt(tokenizer, prompt, data)
-    out = {}
-    for side, key in (("chosen", data.chosen_key), ("rejected", data.rejected_key)):
-        response_ids = encode_response(tokenizer, prompt, row[key], data)
-        ids = (prompt_ids + response_ids)[:max_len]
-        mask = ([0] * len(prompt_ids) + [1] * len(response_ids))[:max_len]
-        out[f"{side}_input_ids"], out[f"{side}_loss_mask"] = ids, mask
-    return out
+    return _cut(_pair_sequences([row], tokenizer, data)[0], max_len)
+
+
+# --------------------------------------------------------------------------- truncation
+#
+# max_len cuts every sequence that is longer. A row "loses tokens" when any of its
+# sequences is cut, and has "nothing to learn" when, after the cut, the loss can
+# learn nothing from it:
+#   sft       no response token left (the prompt fills max_len);
+#   rm, dpo   chosen or rejected has no response token left, or the two are the same
+#             tokens (equal rewards and log-probs: the gradient is zero);
+#   ppo       a prompt row: it loses tokens when prompt + max_new_tokens > max_len (a
+#             completion that long loses its tail in training, and the reward lands on the
+#             last token kept), and has nothing to learn when the prompt alone fills max_len.
+# Rows with nothing to learn are dropped. When more than max_truncated_share of a stage's
+# rows (train and eval together) lose tokens or are dropped, the stage is refused.
+# pipeline/truncation.py runs the same tokenized_splits in a subprocess at validate time.
+
+NOTHING_TO_LEARN = {
+    "sft": "no response token left",
+    "rm": "no response token left, or chosen and rejected no longer differ",
+    "dpo": "no response token left, or chosen and rejected no longer differ",
+    "ppo": "the prompt fills max_len",
+}
+
+
+def nothing_to_learn(row: dict) -> bool:
+    """A tokenised sft/rm/dpo row the loss learns nothing from (see above)."""
+    sequences = sequences_of(row)
+    if any(sum(mask[1:]) == 0 for _, mask in sequences):
+        return True
+    return len(sequences) == 2 and sequences[0][0] == sequences[1][0]
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """What max_len does to one split's rows. Counts are of the `measured` rows (all of
+    the split's `rows`, or a random sample of them at validate time)."""
+
+    rows: int
+    measured: int
+    cut: int  # rows that lose tokens
+    dropped: int  # rows left with nothing to learn
+    affected: int  # rows that lose tokens or are dropped (a row can be dropped without a cut: equal pairs)
+    lengths: tuple[int, ...] = ()  # each measured row's longest sequence before the cut (ppo: prompt + max_new_tokens)
+
+    def record(self) -> dict:
+        return {"rows": self.rows, "cut": self.cut, "dropped": self.dropped}
+
+
+@dataclass
+class TokenizedSplit:
+    rows: list[dict]  # the rows kept, as loaded
+    tokens: list[dict]  # the same rows tokenised and cut (ppo: {"input_ids": prompt ids}, not cut)
+    truncation: Truncation
+
+
+def tokenize(rows: list[dict], kind: str, tokenizer, data: DataSpec, max_len: int,
+             max_new_tokens: int = 0) -> TokenizedSplit:
+    """The rows tokenised and cut to max_len, those with nothing to learn left out, and the counts."""
+    if kind == "ppo":
+        prompts = encode_prompts(tokenizer, [row[data.prompt_key] for row in rows], data)
+        tokens = [{"input_ids": ids} for ids in prompts]
+        lengths = [len(ids) + max_new_tokens for ids in prompts]
+        cut = [n > max_len for n in lengths]
+        empty = [len(ids) >= max_len for ids in prompts]
+    else:
+        sequences = (_sft_sequences if kind == "sft" else _pair_sequences)(rows, tokenizer, data)
+        tokens = [_cut(s, max_len) for s in sequences]
+        lengths = [max(len(ids) for ids, _ in s) for s in sequences]
+        cut = [n > max_len for n in lengths]
+        empty = [nothing_to_learn(t) for t in tokens]
+    keep = [i for i, e in enumerate(empty) if not e]
+    truncation = Truncation(rows=len(rows), measured=len(rows), cut=sum(cut), dropped=len(rows) - len(keep),
+                            affected=sum(c or e for c, e in zip(cut, empty)), lengths=tuple(sorted(lengths)))
+    return TokenizedSplit([rows[i] for i in keep], [tokens[i] for i in keep], truncation)
+
+
+@dataclass
+class TokenizedSplits:
+    """A stage's train and eval rows, tokenised and cut to max_len, and what the cut did."""
+
+    train: TokenizedSplit
+    eval: TokenizedSplit
+    max_len: int
+
+    def record(self) -> dict:
+        """For result.json."""
+        return {"max_len": self.max_len, "train": self.train.truncation.record(),
+                "eval": self.eval.truncation.record()}
+
+    def summary(self, kind: str) -> str:
+        parts = [self.train.truncation, self.eval.truncation]
+        measured, rows = sum(t.measured for t in parts), sum(t.rows for t in parts)
+        sample = f", measured on a random {measured} of {rows} rows" if measured < rows else ""
+        return f"max_len {self.max_len}{sample} (nothing to learn: {NOTHING_TO_LEARN[kind]}): " + "; ".join(
+            f"{name}: {t.cut} of {t.measured} rows lose tokens, {t.dropped} have nothing to learn"
+            for name, t in zip(("train", "eval"), parts))
+
+
+def tokenized_splits(stage, tokenizer, builtin_root: Path, where: str = "", sample: int = 0) -> TokenizedSplits:
+    """load_splits, tokenised and cut to stage.max_len, rows with nothing to learn dropped;
+    InvalidInput when more than stage.max_truncated_share of the rows lose tokens or are
+    dropped. `sample` > 0 measures a random sample of about that many rows (train and eval
+    in proportion) instead of all: validate's bound on time (pipeline/truncation.py)."""
+    train, held_out = load_splits(stage.data, stage.kind, builtin_root, stage.seed)
+    counts = (len(train), len(held_out))
+    if 0 < sample < sum(counts):
+        rng = random.Random(stage.seed)
+        train, held_out = (rng.sample(rows, max(1, round(len(rows) * sample / sum(counts))))
+                           for rows in (train, held_out))
+    max_new_tokens = getattr(stage, "max_new_tokens", 0)  # ppo's room for a completion
+    parts = [tokenize(rows, stage.kind, tokenizer, stage.data, stage.max_len, max_new_tokens)
+             for rows in (train, held_out)]
+    for part, rows in zip(parts, counts):
+        part.truncation = replace(part.truncation, rows=rows)
+    splits = TokenizedSplits(*parts, max_len=stage.max_len)
+    where = where or f"stage {stage.name}"
+    check_truncation(stage, splits, where)
+    log.info("%s: %s", where, splits.summary(stage.kind))
+    if splits.train.truncation.dropped or splits.eval.truncation.dropped:
+        log.warning("%s: dropped %d train and %d eval rows with nothing to learn within max_len %d (%s)", where,
+                    splits.train.truncation.dropped, splits.eval.truncation.dropped, stage.max_len,
+                    NOTHING_TO_LEARN[stage.kind])
+    return splits
+
+
+def check_truncation(stage, splits: TokenizedSplits, where: str) -> None:
+    """Refuse a stage whose max_len cuts more than max_truncated_share of its rows, or
+    leaves a split with no row to learn from; the message says what max_len would do."""
+    parts = (splits.train.truncation, splits.eval.truncation)
+    measured, affected = sum(t.measured for t in parts), sum(t.affected for t in parts)
+    limit = stage.max_truncated_share
+    ppo = stage.kind == "ppo"
+    if affected > limit * measured + 1e-9:
+        lengths = sorted(n for t in parts for n in t.lengths)
+        enough = lengths[len(lengths) - int(limit * len(lengths) + 1e-9) - 1]  # cuts at most the share allowed
+        longest = "prompt + max_new_tokens" if ppo else "row"
+        fix = (f"Raise max_len to {enough} or more (the longest {longest} has {lengths[-1]} tokens)"
+               if enough > stage.max_len else "Check the dropped rows (max_len is not what leaves them nothing to learn)")
+        raise InvalidInput(
+            f"{where}: max_len {stage.max_len} cuts {affected} of {measured} rows ({affected / measured:.1%}), "
+            f"more than max_truncated_share ({limit:g}) allows.\n  {splits.summary(stage.kind)}.\n"
+            f"{fix}{', lower max_new_tokens' if ppo else ''}, shorten the {'prompts' if ppo else 'rows'}, "
+            "or raise max_truncated_share."
+        )
+    for name, split in (("train", splits.train), ("eval", splits.eval)):
+        if not split.tokens:
+            raise InvalidInput(f"{where}: no {name} row is left with anything to learn.\n  "
+                               f"{splits.summary(stage.kind)}.\nRaise max_len.")
 
 
 # --------------------------------------------------------------------------- batching
@@ -320,3 +510,55 @@ def token_budget(stage, sequences_per_row: int) -> int:
     """Tokens per process per packed micro batch: micro_batch_tokens, else what a padded
     micro batch of micro_batch_size rows of max_len tokens would hold."""
     return stage.micro_batch_tokens or stage.micro_batch_size * stage.max_len * sequences_per_row
+
+
+# --------------------------------------------------------------------------- validate's measurement
+
+
+def main() -> int:
+    """python -m stages.data < REQUEST: pipeline/truncation.py's measurement, in a process of
+    its own because it imports transformers (and torch). REQUEST is JSON: {"sample": N,
+    "stages": [{"where": ..., "stage": the Stage as JSON, "model": the model whose tokenizer
+    the stage starts with}]}. Prints one JSON line last: {"stages": [{"where", "summary",
+    "affected"}]}, or {"error": the message} with exit 2 when a stage is refused. Writes
+    nothing but a temporary folder (the built-ins, when named)."""
+    import json
+    import sys
+    import tempfile
+
+    from pydantic import TypeAdapter
+
+    from pipeline.config import Stage
+    from stages import models
+
+    request = json.load(sys.stdin)
+    reports = []
+    with tempfile.TemporaryDirectory(prefix="truncation-") as scratch:
+        tokenizers: dict = {}
+        try:
+            for job in request["stages"]:
+                stage = TypeAdapter(Stage).validate_python(job["stage"])
+                if job["model"] not in tokenizers:
+                    tokenizers[job["model"]] = models.load_tokenizer(_tokenizer_folder(job["model"], Path(scratch)))
+                splits = tokenized_splits(stage, tokenizers[job["model"]], Path(scratch), job["where"],
+                                          request["sample"])
+                affected = splits.train.truncation.affected + splits.eval.truncation.affected
+                reports.append({"where": job["where"], "summary": splits.summary(stage.kind), "affected": affected})
+        except InvalidInput as err:
+            print(json.dumps({"error": err.message}))
+            return 2
+    print(json.dumps({"stages": reports}))
+    return 0
+
+
+def _tokenizer_folder(model: str, scratch: Path) -> str:
+    """Where the model's tokenizer is: the built-in tiny-llama's written alone, as
+    tiny.materialize writes it beside the model (building the model would take seconds)."""
+    if model == BUILTIN_PREFIX + "tiny-llama":
+        tiny.build_tokenizer().save_pretrained(scratch / "tokenizer")
+        return str(scratch / "tokenizer")
+    return model
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

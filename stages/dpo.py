@@ -30,11 +30,8 @@ def run(task, ctx) -> dict:
     # ---- data
     model_path = models.resolve(task.init_model, ctx.builtin_root)
     tokenizer = models.load_tokenizer(model_path)
-    train_rows, eval_rows = data.load_splits(stage.data, "dpo", ctx.builtin_root, stage.seed)
-    tokens = {
-        "train": [data.tokenize_pair(r, tokenizer, stage.data, stage.max_len) for r in train_rows],
-        "eval": [data.tokenize_pair(r, tokenizer, stage.data, stage.max_len) for r in eval_rows],
-    }
+    tokenized = data.tokenized_splits(stage, tokenizer, ctx.builtin_root)
+    tokens = {"train": tokenized.train.tokens, "eval": tokenized.eval.tokens}
 
     def pair_logps(forward, batch):
         """Summed response log-probs of each pair's (chosen, rejected), the logits and the token counts."""
@@ -141,6 +138,7 @@ def run(task, ctx) -> dict:
         "steps": outcome["steps"],
         "train_pairs": len(splits["train"]),
         "eval_pairs": len(splits["eval"]),
+        "truncation": tokenized.record(),
     }
 
 

@@ -36,7 +36,8 @@ def run(task, ctx) -> dict:
     # ---- data: prompts (and labels for rule rewards)
     model_path = models.resolve(task.init_model, ctx.builtin_root)
     tokenizer = models.load_tokenizer(model_path)
-    train_rows, eval_rows = data.load_splits(stage.data, "ppo", ctx.builtin_root, stage.seed)
+    tokenized = data.tokenized_splits(stage, tokenizer, ctx.builtin_root)  # prompts that fill max_len dropped
+    train_rows, eval_rows = tokenized.train.rows, tokenized.eval.rows
     needs_label = any(r.rule in ("exact_match", "numeric_match") for r in stage.reward.rules)
     for source, rows in (("train", train_rows), ("eval", eval_rows)):
         missing = next((i for i, r in enumerate(rows, 1) if needs_label and stage.label_key not in r), None)
@@ -44,12 +45,11 @@ def run(task, ctx) -> dict:
             raise ValueError(f"{stage.data.path} ({source}) row {missing}: no '{stage.label_key}' column, "
                              "which the exact_match/numeric_match rules compare against (label_key)")
 
-    def prompt_of(row):
-        text = row[stage.data.prompt_key]
-        return {"text": text, "ids": data.encode_prompt(tokenizer, text, stage.data), "label": row.get(stage.label_key)}
+    def prompt_of(row, tokens):
+        return {"text": row[stage.data.prompt_key], "ids": tokens["input_ids"], "label": row.get(stage.label_key)}
 
-    prompts = [prompt_of(r) for r in train_rows]
-    eval_prompts = [prompt_of(r) for r in eval_rows[: stage.eval_prompts]]
+    prompts = [prompt_of(r, t) for r, t in zip(train_rows, tokenized.train.tokens)]
+    eval_prompts = [prompt_of(r, t) for r, t in zip(eval_rows, tokenized.eval.tokens)][: stage.eval_prompts]
 
     # ---- models: actor, critic (gae), reference, reward model
     ds_config = ctx.deepspeed_config(stage, model_path)
@@ -331,4 +331,5 @@ def run(task, ctx) -> dict:
         "rollouts": total_rollouts,
         "train_prompts": len(prompts),
         "eval_prompts": len(eval_prompts),
+        "truncation": tokenized.record(),
     }

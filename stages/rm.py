@@ -24,9 +24,8 @@ def run(task, ctx) -> dict:
     # ---- data
     model_path = models.resolve(task.init_model, ctx.builtin_root)
     tokenizer = models.load_tokenizer(model_path)
-    train_rows, eval_rows = data.load_splits(stage.data, "rm", ctx.builtin_root, stage.seed)
-    train_tokens = [data.tokenize_pair(r, tokenizer, stage.data, stage.max_len) for r in train_rows]
-    eval_tokens = [data.tokenize_pair(r, tokenizer, stage.data, stage.max_len) for r in eval_rows]
+    tokenized = data.tokenized_splits(stage, tokenizer, ctx.builtin_root)
+    train_tokens, eval_tokens = tokenized.train.tokens, tokenized.eval.tokens
 
     # ---- model
     ds_config = ctx.deepspeed_config(stage, model_path)
@@ -107,4 +106,5 @@ def run(task, ctx) -> dict:
         "steps": outcome["steps"],
         "train_pairs": len(train_set),
         "eval_pairs": len(eval_set),
+        "truncation": tokenized.record(),
     }
