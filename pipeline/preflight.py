@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from pipeline import truncation
 from pipeline.config import BUILTIN_PREFIX, PipelineSpec
 from pipeline.datacheck import check_data, check_labels, check_step_rows
 from pipeline.errors import InvalidInput
@@ -58,6 +59,7 @@ def check(spec: PipelineSpec, fetching: bool = False) -> None:
         if stage.kind == "ppo":
             check_labels(stage, where, found)
             check_reward_functions(stage, where, imported=not (spec.cluster.executor == "slurm" and spec.container))
+    truncation.check(spec, cache)  # last: it tokenises rows, in a subprocess
 
 
 # --------------------------------------------------------------------------- runs_dir

@@ -304,7 +304,8 @@ def check_truncation(stage, splits: TokenizedSplits, where: str) -> None:
         enough = lengths[len(lengths) - int(limit * len(lengths) + 1e-9) - 1]  # cuts at most the share allowed
         longest = "prompt + max_new_tokens" if ppo else "row"
         fix = (f"Raise max_len to {enough} or more (the longest {longest} has {lengths[-1]} tokens)"
-               if enough > stage.max_len else "Check the dropped rows (max_len is not what leaves them nothing to learn)")
+               if enough > stage.max_len
+               else "Check the dropped rows (max_len is not what leaves them nothing to learn)")
         raise InvalidInput(
             f"{where}: max_len {stage.max_len} cuts {affected} of {measured} rows ({affected / measured:.1%}), "
             f"more than max_truncated_share ({limit:g}) allows.\n  {splits.summary(stage.kind)}.\n"

@@ -373,3 +373,16 @@ def test_a_runs_dir_that_cannot_be_written_is_refused(workdir):
                                 capture_output=True, text=True, timeout=120)
         assert_rejected(result, "runs_dir:", "shared is not writable by this user")
         assert not (workdir / "shared" / "runs").exists()
+
+
+def test_a_max_len_that_cuts_too_many_rows_of_a_later_stage_is_refused_before_the_first_stage(workdir):
+    # The dpo stage starts from sft, whose tokenizer is the built-in one: one token per
+    # character and <s>. Short pairs take 6 tokens; the 3 long ones 24, with a 21-token prompt.
+    rows = [{"prompt": "ab", "chosen": "cd", "rejected": "ce"}] * 17
+    rows += [{"prompt": "sort 1234567890123 =", "chosen": "cd", "rejected": "ce"}] * 3
+    (workdir / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = tiny_pipeline()
+    spec["stages"].append({"name": "dpo", "kind": "dpo", "from": "sft", "data": {"path": "pairs.jsonl"},
+                           "max_len": 12})
+    run_rejected(workdir, spec, "stages[1] (dpo): max_len 12 cuts 3 of 20 rows (15.0%), "
+                 "more than max_truncated_share (0.1) allows", "Raise max_len to 24 or more")
