@@ -131,3 +131,25 @@ def test_a_finished_stage_is_skipped_and_a_changed_one_starts_over(workdir):
     aside = list((workdir / "runs" / "t").glob("sft.superseded-*"))
     assert len(aside) == 1 and (aside[0] / "result.json").exists()
     assert (workdir / "runs" / "t" / "sft" / "result.json").exists()
+
+
+def test_rows_left_with_nothing_to_learn_are_dropped_and_counted_in_the_result(workdir):
+    import json
+
+    # 38 rows fit max_len 48; in 2 the prompt alone is 53 tokens (<s> + 52 characters), so
+    # the cut leaves no response token: 2 of 40 rows (5%) is within max_truncated_share.
+    rows = [{"prompt": "sort 321 =", "response": " 123"}] * 38 + [{"prompt": f"sort {'9' * 45} =", "response": " 9"}] * 2
+    (workdir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (workdir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:8]))
+    spec = tiny_pipeline()
+    spec["stages"][0].update(max_steps=2, data={"path": "train.jsonl", "eval_split": "eval.jsonl"})
+    output = run_pipeline(workdir, spec).stdout
+    assert "note: stages[0] (sft): max_len 48 (nothing to learn: no response token left): train: 2 of 40 rows " \
+        "lose tokens, 2 have nothing to learn; eval: 0 of 8 rows lose tokens, 0 have nothing to learn" in output
+    run_dir = workdir / "runs" / "t" / "sft"
+    result = read_result(run_dir)
+    assert result["truncation"] == {"max_len": 48, "train": {"rows": 40, "cut": 2, "dropped": 2},
+                                    "eval": {"rows": 8, "cut": 0, "dropped": 0}}
+    assert result["train_rows"] == 38
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.out"))
+    assert "dropped 2 train and 0 eval rows with nothing to learn within max_len 48" in logs
