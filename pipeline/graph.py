@@ -24,7 +24,8 @@ from pipeline.identity import Digests, changed_inputs, input_digests
 from pipeline.runfolder import StageFolder
 
 # Fields that change how a stage is run or logged, not what it produces.
-OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints", "eval_interval", "nodes"}
+OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints", "eval_interval", "nodes",
+                      "max_truncated_share"}
 
 
 class StageTask(BaseModel):

@@ -9,8 +9,8 @@ because it imports transformers and torch, which pipeline/ never does. A stage
 is measured when its tokenizer and rows are on this machine: its model, or the
 model its `from` chain starts at (upstream stages export that model's
 tokenizer), is built-in, a local folder or in the Hugging Face cache, and its
-data is built-in, a local file or a local dataset folder. Other stages measure
-it themselves when they start. Data of more than SAMPLE_ROWS rows is measured on
+data is a local file or a local dataset folder. Other stages, and the built-in
+task's (rows of a few characters), measure it themselves when they start. Data of more than SAMPLE_ROWS rows is measured on
 a random sample of that many (the message says so): tokenising every row of a
 large file takes minutes (README.md, Data).
 """
@@ -41,7 +41,9 @@ def check(spec: PipelineSpec, cache: HFCache) -> None:
     for i, stage in enumerate(spec.stages):
         root = root_model(spec, stage)
         tokenizer = root if root.startswith(BUILTIN_PREFIX) else model_folder(root, cache)
-        if tokenizer is not None and (stage.data.is_builtin or Path(stage.data.path).exists()):
+        # The built-in task's rows are a few characters long: the stage still measures them, but
+        # preflight does not start a subprocess (torch and transformers imports, ~4 s) for them.
+        if tokenizer is not None and not stage.data.is_builtin and Path(stage.data.path).exists():
             jobs.append({"where": f"stages[{i}] ({stage.name})", "model": str(tokenizer),
                          "stage": stage.model_dump(mode="json", by_alias=True)})
     if not jobs:
