@@ -22,7 +22,9 @@ Conventions used throughout
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +42,17 @@ __all__ = [
     "grpo_advantages",
     "rloo_advantages",
     "reinforce_pp_returns",
+    "token_rewards",
+    "AdvantageInputs",
+    "AdvantageSettings",
+    "ADVANTAGE_ESTIMATORS",
+    "estimate_advantages",
+    "SCALE_REWARDS",
+    "importance_log_ratio",
+    "IMPORTANCE_SAMPLING",
     "policy_loss",
+    "aggregate_loss",
+    "LOSS_AGGREGATIONS",
     "value_loss",
     "kl_penalty",
     "KL_ESTIMATORS",
@@ -51,7 +63,13 @@ __all__ = [
 
 DPO_LOSS_TYPES: Tuple[str, ...] = ("sigmoid", "ipo")
 KL_ESTIMATORS: Tuple[str, ...] = ("k1", "k2", "k3")
+SCALE_REWARDS: Tuple[str, ...] = ("group", "batch", "none")
+IMPORTANCE_SAMPLING: Tuple[str, ...] = ("token", "sequence")
+LOSS_AGGREGATIONS: Tuple[str, ...] = ("token_mean", "sequence_mean", "sequence_sum_normalized")
 
+# Sums a 1-D float64 tensor over every process (an all-reduce); statistics that span a
+# rollout use it so that they do not depend on how the rollout is split over processes.
+SumOverProcesses = Callable[[torch.Tensor], torch.Tensor]
 
 
 # --------------------------------------------------------------------------- #
@@ -404,17 +422,23 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, *, eps: float = 1e-8
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    *,
+    eps: float = 1e-8,
+    sum_over_processes: Optional[SumOverProcesses] = None,
 ) -> torch.Tensor:
     r"""Normalise ``x`` to unit variance using statistics of the masked entries.
 
     Statistics are taken over *all* masked elements of the tensor (the whole
-    batch), with the **unbiased** (Bessel, ``n - 1``) variance, as in common
-    PPO implementations:
+    batch) and, with ``sum_over_processes``, over every process's tensor, with
+    the **unbiased** (Bessel, ``n - 1``) variance, as in common PPO
+    implementations:
 
     .. math::
-        \mu = \operatorname{masked\_mean}(x), \quad
-        \sigma^2 = \frac{\sum_i m_i (x_i - \mu)^2}{n - 1}
+        \mu = \frac{\sum_i m_i x_i}{n}, \quad
+        \sigma^2 = \frac{\sum_i m_i (x_i - \mu)^2}{n - 1}, \qquad n = \sum_i m_i
 
         \text{shift\_mean=True:}\quad  y = (x - \mu) / \sqrt{\sigma^2 + \epsilon}
 
@@ -428,19 +452,35 @@ def masked_whiten(
         mask: same shape, 1/0 or bool.
         shift_mean: see above.
         eps: added to the variance.
+        sum_over_processes: sums a 1-D float64 tensor over all processes (e.g.
+            an all-reduce); None = this tensor is the whole batch.  The sums
+            are taken in float64, so the result does not depend on how the
+            batch is split over processes (beyond float64 rounding).
 
     Returns:
-        Same shape as ``x``, 0 at masked-out positions.  With fewer than two
-        valid entries the variance is taken as 0.
+        Same shape and dtype as ``x``, 0 at masked-out positions.  With fewer
+        than two valid entries the variance is taken as 0.
     """
     _check_same_shape(x=x, mask=mask)
     m = _as_bool_mask(mask)
-    mean = masked_mean(x, m)
-    var = masked_var(x, m, unbiased=True)
-    y = (x - mean) * torch.rsqrt(var + eps)
+    mean, var = _global_mean_var(x, m, sum_over_processes)
+    y = (x.double() - mean) / math.sqrt(var + eps)
     if not shift_mean:
         y = y + mean
-    return torch.where(m, y, torch.zeros_like(y))
+    return torch.where(m, y, torch.zeros_like(y)).to(x.dtype)
+
+
+def _global_mean_var(
+    x: torch.Tensor, m: torch.Tensor, sum_over_processes: Optional[SumOverProcesses]
+) -> Tuple[float, float]:
+    """Mean and unbiased variance of x where m, over every process (two float64 sums)."""
+    reduce = sum_over_processes or (lambda sums: sums)
+    xd = torch.where(m, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))
+    total, count = reduce(torch.stack([xd.sum(), m.sum().double()])).tolist()
+    mean = total / max(count, 1.0)
+    centered = torch.where(m, xd - mean, torch.zeros_like(xd))
+    (squares,) = reduce(centered.pow(2).sum().reshape(1)).tolist()
+    return mean, squares / max(count - 1.0, 1.0)
 
 
 # --------------------------------------------------------------------------- #
@@ -505,38 +545,54 @@ def grpo_advantages(
     rewards: torch.Tensor,
     group_size: int,
     eps: float = 1e-6,
-    scale: bool = True,
+    scale: str = "group",
+    *,
+    valid: Optional[torch.Tensor] = None,
+    sum_over_processes: Optional[SumOverProcesses] = None,
 ) -> torch.Tensor:
-    r"""Group-relative advantages (GRPO, Shao et al. 2024).
+    r"""Group-relative advantages (GRPO, Shao et al. 2024) and their variants.
 
     Samples of one prompt are contiguous: rows ``[g*k, (g+1)*k)`` form group
-    ``g`` (``k = group_size``).  Outcome supervision, one scalar per sample:
+    ``g`` (``k = group_size``).  Outcome supervision, one scalar per sample,
+    centred on its group's mean and divided by a spread that ``scale`` picks:
 
     .. math::
-        A_i = \frac{r_i - \bar r_g}{s_g + \epsilon}, \qquad
-        s_g = \sqrt{\tfrac{1}{k-1}\textstyle\sum_{j\in g}(r_j - \bar r_g)^2}
+        A_i = \frac{r_i - \bar r_g}{s + \epsilon}
 
-    The group std is the **unbiased** (Bessel, ``k - 1``) one, matching
-    ``torch.std`` default and common GRPO implementations.  ``scale=False``
-    returns :math:`r_i - \bar r_g` (Dr. GRPO style, no std division).  With
-    ``group_size == 1`` the advantages are all 0.
+    * ``"group"``: :math:`s = s_g`, the group's **unbiased** (``k - 1``)
+      standard deviation (GRPO; TRL's default);
+    * ``"batch"``: :math:`s` is the unbiased standard deviation of every
+      reward of the rollout, over all processes (``sum_over_processes``);
+      PPO-Lite's "group mean, batch std";
+    * ``"none"``: :math:`A_i = r_i - \bar r_g` (Dr. GRPO, Liu et al. 2025:
+      dividing by the group std favours prompts that are too easy or too hard).
+
+    With ``group_size == 1`` the advantages are all 0.
 
     Args:
         rewards: ``(N,)`` with ``N = n_prompts * group_size``.
         group_size: ``k >= 1``; must divide ``N``.
         eps: added to the std.
-        scale: divide by the group std.
+        scale: one of :data:`SCALE_REWARDS`.
+        valid: ``(N,)`` bool, the samples the batch statistic counts (default
+            all); groups are always centred on all their samples.
+        sum_over_processes: see :func:`masked_whiten`; used by ``"batch"``.
 
     Returns:
         ``(N,)`` float advantages (broadcast them over tokens yourself).
     """
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALE_REWARDS)}")
     g = _grouped(rewards, group_size, min_size=1)
-    mean = g.mean(dim=1, keepdim=True)
-    centered = g - mean
-    if scale:
-        denom = max(group_size - 1, 1)
-        std = (centered.pow(2).sum(dim=1, keepdim=True) / denom).sqrt()
+    centered = g - g.mean(dim=1, keepdim=True)
+    if scale == "group":
+        std = (centered.pow(2).sum(dim=1, keepdim=True) / max(group_size - 1, 1)).sqrt()
         centered = centered / (std + eps)
+    elif scale == "batch":
+        flat = g.reshape(-1)
+        keep = torch.ones_like(flat, dtype=torch.bool) if valid is None else _as_bool_mask(valid)
+        _, var = _global_mean_var(flat, keep, sum_over_processes)
+        centered = centered / (math.sqrt(var) + eps)
     return centered.reshape(-1)
 
 
@@ -573,10 +629,14 @@ def _grouped(rewards: torch.Tensor, group_size: int, min_size: int) -> torch.Ten
 
 
 def reinforce_pp_returns(
-    rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    *,
+    sum_over_processes: Optional[SumOverProcesses] = None,
 ) -> torch.Tensor:
     r"""REINFORCE++ token-level advantages (Hu 2025): discounted returns,
-    then whitened over the whole batch.
+    then whitened over the whole rollout (every process's share).
 
     .. math::
         G_t = r_t + \gamma G_{t+1} \ \ (G = 0 \text{ past the last valid token}),
@@ -584,13 +644,14 @@ def reinforce_pp_returns(
         A_t = \frac{G_t - \mu_G}{\sqrt{\sigma_G^2 + 10^{-8}}}
 
     with :math:`\mu_G, \sigma_G^2` the masked mean and **unbiased** variance of
-    :math:`G` over all valid tokens of the batch (:func:`masked_whiten`).
+    :math:`G` over all valid tokens of the rollout (:func:`masked_whiten`).
 
     Args:
         rewards: ``(B, T)`` per-token rewards; the caller places the sequence
             score at the last valid token (and may add per-token KL terms).
         mask: ``(B, T)`` valid response tokens, 1/0 or bool.
         gamma: discount.
+        sum_over_processes: see :func:`masked_whiten`.
 
     Returns:
         ``(B, T)`` whitened returns (used as advantages), 0 at masked-out
@@ -599,65 +660,260 @@ def reinforce_pp_returns(
     _check_same_shape(rewards=rewards, mask=mask)
     with torch.no_grad():
         returns = _discounted_reverse_cumsum(rewards.detach(), mask, gamma)
-        return masked_whiten(returns, mask, shift_mean=True)
+        return masked_whiten(returns, mask, shift_mean=True, sum_over_processes=sum_over_processes)
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    r"""Per-token rewards of a sequence-level score: :math:`r_t = -\beta\,KL_t`
+    on every response token, plus the score on the last one.
+
+    Args:
+        scores: ``(B,)``.  kl, mask: ``(B, T)``.  kl_coef: :math:`\beta`.
+
+    Returns:
+        ``(B, T)``, 0 outside the mask (a row with an empty mask gets nothing).
+    """
+    m = _as_bool_mask(mask)
+    out = torch.where(m, -kl_coef * kl, torch.zeros_like(kl))
+    last = m.long().cumsum(dim=1).argmax(dim=1)  # the last response position of each row
+    has_tokens = m.any(dim=1)
+    rows = torch.arange(m.shape[0], device=m.device)
+    out[rows, last] += torch.where(has_tokens, scores.to(out.dtype), torch.zeros_like(out[:, 0]))
+    return out
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What every estimator reads: one process's share of a rollout.
+
+    ``S`` sequences, the samples of each prompt contiguous (groups never span
+    processes); ``T`` target positions (``token_logprobs`` alignment).
+    """
+
+    scores: torch.Tensor  # (S,) each sequence's reward
+    kl: torch.Tensor  # (S, T) per-token KL estimate to the reference, 0 off the mask
+    mask: torch.Tensor  # (S, T) response tokens that train (a sequence with none is left out of statistics)
+    kl_coef: float = 0.0  # weight of the KL inside the reward (0: none, e.g. the KL is a loss term)
+    values: Optional[torch.Tensor] = None  # (S, T) critic values (gae)
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    group_size: int = 1  # samples per prompt
+    gamma: float = 1.0
+    lam: float = 0.95
+    scale_rewards: str = "group"  # grpo: group | batch | none
+
+
+Estimator = Callable[
+    [AdvantageInputs, AdvantageSettings, Optional[SumOverProcesses]],
+    Tuple[torch.Tensor, Optional[torch.Tensor]],
+]
+
+
+def _gae_estimator(inputs, settings, sum_over_processes):
+    rewards = token_rewards(inputs.scores, inputs.kl, inputs.mask, inputs.kl_coef)
+    advantages, returns = gae(inputs.values, rewards, inputs.mask, settings.gamma, settings.lam)
+    return masked_whiten(advantages, inputs.mask, sum_over_processes=sum_over_processes), returns
+
+
+def _reinforce_pp_estimator(inputs, settings, sum_over_processes):
+    rewards = token_rewards(inputs.scores, inputs.kl, inputs.mask, inputs.kl_coef)
+    return reinforce_pp_returns(rewards, inputs.mask, settings.gamma, sum_over_processes=sum_over_processes), None
+
+
+def _sequence_scores(inputs: AdvantageInputs) -> torch.Tensor:
+    """Critic-free estimators take one number per sequence: the KL enters as a sequence penalty."""
+    kl = torch.where(_as_bool_mask(inputs.mask), inputs.kl, torch.zeros_like(inputs.kl)).sum(dim=1)
+    return inputs.scores.to(kl.dtype) - inputs.kl_coef * kl
+
+
+def _grpo_estimator(inputs, settings, sum_over_processes):
+    per_sequence = grpo_advantages(_sequence_scores(inputs), settings.group_size, scale=settings.scale_rewards,
+                                   valid=_as_bool_mask(inputs.mask).any(dim=1),
+                                   sum_over_processes=sum_over_processes)
+    return per_sequence.unsqueeze(1) * inputs.mask.to(per_sequence.dtype), None
+
+
+def _rloo_estimator(inputs, settings, sum_over_processes):
+    per_sequence = rloo_advantages(_sequence_scores(inputs), settings.group_size)
+    return per_sequence.unsqueeze(1) * inputs.mask.to(per_sequence.dtype), None
+
+
+ADVANTAGE_ESTIMATORS: Dict[str, Estimator] = {
+    "gae": _gae_estimator,
+    "grpo": _grpo_estimator,
+    "rloo": _rloo_estimator,
+    "reinforce_pp": _reinforce_pp_estimator,
+}
+
+
+def estimate_advantages(
+    estimator: str,
+    inputs: AdvantageInputs,
+    settings: AdvantageSettings,
+    sum_over_processes: Optional[SumOverProcesses] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    r"""Advantages of a whole rollout, the same call for every estimator.
+
+    * ``gae``: per-token rewards (:func:`token_rewards`), :func:`gae` with the
+      critic's values, advantages whitened over the rollout;
+    * ``reinforce_pp``: discounted returns of the per-token rewards, whitened
+      over the rollout (:func:`reinforce_pp_returns`);
+    * ``grpo`` / ``rloo``: one number per sequence (score minus
+      :math:`\beta\sum_t KL_t`), :func:`grpo_advantages` (with
+      ``settings.scale_rewards``) or :func:`rloo_advantages`, broadcast over the
+      sequence's tokens.
+
+    Every statistic that spans sequences (whitening, the batch std) is summed
+    over processes with ``sum_over_processes``, so the advantages are the same
+    however the rollout is split over processes and micro batches.
+
+    Returns:
+        ``(advantages, returns)``: ``(S, T)`` each, 0 off the mask; returns
+        (the critic's targets) only for ``gae``, else None.  Detached.
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
+    if estimator == "gae" and inputs.values is None:
+        raise ValueError("advantage estimator gae needs the critic's values")
+    _check_same_shape(kl=inputs.kl, mask=inputs.mask)
+    with torch.no_grad():
+        return ADVANTAGE_ESTIMATORS[estimator](inputs, settings, sum_over_processes)
 
 
 # --------------------------------------------------------------------------- #
-# PPO losses
+# Policy-gradient losses
 # --------------------------------------------------------------------------- #
+def importance_log_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, level: str = "token"
+) -> torch.Tensor:
+    r"""Log of the importance ratio between the current and the behaviour policy.
+
+    * ``"token"`` (PPO, GRPO, DAPO): :math:`\log\rho_{i,t} = \log\pi_{i,t} - \log\pi_{old,i,t}`;
+    * ``"sequence"`` (GSPO, Zheng et al. 2025): one ratio per sequence, the
+      geometric mean of its token ratios,
+
+      .. math::
+          \log s_i = \frac{1}{|y_i|}\sum_{t} \big(\log\pi_{i,t} - \log\pi_{old,i,t}\big),
+
+      repeated on every token of the sequence.  The gradient flows through the
+      mean, as in the GSPO paper: :math:`\nabla s_i = s_i\,\frac{1}{|y_i|}\sum_t
+      \nabla\log\pi_{i,t}`.
+
+    Returns:
+        ``(B, T)``, 0 off the mask (so ``exp`` of it cannot overflow there).
+    """
+    if level not in IMPORTANCE_SAMPLING:
+        raise ValueError(f"unknown importance sampling level {level!r}; valid: {', '.join(IMPORTANCE_SAMPLING)}")
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
+    m = _as_bool_mask(mask)
+    log_ratio = torch.where(m, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
+    if level == "sequence":
+        per_sequence = log_ratio.sum(dim=1) / m.sum(dim=1).clamp(min=1).to(log_ratio.dtype)
+        log_ratio = torch.where(m, per_sequence.unsqueeze(1).expand_as(log_ratio), torch.zeros_like(log_ratio))
+    return log_ratio
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_eps: float,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    r"""PPO clipped surrogate policy loss (Schulman et al. 2017).
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: Optional[float] = None,
+    importance_sampling: str = "token",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    r"""PPO's clipped surrogate, per token, with decoupled clip bounds (DAPO's
+    clip-higher) and token- or sequence-level ratios (:func:`importance_log_ratio`).
 
     .. math::
-        \rho_t = \exp(\log\pi_t - \log\pi_{old,t}),\qquad
-        \ell_t = -\min\big(\rho_t A_t,\ \operatorname{clip}(\rho_t, 1-\epsilon, 1+\epsilon) A_t\big)
+        \ell_t = -\min\big(\rho_t A_t,\
+                 \operatorname{clip}(\rho_t, 1-\epsilon_{low}, 1+\epsilon_{high}) A_t\big)
 
-        L = \operatorname{masked\_mean}(\ell, m)
-
-    Stats (detached 0-dim tensors):
-
-    * ``clip_fraction``: masked fraction of tokens where the clipped term is the
-      active one, i.e. :math:`-\operatorname{clip}(\rho)A > -\rho A` strictly
-      (the token's gradient is zeroed).  A token with :math:`\rho` outside the
-      range but on the unclipped side of the min (e.g. :math:`\rho > 1+\epsilon`
-      with :math:`A < 0`) is **not** counted.
-    * ``approx_kl``: masked mean of :math:`(\rho - 1) - \log\rho`, Schulman's
-      k3 estimator of :math:`KL(\pi_{old}\,\|\,\pi)` (samples from
-      :math:`\pi_{old}`), always >= 0.
+    ``clip_eps_high`` defaults to ``clip_eps_low`` (symmetric PPO).  Reduce the
+    per-token losses with :func:`aggregate_loss`.
 
     Args:
         logprobs: ``(B, T)`` current policy token log-probs (with grad).
         old_logprobs: ``(B, T)`` behaviour-policy log-probs (treated as constant).
         advantages: ``(B, T)`` (treated as constant).
         mask: ``(B, T)`` 1/0 or bool.
-        clip_eps: :math:`\epsilon`.
 
     Returns:
-        ``(loss, {"clip_fraction": ..., "approx_kl": ...})``; ``loss`` is 0-dim.
+        ``(losses, clipped)``: ``(B, T)`` per-token losses, 0 off the mask, and
+        a bool ``(B, T)`` marking the tokens where the clipped term is the
+        active one, i.e. :math:`-\operatorname{clip}(\rho)A > -\rho A` strictly
+        (the token's gradient is zeroed).  A token with :math:`\rho` outside
+        the range but on the unclipped side of the min (e.g.
+        :math:`\rho > 1+\epsilon` with :math:`A < 0`) is **not** clipped.
     """
-    _check_same_shape(
-        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask
-    )
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    high = clip_eps_low if clip_eps_high is None else clip_eps_high
     m = _as_bool_mask(mask)
-    log_ratio = logprobs - old_logprobs.detach()
-    # Masked-out log-ratios are zeroed so exp() cannot overflow into NaN grads.
-    log_ratio = torch.where(m, log_ratio, torch.zeros_like(log_ratio))
-    ratio = torch.exp(log_ratio)
-    adv = advantages.detach()
+    ratio = torch.exp(importance_log_ratio(logprobs, old_logprobs, m, importance_sampling))
+    adv = advantages.detach().to(ratio.dtype)
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-    per_token = torch.maximum(unclipped, clipped)
-    loss = masked_mean(per_token, m)
-    with torch.no_grad():
-        clip_fraction = masked_mean((clipped > unclipped).to(per_token.dtype), m)
-        approx_kl = masked_mean((ratio - 1.0) - log_ratio, m)
-    return loss, {"clip_fraction": clip_fraction, "approx_kl": approx_kl}
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + high)
+    losses = torch.where(m, torch.maximum(unclipped, clipped), torch.zeros_like(ratio))
+    return losses, (clipped > unclipped).detach() & m
+
+
+def aggregate_loss(
+    losses: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token_mean",
+    *,
+    tokens: Optional[float] = None,
+    sequences: Optional[float] = None,
+    max_len: Optional[int] = None,
+) -> torch.Tensor:
+    r"""Reduce per-token losses ``(B, T)`` to a loss, as one of :data:`LOSS_AGGREGATIONS`:
+
+    * ``"token_mean"``: every token of the batch weighs the same (DAPO's
+      token-level loss; TRL's default ``loss_type="dapo"``):
+      :math:`L = \sum_{i,t} m_{i,t}\ell_{i,t} / \sum_{i,t} m_{i,t}`;
+    * ``"sequence_mean"``: each sequence's token mean, averaged over sequences
+      (the GRPO paper's; GSPO's with sequence-level ratios):
+      :math:`L = \frac{1}{N}\sum_i \frac{1}{|y_i|}\sum_t m_{i,t}\ell_{i,t}`;
+    * ``"sequence_sum_normalized"``: token sums over a fixed normaliser, the
+      number of sequences times the longest completion allowed (Dr. GRPO), so
+      no sequence's length scales its tokens' weight:
+      :math:`L = \sum_{i,t} m_{i,t}\ell_{i,t} / (N \cdot L_{max})`.
+
+    ``tokens`` and ``sequences`` default to this batch's own counts (sequences
+    with at least one masked token).  Give a whole optimizer step's counts
+    (over every micro batch and process) to get this micro batch's *share* of
+    the step's loss: the shares add up to the step's loss however the step is
+    split.
+
+    Args:
+        losses: ``(B, T)`` per-token losses.
+        mask: ``(B, T)`` 1/0 or bool.
+        mode: the aggregation.
+        tokens: denominator of ``token_mean``.
+        sequences: :math:`N` of the two sequence modes.
+        max_len: :math:`L_{max}` of ``sequence_sum_normalized`` (required there).
+
+    Returns:
+        0-dim loss; 0 when the denominator is 0.
+    """
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")
+    _check_same_shape(losses=losses, mask=mask)
+    m = _as_bool_mask(mask)
+    masked = torch.where(m, losses, torch.zeros_like(losses))
+    if mode == "token_mean":
+        count = float(m.sum()) if tokens is None else float(tokens)
+        return masked.sum() / max(count, 1.0)
+    n = float(m.any(dim=1).sum()) if sequences is None else float(sequences)
+    if mode == "sequence_mean":
+        per_sequence = masked.sum(dim=1) / m.sum(dim=1).clamp(min=1).to(masked.dtype)
+        return per_sequence.sum() / max(n, 1.0)
+    if max_len is None or max_len < 1:
+        raise ValueError("loss aggregation sequence_sum_normalized needs max_len, the longest completion allowed")
+    return masked.sum() / (max(n, 1.0) * max_len)
 
 
 def value_loss(
@@ -667,13 +923,12 @@ def value_loss(
     mask: torch.Tensor,
     clip_eps: float,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    r"""PPO clipped value loss.
+    r"""PPO clipped value loss, per token.
 
     .. math::
         V^{clip}_t = V_{old,t} + \operatorname{clip}(V_t - V_{old,t}, -\epsilon, \epsilon)
 
-        L = \operatorname{masked\_mean}\Big(\tfrac12
-            \max\big((V_t - R_t)^2,\ (V^{clip}_t - R_t)^2\big),\ m\Big)
+        \ell_t = \tfrac12 \max\big((V_t - R_t)^2,\ (V^{clip}_t - R_t)^2\big)
 
     Args:
         values: ``(B, T)`` current critic values (with grad).
@@ -683,8 +938,9 @@ def value_loss(
         clip_eps: :math:`\epsilon` (in value units).
 
     Returns:
-        ``(loss, clip_fraction)``: 0-dim loss, and the detached masked fraction
-        of tokens where the clipped error is strictly larger (the active term).
+        ``(losses, clipped)``: ``(B, T)`` per-token losses, 0 off the mask (reduce
+        them with :func:`aggregate_loss`), and a bool ``(B, T)`` marking where
+        the clipped error is strictly larger (the active term).
     """
     _check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     m = _as_bool_mask(mask)
@@ -693,10 +949,8 @@ def value_loss(
     v_clipped = old + torch.clamp(values - old, -clip_eps, clip_eps)
     err_unclipped = (values - ret) ** 2
     err_clipped = (v_clipped - ret) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(err_unclipped, err_clipped), m)
-    with torch.no_grad():
-        clip_fraction = masked_mean((err_clipped > err_unclipped).to(err_clipped.dtype), m)
-    return loss, clip_fraction
+    losses = torch.where(m, 0.5 * torch.maximum(err_unclipped, err_clipped), torch.zeros_like(values))
+    return losses, (err_clipped > err_unclipped).detach() & m
 
 
 # --------------------------------------------------------------------------- #

@@ -8,6 +8,7 @@ log_softmax + gather) written here, independent of the implementation.
 import math
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -17,8 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from stages import losses as L  # noqa: E402
 from stages.losses import (  # noqa: E402
     AdaptiveKLController,
+    AdvantageInputs,
+    AdvantageSettings,
     FixedKLController,
+    aggregate_loss,
     dpo_loss,
+    estimate_advantages,
     entropy_from_logits,
     gae,
     grpo_advantages,
@@ -30,6 +35,7 @@ from stages.losses import (  # noqa: E402
     reward_pair_loss,
     rloo_advantages,
     sequence_logprobs,
+    token_rewards,
     value_loss,
 )
 
@@ -372,7 +378,7 @@ def test_grpo_advantages_known_groups():
     s = math.sqrt(3) / 2
     close(grpo_advantages(rewards, 4, eps=0.0), [s, -s, -s, s, 0.5, 0.5, 0.5, -1.5], atol=1e-12)
     close(
-        grpo_advantages(rewards, 4, scale=False),
+        grpo_advantages(rewards, 4, scale="none"),
         [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75],
         atol=1e-12,
     )
@@ -421,8 +427,107 @@ def test_reinforce_pp_returns_by_hand():
     close(reinforce_pp_returns(rewards, mask, gamma=gamma), expected, atol=1e-7)
 
 
+def test_token_rewards_put_the_score_on_the_last_response_token_and_the_kl_everywhere():
+    scores = t([2.0, 3.0])
+    kl = t([[0.1, 0.2, 0.3, 9.0], [9.0, 0.5, 0.0, 9.0]])  # the 9s are off the mask
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 0]])
+    close(token_rewards(scores, kl, mask, kl_coef=0.5),
+          [[-0.05, -0.1, -0.15 + 2.0, 0.0], [0.0, -0.25, 3.0, 0.0]], atol=1e-12)
+
+
+def test_grpo_batch_scale_divides_by_the_whole_rollouts_std():
+    rewards = t([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    # all 8: mean 5/8, squares 5 * 0.375^2 + 3 * 0.625^2 = 1.875, unbiased var 1.875 / 7
+    std = math.sqrt(1.875 / 7)
+    centered = [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75]
+    close(grpo_advantages(rewards, 4, eps=0.0, scale="batch"), [c / std for c in centered], atol=1e-12)
+
+
+def test_critic_free_estimators_subtract_the_summed_kl_from_the_score():
+    mask = torch.ones(2, 2)
+    kl = t([[0.5, 0.5], [0.0, 0.0]])
+    inputs = AdvantageInputs(scores=t([1.0, 1.0]), kl=kl, mask=mask, kl_coef=0.2)
+    # sequence rewards 1 - 0.2 * 1 = 0.8 and 1: group mean 0.9 -> -0.1, +0.1 on every token
+    advantages, _ = estimate_advantages("grpo", inputs, AdvantageSettings(group_size=2, scale_rewards="none"))
+    close(advantages, [[-0.1, -0.1], [0.1, 0.1]], atol=1e-12)
+    advantages, _ = estimate_advantages("rloo", inputs, AdvantageSettings(group_size=2))
+    close(advantages, [[-0.2, -0.2], [0.2, 0.2]], atol=1e-12)  # 0.8 - 1, 1 - 0.8
+
+
+class _TwoProcesses:
+    """sum_over_processes for threads standing in for processes: each waits for the others' sums."""
+
+    def __init__(self, n: int):
+        self.barrier, self.parts = threading.Barrier(n), [None] * n
+
+    def of(self, rank: int):
+        def reduce(values):
+            self.parts[rank] = values.detach().double().clone()
+            self.barrier.wait()
+            total = sum(self.parts)
+            self.barrier.wait()  # everyone has read before anyone writes again
+            return total
+
+        return reduce
+
+
+def _split_run(estimator, inputs, settings, cuts):
+    """The estimator on each share of the rows, in threads that sum their statistics together."""
+    shares = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
+    processes = _TwoProcesses(len(shares))
+    out = [None] * len(shares)
+
+    def work(rank, rows):
+        part = AdvantageInputs(scores=inputs.scores[rows], kl=inputs.kl[rows], mask=inputs.mask[rows],
+                               kl_coef=inputs.kl_coef, values=None if inputs.values is None else inputs.values[rows])
+        out[rank] = estimate_advantages(estimator, part, settings, processes.of(rank))
+
+    threads = [threading.Thread(target=work, args=(r, rows)) for r, rows in enumerate(shares)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    advantages = torch.cat([a for a, _ in out])
+    returns = None if out[0][1] is None else torch.cat([r for _, r in out])
+    return advantages, returns
+
+
+@pytest.mark.parametrize("estimator,scale", [("gae", "group"), ("reinforce_pp", "group"), ("grpo", "group"),
+                                             ("grpo", "batch"), ("grpo", "none"), ("rloo", "group")])
+def test_every_estimator_gives_the_same_advantages_however_the_rollout_is_split(estimator, scale):
+    g = torch.Generator().manual_seed(11)
+    S, T = 8, 6
+    mask = (torch.arange(T)[None, :] < torch.tensor([6, 3, 1, 4, 0, 5, 2, 6])[:, None]).double()  # row 4: empty
+    inputs = AdvantageInputs(scores=torch.randn(S, generator=g, dtype=torch.float64),
+                             kl=torch.rand(S, T, generator=g, dtype=torch.float64) * mask * 0.1, mask=mask,
+                             kl_coef=0.05, values=torch.randn(S, T, generator=g, dtype=torch.float64) * mask)
+    settings = AdvantageSettings(group_size=2, gamma=0.99, lam=0.9, scale_rewards=scale)
+    whole, whole_returns = estimate_advantages(estimator, inputs, settings)
+    for cuts in ([0, 4, 8], [0, 2, 8]):  # two processes, even or not (groups never span processes)
+        split, split_returns = _split_run(estimator, inputs, settings, cuts)
+        close(split, whole, atol=1e-12)
+        if whole_returns is not None:
+            close(split_returns, whole_returns, atol=1e-12)
+    assert whole[4].abs().sum() == 0 and (whole * (1 - mask)).abs().sum() == 0
+
+
+def test_gae_advantages_are_whitened_over_the_rollout():
+    mask = torch.ones(2, 2)
+    inputs = AdvantageInputs(scores=t([1.0, 3.0]), kl=torch.zeros(2, 2, dtype=torch.float64), mask=mask,
+                             values=torch.zeros(2, 2, dtype=torch.float64))
+    advantages, returns = estimate_advantages("gae", inputs, AdvantageSettings(gamma=1.0, lam=1.0))
+    # V = 0, gamma = lam = 1: raw advantages = returns = the score on every token: [1, 1, 3, 3];
+    # mean 2, unbiased var 4/3 -> +-sqrt(3)/2
+    close(returns, [[1.0, 1.0], [3.0, 3.0]], atol=1e-12)
+    s = math.sqrt(3) / 2
+    close(advantages, [[-s, -s], [s, s]], atol=1e-6)
+    with pytest.raises(ValueError, match="needs the critic's values"):
+        estimate_advantages("gae", AdvantageInputs(scores=t([1.0]), kl=t([[0.0]]), mask=t([[1.0]])),
+                            AdvantageSettings())
+
+
 # --------------------------------------------------------------------------- #
-# PPO policy / value losses
+# Policy-gradient losses: clip ranges, importance sampling, aggregation
 # --------------------------------------------------------------------------- #
 def _ppo_inputs(ratios, advantages):
     old = t([-1.0] * len(ratios))
@@ -430,65 +535,159 @@ def _ppo_inputs(ratios, advantages):
     return logprobs, old, t(advantages)
 
 
-def test_policy_loss_inside_clip_range():
-    logprobs, old, adv = _ppo_inputs([1.1], [2.0])
-    loss, stats = policy_loss(logprobs, old, adv, torch.ones(1), clip_eps=0.2)
-    close(loss, -2.2, atol=1e-12)  # -rho A = -1.1 * 2
-    close(stats["clip_fraction"], 0.0)
-    close(stats["approx_kl"], 0.1 - math.log(1.1), atol=1e-12)  # (rho - 1) - log rho
+def _token_loss(ratios, advantages, mask=None, **clip):
+    logprobs, old, adv = _ppo_inputs(ratios, advantages)
+    mask = torch.ones(len(ratios)) if mask is None else mask
+    losses, clipped = policy_loss(logprobs.unsqueeze(0), old.unsqueeze(0), adv.unsqueeze(0), mask.unsqueeze(0), **clip)
+    loss = aggregate_loss(losses, mask.unsqueeze(0))
     loss.backward()
-    close(logprobs.grad, [-2.2], atol=1e-12)  # d(-rho A)/dlogp = -rho A
+    return loss, clipped[0], logprobs.grad
+
+
+def test_policy_loss_inside_clip_range():
+    loss, clipped, grad = _token_loss([1.1], [2.0], clip_eps_low=0.2)
+    close(loss, -2.2, atol=1e-12)  # -rho A = -1.1 * 2
+    assert not clipped.any()
+    close(grad, [-2.2], atol=1e-12)  # d(-rho A)/dlogp = -rho A
 
 
 def test_policy_loss_outside_clip_range():
-    eps = 0.2
     # rho = 1.5, A = +1: min(1.5, 1.2) = 1.2 -> loss -1.2, clipped (no gradient)
-    logprobs, old, adv = _ppo_inputs([1.5], [1.0])
-    loss, stats = policy_loss(logprobs, old, adv, torch.ones(1), eps)
+    loss, clipped, grad = _token_loss([1.5], [1.0], clip_eps_low=0.2)
     close(loss, -1.2, atol=1e-12)
-    close(stats["clip_fraction"], 1.0)
-    loss.backward()
-    close(logprobs.grad, [0.0])
+    assert clipped.all()
+    close(grad, [0.0])
     # rho = 1.5, A = -1: min(-1.5, -1.2) = -1.5 -> loss 1.5, unclipped term active
-    logprobs, old, adv = _ppo_inputs([1.5], [-1.0])
-    loss, stats = policy_loss(logprobs, old, adv, torch.ones(1), eps)
+    loss, clipped, _ = _token_loss([1.5], [-1.0], clip_eps_low=0.2)
     close(loss, 1.5, atol=1e-12)
-    close(stats["clip_fraction"], 0.0)
+    assert not clipped.any()
     # rho = 0.5, A = -1: min(-0.5, -0.8) = -0.8 -> loss 0.8, clipped
-    logprobs, old, adv = _ppo_inputs([0.5], [-1.0])
-    loss, stats = policy_loss(logprobs, old, adv, torch.ones(1), eps)
+    loss, clipped, _ = _token_loss([0.5], [-1.0], clip_eps_low=0.2)
     close(loss, 0.8, atol=1e-12)
-    close(stats["clip_fraction"], 1.0)
+    assert clipped.all()
 
 
-def test_policy_loss_masked_mean_over_mixed_tokens():
-    logprobs, old, adv = _ppo_inputs([1.1, 1.5, 1.5, 0.5, 50.0], [2.0, 1.0, -1.0, -1.0, 3.0])
+def test_policy_loss_token_mean_over_mixed_tokens():
     mask = torch.tensor([1, 1, 1, 1, 0])  # last token (huge ratio) is padding
-    loss, stats = policy_loss(logprobs, old, adv, mask, clip_eps=0.2)
+    loss, clipped, _ = _token_loss([1.1, 1.5, 1.5, 0.5, 50.0], [2.0, 1.0, -1.0, -1.0, 3.0], mask, clip_eps_low=0.2)
     # per token: -2.2, -1.2, 1.5, 0.8 -> mean = -1.1 / 4
     close(loss, -1.1 / 4, atol=1e-12)
-    close(stats["clip_fraction"], 0.5)  # tokens 2 and 4
-    kl = [r - 1 - math.log(r) for r in (1.1, 1.5, 1.5, 0.5)]
-    close(stats["approx_kl"], sum(kl) / 4, atol=1e-12)
-    assert not stats["approx_kl"].requires_grad
+    assert clipped.tolist() == [False, True, False, True, False]  # tokens 2 and 4
+
+
+def test_clip_higher_lets_a_rare_token_with_a_positive_advantage_grow_further():
+    # rho = 1.25, A = +1. Symmetric 0.2: min(1.25, 1.2) = 1.2, clipped, no gradient.
+    loss, clipped, grad = _token_loss([1.25], [1.0], clip_eps_low=0.2)
+    close(loss, -1.2, atol=1e-12)
+    assert clipped.all() and grad.abs().sum() == 0
+    # DAPO's clip-higher, 0.2 / 0.28: 1.25 < 1.28, the unclipped term -1.25 is active, gradient -rho A.
+    loss, clipped, grad = _token_loss([1.25], [1.0], clip_eps_low=0.2, clip_eps_high=0.28)
+    close(loss, -1.25, atol=1e-12)
+    assert not clipped.any()
+    close(grad, [-1.25], atol=1e-12)
+    # The low bound is untouched: rho = 0.75, A = -1 -> min(-0.75, -0.8) = -0.8, clipped either way.
+    loss, clipped, _ = _token_loss([0.75], [-1.0], clip_eps_low=0.2, clip_eps_high=0.28)
+    close(loss, 0.8, atol=1e-12)
+    assert clipped.all()
+
+
+def test_gspo_takes_the_geometric_mean_ratio_of_a_sequence_and_its_gradient_through_the_mean():
+    old = t([[-1.0, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    # token log-ratios 0.1 and 0.3 (the third position is padding)
+    logprobs = (old + t([[0.1, 0.3, 5.0]])).requires_grad_(True)
+    adv = t([[1.0, 1.0, 0.0]])
+    losses, clipped = policy_loss(logprobs, old, adv, mask, clip_eps_low=0.2, clip_eps_high=0.28,
+                                  importance_sampling="sequence")
+    s = math.exp(0.2)  # (e^0.1 * e^0.3)^(1/2) = 1.2214, inside [0.8, 1.28]
+    close(losses, [[-s, -s, 0.0]], atol=1e-12)
+    assert not clipped.any()
+    loss = aggregate_loss(losses, mask, "sequence_mean")  # GSPO's objective: one term per sequence
+    close(loss, -s, atol=1e-12)
+    loss.backward()
+    # d(-s A)/d logp_t = -A s / |y| for every token of the sequence
+    close(logprobs.grad, [[-s / 2, -s / 2, 0.0]], atol=1e-12)
+    # Token-level for contrast: ratios e^0.1 = 1.105 (free) and e^0.3 = 1.35 (> 1.28, clipped).
+    token_losses, token_clipped = policy_loss(logprobs, old, adv, mask, clip_eps_low=0.2, clip_eps_high=0.28)
+    close(token_losses, [[-math.exp(0.1), -1.28, 0.0]], atol=1e-12)
+    assert token_clipped.tolist() == [[False, True, False]]
+
+
+def test_gspo_clips_a_whole_sequence_at_once():
+    old = t([[-1.0, -1.0]])
+    logprobs = (old + t([[0.0, 0.8]])).requires_grad_(True)  # geometric mean ratio e^0.4 = 1.49 > 1.28
+    losses, clipped = policy_loss(logprobs, old, t([[2.0, 2.0]]), torch.ones(1, 2), clip_eps_low=0.2,
+                                  clip_eps_high=0.28, importance_sampling="sequence")
+    close(losses, [[-1.28 * 2, -1.28 * 2]], atol=1e-12)
+    assert clipped.all()  # even the token whose own ratio is 1
+    aggregate_loss(losses, torch.ones(1, 2), "sequence_mean").backward()
+    close(logprobs.grad, [[0.0, 0.0]])
+
+
+def test_the_three_aggregations_by_hand():
+    losses = t([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])  # the 9s are padding
+    close(aggregate_loss(losses, mask, "token_mean"), (1 + 2 + 3 + 4) / 4)  # 2.5
+    close(aggregate_loss(losses, mask, "sequence_mean"), (6 / 3 + 4 / 1) / 2)  # 3
+    close(aggregate_loss(losses, mask, "sequence_sum_normalized", max_len=5), (6 + 4) / (2 * 5))  # 1
+    with pytest.raises(ValueError, match="needs max_len"):
+        aggregate_loss(losses, mask, "sequence_sum_normalized")
+    with pytest.raises(ValueError, match="token_mean, sequence_mean, sequence_sum_normalized"):
+        aggregate_loss(losses, mask, "mean")
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean", "sequence_sum_normalized"])
+def test_micro_batch_shares_add_up_to_the_step_loss(mode):
+    g = torch.Generator().manual_seed(7)
+    losses = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    mask = (torch.arange(5)[None, :] < torch.tensor([5, 2, 4, 1, 3, 5])[:, None]).long()
+    whole = aggregate_loss(losses, mask, mode, max_len=8)
+    tokens, sequences = float(mask.sum()), 6.0
+    shares = [aggregate_loss(losses[rows], mask[rows], mode, tokens=tokens, sequences=sequences, max_len=8)
+              for rows in ([0, 1], [2, 3, 4], [5])]
+    close(sum(shares), whole, atol=1e-12)
+
+
+def test_dr_grpo_reproduces_its_formula_on_a_known_group():
+    # Dr. GRPO (Liu et al. 2025): A_i = R_i - mean(R), and the loss sums token terms over a fixed
+    # normaliser, G x L_max, instead of dividing each sequence by its own length.
+    rewards, lengths, l_max = [1.0, 0.0, 0.0, 1.0], [2, 3, 1, 4], 4
+    group = len(rewards)
+    mask = (torch.arange(l_max)[None, :] < torch.tensor(lengths)[:, None]).double()
+    scores = t(rewards)
+    advantages, returns = estimate_advantages(
+        "grpo", AdvantageInputs(scores=scores, kl=torch.zeros_like(mask), mask=mask),
+        AdvantageSettings(group_size=group, scale_rewards="none"))
+    assert returns is None
+    close(advantages, t([0.5, -0.5, -0.5, 0.5]).unsqueeze(1) * mask, atol=1e-12)
+    old = torch.full((group, l_max), -1.0, dtype=torch.float64)
+    logprobs = old.clone().requires_grad_(True)  # on-policy: every ratio is 1
+    losses, _ = policy_loss(logprobs, old, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.28)
+    loss = aggregate_loss(losses, mask, "sequence_sum_normalized", max_len=l_max)
+    # -1/(G L) sum_i |o_i| A_i = -(2*.5 - 3*.5 - 1*.5 + 4*.5) / 16 = -1/16
+    close(loss, -1.0 / 16, atol=1e-12)
+    loss.backward()
+    # every token of sample i gets -A_i / (G L), whatever the sample's length
+    close(logprobs.grad, (-t([0.5, -0.5, -0.5, 0.5]) / 16).unsqueeze(1) * mask, atol=1e-12)
 
 
 def test_value_loss_clipping_by_hand():
     eps = 0.2
-    old = t([0.0, 0.0, 0.0, 0.0])
-    values = t([0.1, 0.5, 0.5, 9.0]).requires_grad_(True)
-    returns = t([1.0, 1.0, -1.0, 0.0])
-    mask = torch.tensor([1, 1, 1, 0])
+    old = t([[0.0, 0.0, 0.0, 0.0]])
+    values = t([[0.1, 0.5, 0.5, 9.0]]).requires_grad_(True)
+    returns = t([[1.0, 1.0, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
     # tok0: V = 0.1 within range -> Vclip = 0.1; (0.1-1)^2 = 0.81 both; not clipped
     # tok1: Vclip = 0.2; (0.5-1)^2 = 0.25 vs (0.2-1)^2 = 0.64 -> 0.64, clipped term active
     # tok2: Vclip = 0.2; (0.5+1)^2 = 2.25 vs (0.2+1)^2 = 1.44 -> 2.25, unclipped active
     # loss = 0.5 * (0.81 + 0.64 + 2.25) / 3
-    loss, clip_fraction = value_loss(values, old, returns, mask, eps)
+    losses, clipped = value_loss(values, old, returns, mask, eps)
+    assert clipped.tolist() == [[False, True, False, False]]
+    loss = aggregate_loss(losses, mask)
     close(loss, 0.5 * 3.7 / 3, atol=1e-12)
-    close(clip_fraction, 1.0 / 3.0, atol=1e-12)
     loss.backward()
     # d/dV of 0.5 * (V - R)^2 / 3 = (V - R) / 3 where the unclipped term is active
-    close(values.grad, [(0.1 - 1.0) / 3, 0.0, (0.5 + 1.0) / 3, 0.0], atol=1e-12)
+    close(values.grad, [[(0.1 - 1.0) / 3, 0.0, (0.5 + 1.0) / 3, 0.0]], atol=1e-12)
 
 
 # --------------------------------------------------------------------------- #
