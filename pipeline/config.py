@@ -502,21 +502,27 @@ RULE_OPTIONS = {
     "regex": {"pattern"},
     "length": {"target"},
     "keyword": {"keywords"},
+    "overlong_penalty": {"max_len", "buffer"},
 }
+# Built-in rules that compare a completion with the row's label column (label_key).
+LABEL_RULES = ("exact_match", "numeric_match")
 
 
 class RewardRule(Strict):
     """One rule-based reward term: a built-in rule or your own function."""
 
-    rule: Optional[Literal["exact_match", "numeric_match", "regex", "length", "keyword"]] = Field(
+    rule: Optional[Literal["exact_match", "numeric_match", "regex", "length", "keyword", "overlong_penalty"]] = Field(
         None,
         description="Built-in rule: exact_match or numeric_match (against the row's label column), "
         "regex (options.pattern must match the whole completion), length (options.target characters; "
-        "-|len - target| / target), keyword (fraction of options.keywords present).",
+        "-|len - target| / target), keyword (fraction of options.keywords present), overlong_penalty "
+        "(DAPO's soft length penalty on completion tokens: 0 up to options.max_len - options.buffer, "
+        "falling linearly to -1 at options.max_len, -1 beyond; its weight is DAPO's penalty factor).",
     )
     function: Optional[str] = Field(
-        None, description="Your own reward: path/to/file.py:function taking (prompts, completions, labels) "
-        "and returning one float per completion."
+        None, description="Your own reward: path/to/file.py:function returning one float per completion. "
+        "A function with **kwargs is called as f(prompts=, completions=, <column>=...) with every column of "
+        "the rows as lists (TRL's convention); any other as f(prompts, completions, labels)."
     )
     weight: float = Field(1.0, description="Weight of this term in the summed reward.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of the built-in rule (see rule).")
@@ -530,9 +536,23 @@ class RewardRule(Strict):
             if unknown:
                 valid = ", ".join(sorted(RULE_OPTIONS[self.rule])) or "none"
                 raise ValueError(f"rule {self.rule} has no option '{sorted(unknown)[0]}' (its options: {valid})")
+            if self.rule == "overlong_penalty":
+                _check_overlong_options(self.options)
         elif self.options:
-            raise ValueError("options are for built-in rules; a function gets (prompts, completions, labels)")
+            raise ValueError("options are for built-in rules; a function gets the rows' columns itself")
         return self
+
+
+def _check_overlong_options(options: dict) -> None:
+    """overlong_penalty needs whole-token max_len and buffer, 1 <= buffer <= max_len."""
+    for key in ("max_len", "buffer"):
+        value = options.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"rule overlong_penalty: options.{key} must be a whole number of tokens >= 1 "
+                             f"(got {value!r}); e.g. options: {{max_len: 256, buffer: 64}}")
+    if options["buffer"] > options["max_len"]:
+        raise ValueError(f"rule overlong_penalty: options.buffer {options['buffer']} is longer than "
+                         f"options.max_len {options['max_len']}")
 
 
 class RewardSpec(Strict):
@@ -551,18 +571,37 @@ class RewardSpec(Strict):
         return self
 
 
+GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages that compare the samples of one prompt
+# The objective a PPO stage runs when the pipeline file does not choose: TRL's GRPOTrainer defaults
+# (loss_type "dapo" = token_mean, scale_rewards "group", token-level ratios, 8 samples per prompt)
+# with DAPO's clip-higher bound (Yu et al. 2025, arXiv 2503.14476: eps_low 0.2, eps_high 0.28).
+DEFAULT_SAMPLES_PER_PROMPT = {"grpo": 8, "rloo": 8, "gae": 1, "reinforce_pp": 1}
+
+
 class PPOStage(StageBase):
-    """Reinforcement learning from a reward: PPO with a critic (gae), or critic-free
-    GRPO, RLOO and REINFORCE++. max_steps counts optimizer steps of the policy."""
+    """Reinforcement learning from a reward: critic-free GRPO (the default, with DAPO's loss),
+    Dr. GRPO, GSPO, RLOO and REINFORCE++, or PPO with a critic (gae). max_steps counts optimizer
+    steps of the policy."""
 
     kind: Literal["ppo"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
     reward: RewardSpec = Field(..., description="The reward to maximise.")
     advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
-        "gae",
-        description="Advantage estimator: gae (PPO with a critic), grpo (group-normalised), "
-        "rloo (leave-one-out baseline) or reinforce_pp (batch-normalised returns).",
+        "grpo",
+        description="Advantage estimator: grpo (each sample against its prompt's group; see scale_rewards), "
+        "rloo (leave-one-out baseline), reinforce_pp (returns whitened over the rollout) or gae (PPO with a "
+        "critic, exported to critic/). Statistics span the whole rollout over all processes.",
     )
-    n_samples_per_prompt: int = Field(1, ge=1, le=64, description="Completions sampled per prompt (grpo and rloo need 2+).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="grpo: divide each sample's reward minus its group's mean by the group's std (group, "
+        "GRPO), by the whole rollout's std (batch), or by nothing (none, Dr. GRPO: no bias towards prompts "
+        "that are too easy or too hard).",
+    )
+    n_samples_per_prompt: Optional[int] = Field(
+        None, ge=1, le=64,
+        description="Completions sampled per prompt (grpo and rloo need 2+). Default 8 for grpo and rloo, "
+        "1 for gae and reinforce_pp.",
+    )
     rollout_batch_size: int = Field(64, ge=1, description="Prompts per rollout, over all processes.")
     micro_rollout_batch_size: int = Field(
         16, ge=1, description="Sequences per process per generation call (and per scoring pass)."
@@ -571,7 +610,42 @@ class PPOStage(StageBase):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of rollouts (1 = off).")
     ppo_epochs: int = Field(1, ge=1, le=16, description="Passes over each rollout's sequences.")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range of the probability ratio.")
+    clip_eps: Optional[float] = Field(
+        None, gt=0, lt=1,
+        description="Symmetric shorthand: clip the probability ratio to [1 - clip_eps, 1 + clip_eps]. "
+        "Give it or clip_eps_low / clip_eps_high, not both.",
+    )
+    clip_eps_low: float = Field(
+        0.2, gt=0, lt=1, description="Lower clip range of the probability ratio: it is kept >= 1 - clip_eps_low."
+    )
+    clip_eps_high: float = Field(
+        0.28, gt=0,
+        description="Upper clip range: the ratio is kept <= 1 + clip_eps_high. Above clip_eps_low, rare tokens "
+        "with a positive advantage can grow more (DAPO's clip-higher, 0.28).",
+    )
+    loss_aggregation: Literal["token_mean", "sequence_mean", "sequence_sum_normalized"] = Field(
+        "token_mean",
+        description="How per-token losses become the step's loss: token_mean (every token of the step weighs "
+        "the same; DAPO, TRL's default), sequence_mean (each sequence's token mean, averaged; the GRPO paper, "
+        "GSPO), sequence_sum_normalized (token sums over sequences x max_new_tokens, a fixed normaliser; Dr. "
+        "GRPO). Normalisers count the whole optimizer step over all processes.",
+    )
+    importance_sampling: Literal["token", "sequence"] = Field(
+        "token",
+        description="Probability ratio per token (PPO, GRPO, DAPO), or per sequence (GSPO: the geometric mean "
+        "of its token ratios, clipped as one; GSPO's paper pairs it with sequence_mean and clip ranges of "
+        "about 3e-4 / 4e-4).",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling: drop prompts whose samples all got the same reward (they teach "
+        "nothing) and sample more prompts until the rollout is full or dynamic_sampling_max_rounds is reached "
+        "(then the remaining places hold dropped prompts, left out of the loss). Metrics: groups_kept, "
+        "groups_dropped, groups_filled, sampling_rounds.",
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        4, ge=1, le=100, description="With dynamic_sampling: most rounds of sampling per rollout, the first included."
+    )
     value_clip_eps: float = Field(0.2, gt=0, description="Clip range of the critic's value updates.")
     critic_learning_rate: Optional[float] = Field(
         None, gt=0, description="Peak learning rate of the critic (gae only); default learning_rate."
@@ -595,11 +669,35 @@ class PPOStage(StageBase):
     eval_prompts: int = Field(200, ge=1, description="Held-out prompts scored (greedy) before and after training.")
     label_key: str = Field("label", description="Data column with the reference answer passed to rule rewards.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_shorthands(cls, data: Any) -> Any:
+        """clip_eps sets both clip bounds; n_samples_per_prompt's default follows the estimator."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("clip_eps") is not None:
+            both = [k for k in ("clip_eps_low", "clip_eps_high") if k in data]
+            if both:
+                raise ValueError(f"clip_eps is the symmetric shorthand for clip_eps_low and clip_eps_high; "
+                                 f"give it or {' / '.join(both)}, not both")
+            # Resolved into the two bounds (and not kept), so equal objectives have equal spec hashes.
+            data["clip_eps_low"] = data["clip_eps_high"] = data.pop("clip_eps")
+        if data.get("n_samples_per_prompt") is None:
+            advantage = data.get("advantage", cls.model_fields["advantage"].default)
+            data["n_samples_per_prompt"] = DEFAULT_SAMPLES_PER_PROMPT.get(advantage, 1)
+        return data
+
     @model_validator(mode="after")
     def _groups_need_samples(self):
-        if self.advantage in ("grpo", "rloo") and self.n_samples_per_prompt < 2:
+        if self.advantage in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
             raise ValueError(f"advantage {self.advantage} compares samples of one prompt: "
                              "set n_samples_per_prompt to 2 or more")
+        if self.dynamic_sampling and self.n_samples_per_prompt < 2:
+            raise ValueError("dynamic_sampling drops prompts whose samples all got the same reward: "
+                             "set n_samples_per_prompt to 2 or more")
+        if self.scale_rewards != "group" and self.advantage != "grpo":
+            raise ValueError(f"scale_rewards applies to advantage grpo, not {self.advantage}")
         return self
 
     @property

@@ -8,6 +8,7 @@
       builtin/                      the built-in model and data, written once (stages/tiny.py)
       <stage>/                      one folder per stage: StageFolder
         model/                      the exported model, Hugging Face format
+        critic/                     PPO with a critic (advantage: gae): the critic, a 1-label sequence classifier
         checkpoints/                DeepSpeed checkpoints step-00000100/ ...; `latest` names the newest complete one
         metrics.jsonl               one JSON object per logged step
         result.json                 final metrics and the spec hash that lets a re-run skip the stage
@@ -97,6 +98,11 @@ class StageFolder:
     @property
     def model(self) -> Path:
         return self.path / "model"
+
+    @property
+    def critic(self) -> Path:
+        """PPO's critic (gae), exported beside the policy in Hugging Face format."""
+        return self.path / "critic"
 
     @property
     def checkpoints(self) -> Path:

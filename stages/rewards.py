@@ -1,10 +1,22 @@
 """Rule-based rewards: built-in rules and user functions, scored on plain strings.
 
-A user function is named `path/to/file.py:function` and has the signature
-`(prompts, completions, labels) -> list[float]`. `check_function` verifies it
-without running it (the file parses and defines the function with three
-parameters), so `validate` can run on a login node; the first call verifies
-what it returns (one finite float per completion).
+A user function is named `path/to/file.py:function` and returns one number per
+completion. How it is called depends on its signature, read once when it is
+loaded:
+
+- with `**kwargs`: `f(prompts=..., completions=..., <column>=..., ...)`, every
+  column of the completions' data rows as a list (TRL's convention, so a
+  reward function written for TRL works unchanged), e.g.
+  `def score(prompts, completions, answer, **kwargs)`;
+- otherwise, as before: `f(prompts, completions, labels)`, labels being the
+  row's label column (label_key).
+
+`check_function` verifies a function without running it (the file parses and
+defines it with a signature of either kind), so `validate` can run on a login
+node. Each call verifies what it returns: one finite number per completion. A
+function that raises, or returns something else, stops the stage with one
+message naming the function, the row (its index in its split and the start of
+its prompt) and what went wrong.
 
 Torch-free on purpose: rules are plain Python, easy to test and to debug.
 """
@@ -13,16 +25,52 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import inspect
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[Optional[str]]], list]
+from pipeline.errors import InvalidInput
+
+RewardFn = Callable[..., list]
+EXCERPT_CHARS = 60
 
 
-class RewardError(ValueError):
+class RewardError(InvalidInput, ValueError):
     """A reward function is missing, broken, or returned something unusable."""
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Completions to score, each with the data row it answers (all lists of equal length)."""
+
+    prompts: list[str]
+    completions: list[str]
+    rows: list[dict]  # every column of each completion's data row
+    labels: list[Optional[str]]  # the rows' label column (label_key)
+    lengths: list[int]  # tokens of each completion, eos included
+    names: list[str]  # how an error names each row, e.g. "train row 17"
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    def one(self, i: int) -> "Samples":
+        return Samples(*([getattr(self, f)[i]] for f in ("prompts", "completions", "rows", "labels", "lengths",
+                                                         "names")))
+
+    def describe(self, i: int) -> str:
+        prompt = str(self.prompts[i])
+        excerpt = prompt if len(prompt) <= EXCERPT_CHARS else prompt[:EXCERPT_CHARS] + "..."
+        return f"{self.names[i]} (prompt {excerpt!r})"
+
+    def columns(self) -> dict[str, list]:
+        """Every column of the rows as a list per column (None where a row lacks it)."""
+        names: dict[str, None] = {}
+        for row in self.rows:
+            names.update(dict.fromkeys(row))
+        return {c: [row.get(c) for row in self.rows] for c in names if c not in ("prompts", "completions")}
 
 
 # --------------------------------------------------------------------------- built-in rules
@@ -63,6 +111,13 @@ def keyword_presence(prompts, completions, labels, keywords: Sequence[str] = ())
     return [sum(k in c for k in keywords) / len(keywords) for c in completions]
 
 
+def overlong_penalty(lengths: Sequence[int], max_len: int, buffer: int) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), on completion tokens L:
+    0 for L <= max_len - buffer, then ((max_len - buffer) - L) / buffer down to -1 at max_len, -1 beyond."""
+    start = max_len - buffer
+    return [0.0 if n <= start else -1.0 if n > max_len else (start - n) / buffer for n in lengths]
+
+
 BUILTIN_RULES: dict[str, Callable] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
@@ -82,8 +137,11 @@ def split_reference(reference: str) -> tuple[Path, str]:
     return Path(path), name
 
 
+SIGNATURES = "(prompts, completions, **columns) to get every column of the row, or (prompts, completions, labels)"
+
+
 def check_function(reference: str) -> None:
-    """The file exists, parses, and defines `function` taking (prompts, completions, labels)."""
+    """The file exists, parses, and defines `function` with a signature a reward function can have."""
     path, name = split_reference(reference)
     if not path.is_file():
         raise RewardError(f"reward function file {path} not found")
@@ -94,9 +152,10 @@ def check_function(reference: str) -> None:
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
             positional = node.args.posonlyargs + node.args.args
-            if len(positional) < 3 and node.args.vararg is None:
-                raise RewardError(f"{reference}: takes {len(positional)} arguments; "
-                                  "a reward function takes (prompts, completions, labels)")
+            takes_columns = node.args.kwarg is not None
+            if not takes_columns and len(positional) < 3 and node.args.vararg is None:
+                raise RewardError(f"{reference}: takes {len(positional)} arguments; a reward function takes "
+                                  + SIGNATURES)
             return
     defined = sorted(n.name for n in tree.body if isinstance(n, ast.FunctionDef))
     raise RewardError(f"{path} defines no function '{name}' (functions there: {', '.join(defined) or 'none'})")
@@ -111,14 +170,33 @@ def load_function(reference: str) -> RewardFn:
     return getattr(module, name)
 
 
+def takes_columns(function: Callable) -> bool:
+    """True when the function takes **kwargs: it gets every column of the rows by name."""
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def user_term(function: Callable) -> Callable[[Samples], list]:
+    if takes_columns(function):
+        return lambda s: function(prompts=list(s.prompts), completions=list(s.completions), **s.columns())
+    return lambda s: function(list(s.prompts), list(s.completions), list(s.labels))
+
+
+def builtin_term(rule: str, options: dict) -> Callable[[Samples], list]:
+    if rule == "overlong_penalty":
+        return lambda s: overlong_penalty(s.lengths, **options)
+    function = BUILTIN_RULES[rule]
+    return lambda s: function(s.prompts, s.completions, s.labels, **options)
+
+
 # --------------------------------------------------------------------------- scoring
 
 
 class RuleReward:
     """A weighted sum of rule terms; each term's output is checked on every call."""
 
-    def __init__(self, terms: list[tuple[str, RewardFn, float]]):
-        self.terms = terms  # (name, function, weight)
+    def __init__(self, terms: list[tuple[str, Callable[[Samples], list], float]]):
+        self.terms = terms  # (name, term on Samples, weight)
 
     @classmethod
     def from_specs(cls, specs) -> "RuleReward":
@@ -126,31 +204,43 @@ class RuleReward:
         terms = []
         for spec in specs:
             if spec.function:
-                terms.append((spec.function, load_function(spec.function), spec.weight))
+                terms.append((spec.function, user_term(load_function(spec.function)), spec.weight))
             else:
-                rule = BUILTIN_RULES[spec.rule]
-                options = dict(spec.options)
-                terms.append((spec.rule, lambda p, c, l, _r=rule, _o=options: _r(p, c, l, **_o), spec.weight))
+                terms.append((spec.rule, builtin_term(spec.rule, dict(spec.options)), spec.weight))
         return cls(terms)
 
-    def __call__(self, prompts, completions, labels) -> tuple[list[float], dict[str, float]]:
+    def __call__(self, samples: Samples) -> tuple[list[float], dict[str, float]]:
         """Total reward per completion, and each term's mean (for metrics)."""
-        totals = [0.0] * len(completions)
+        totals = [0.0] * len(samples)
         means = {}
-        for name, function, weight in self.terms:
+        for name, term, weight in self.terms:
             try:
-                values = function(list(prompts), list(completions), list(labels))
-            except Exception as err:  # a user's function: say whose it was
-                raise RewardError(f"reward function {name} raised {type(err).__name__}: {err}") from err
-            values = _checked(name, values, len(completions))
+                values = term(samples)
+            except Exception as err:  # a user's function: say whose it was, and on which row
+                raise _failure(name, term, samples, err) from err
+            values = _checked(name, values, samples)
             totals = [t + weight * v for t, v in zip(totals, values)]
             means[name] = sum(values) / max(len(values), 1)
         return totals, means
 
 
-def _checked(name: str, values, expected: int) -> list[float]:
+def _failure(name: str, term, samples: Samples, err: Exception) -> RewardError:
+    """Name the first row the term fails on by itself; the whole batch when none does."""
+    for i in range(len(samples)):
+        try:
+            term(samples.one(i))
+        except Exception as single:  # noqa: BLE001 - reported, not handled
+            return RewardError(f"reward function {name} failed on {samples.describe(i)}: "
+                               f"{type(single).__name__}: {single}")
+    where = f"a batch of {len(samples)} completions, from {samples.describe(0)}" if len(samples) else "no completions"
+    return RewardError(f"reward function {name} failed on {where}: {type(err).__name__}: {err}")
+
+
+def _checked(name: str, values, samples: Samples) -> list[float]:
+    expected = len(samples)
     if not isinstance(values, (list, tuple)):
-        raise RewardError(f"reward function {name} returned {type(values).__name__}; expected a list of floats")
+        raise RewardError(f"reward function {name} returned {type(values).__name__}; expected a list of floats, "
+                          "one per completion")
     if len(values) != expected:
         raise RewardError(f"reward function {name} returned {len(values)} values for {expected} completions")
     out = []
@@ -158,9 +248,11 @@ def _checked(name: str, values, expected: int) -> list[float]:
         try:
             number = float(value)
         except (TypeError, ValueError):
-            raise RewardError(f"reward function {name}: value {i} is {value!r}, not a number") from None
+            raise RewardError(f"reward function {name} returned {value!r} ({type(value).__name__}) for "
+                              f"{samples.describe(i)}: a reward must be a number") from None
         if not math.isfinite(number):
-            raise RewardError(f"reward function {name}: value {i} is {number}, not finite")
+            raise RewardError(f"reward function {name} returned {number} for {samples.describe(i)}: "
+                              "a reward must be a finite number")
         out.append(number)
     return out
 

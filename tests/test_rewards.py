@@ -9,7 +9,16 @@ import pytest
 
 from pipeline.config import RewardRule
 from stages import rewards
-from stages.rewards import RewardError, RuleReward, RunningMoments
+from pipeline.errors import InvalidInput
+from stages.rewards import RewardError, RuleReward, RunningMoments, Samples
+
+
+def samples(prompts, completions, labels=None, rows=None, lengths=None) -> Samples:
+    n = len(completions)
+    labels = labels if labels is not None else [None] * n
+    rows = rows if rows is not None else [{"prompt": p, "label": l} for p, l in zip(prompts, labels)]
+    return Samples(prompts=list(prompts), completions=list(completions), rows=rows, labels=list(labels),
+                   lengths=lengths or [len(c) for c in completions], names=[f"train row {10 + i}" for i in range(n)])
 
 
 def test_exact_match_compares_the_stripped_completion_with_the_label():
@@ -40,9 +49,42 @@ def rule(**spec) -> RewardRule:
 def test_weighted_sum_of_a_builtin_rule_and_a_user_function(tmp_path):
     ref = write_function(tmp_path, "def score(prompts, completions, labels):\n    return [len(c) for c in completions]\n")
     reward = RuleReward.from_specs([rule(rule="exact_match", weight=2.0), rule(function=ref, weight=0.5)])
-    totals, means = reward(["p", "q"], ["12", "9"], ["12", "1"])
+    totals, means = reward(samples(["p", "q"], ["12", "9"], ["12", "1"]))
     assert totals == [2.0 * 1 + 0.5 * 2, 2.0 * 0 + 0.5 * 1]
     assert means == {"exact_match": 0.5, ref: 1.5}
+
+
+def test_a_function_with_kwargs_gets_every_column_of_its_rows(tmp_path):
+    ref = write_function(tmp_path, (
+        "def score(prompts, completions, answer, **kwargs):\n"
+        "    return [float(c == a and u == 'km') for c, a, u in zip(completions, answer, kwargs['unit'])]\n"))
+    rows = [{"prompt": "p", "answer": "3", "unit": "km"}, {"prompt": "q", "answer": "4", "unit": "mi"},
+            {"prompt": "r", "answer": "5", "unit": "km"}]
+    totals, _ = RuleReward.from_specs([rule(function=ref)])(samples(["p", "q", "r"], ["3", "4", "6"], rows=rows))
+    assert totals == [1.0, 0.0, 0.0]
+
+
+def test_trl_style_completions_and_kwargs_only_functions_work(tmp_path):
+    ref = write_function(tmp_path, "def score(completions, **kwargs):\n"
+                                   "    return [float(len(kwargs['prompts'][0]) + len(c)) for c in completions]\n")
+    rewards.check_function(ref)
+    totals, _ = RuleReward.from_specs([rule(function=ref)])(samples(["pp"], ["abc"]))
+    assert totals == [5.0]
+
+
+def test_overlong_penalty_follows_dapos_soft_punishment():
+    # max_len 10, buffer 4: free up to 6 tokens, then -(L - 6) / 4, -1 at 10, -1 beyond
+    assert rewards.overlong_penalty([3, 6, 7, 8, 10, 11], max_len=10, buffer=4) == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    reward = RuleReward.from_specs([rule(rule="overlong_penalty", weight=0.5, options={"max_len": 10, "buffer": 4})])
+    totals, _ = reward(samples(["p", "q"], ["short", "long"], lengths=[5, 9]))
+    assert totals == [0.0, 0.5 * -0.75]  # in tokens, not characters
+
+
+def test_overlong_penalty_options_are_checked():
+    with pytest.raises(ValueError, match="options.buffer must be a whole number of tokens"):
+        rule(rule="overlong_penalty", options={"max_len": 10})
+    with pytest.raises(ValueError, match="options.buffer 12 is longer than options.max_len 10"):
+        rule(rule="overlong_penalty", options={"max_len": 10, "buffer": 12})
 
 
 def test_check_function_finds_missing_files_and_functions_without_running_them(tmp_path):
@@ -52,26 +94,45 @@ def test_check_function_finds_missing_files_and_functions_without_running_them(t
     with pytest.raises(RewardError, match="defines no function 'score' \\(functions there: other\\)"):
         rewards.check_function(ref)
     ref = write_function(tmp_path, "def score(completions):\n    return []\n")
-    with pytest.raises(RewardError, match="takes 1 arguments"):
+    with pytest.raises(RewardError, match="takes 1 arguments; a reward function takes \\(prompts, completions, "
+                                          "\\*\\*columns\\)"):
         rewards.check_function(ref)
 
 
-def test_a_function_that_raises_is_named_in_the_error(tmp_path):
-    ref = write_function(tmp_path, "def score(prompts, completions, labels):\n    raise KeyError('x')\n")
-    with pytest.raises(RewardError, match=f"reward function {ref} raised KeyError"):
-        RuleReward.from_specs([rule(function=ref)])(["p"], ["c"], [None])
+def test_a_function_that_raises_names_itself_the_row_and_the_error_in_one_line(tmp_path):
+    ref = write_function(tmp_path, "def score(prompts, completions, labels):\n"
+                                   "    return [1.0 / len(c) for c in completions]\n")
+    long_prompt = "sort " + "9" * 80 + " ="
+    with pytest.raises(RewardError) as caught:
+        RuleReward.from_specs([rule(function=ref)])(samples(["sort 1 =", long_prompt], ["1", ""]))
+    message = str(caught.value)
+    assert message == (f"reward function {ref} failed on train row 11 (prompt {long_prompt[:60] + '...'!r}): "
+                       "ZeroDivisionError: float division by zero")
+    assert isinstance(caught.value, InvalidInput)  # a stage reports it as bad input, without a traceback
+
+
+def test_a_function_that_fails_only_on_the_whole_batch_names_the_batch(tmp_path):
+    ref = write_function(tmp_path, "def score(prompts, completions, labels):\n"
+                                   "    assert len(completions) < 2, 'too many'\n    return [0.0] * len(completions)\n")
+    with pytest.raises(RewardError, match="failed on a batch of 2 completions, from train row 10 "
+                                          "\\(prompt 'p'\\): AssertionError: too many"):
+        RuleReward.from_specs([rule(function=ref)])(samples(["p", "q"], ["c", "d"]))
 
 
 def test_a_function_returning_the_wrong_length_is_named_in_the_error(tmp_path):
     ref = write_function(tmp_path, "def score(prompts, completions, labels):\n    return [1.0]\n")
     with pytest.raises(RewardError, match="returned 1 values for 2 completions"):
-        RuleReward.from_specs([rule(function=ref)])(["p", "q"], ["c", "d"], [None, None])
+        RuleReward.from_specs([rule(function=ref)])(samples(["p", "q"], ["c", "d"]))
 
 
-def test_a_function_returning_non_finite_values_is_named_in_the_error(tmp_path):
-    ref = write_function(tmp_path, "def score(prompts, completions, labels):\n    return [float('nan')]\n")
-    with pytest.raises(RewardError, match="value 0 is nan, not finite"):
-        RuleReward.from_specs([rule(function=ref)])(["p"], ["c"], [None])
+@pytest.mark.parametrize("value,problem", [("float('nan')", "returned nan for train row 11 \\(prompt 'q'\\): "
+                                                            "a reward must be a finite number"),
+                                           ("'high'", "returned 'high' \\(str\\) for train row 11 "
+                                                      "\\(prompt 'q'\\): a reward must be a number")])
+def test_a_function_returning_a_non_number_names_the_row(tmp_path, value, problem):
+    ref = write_function(tmp_path, f"def score(prompts, completions, labels):\n    return [1.0, {value}]\n")
+    with pytest.raises(RewardError, match=f"reward function {ref} {problem}"):
+        RuleReward.from_specs([rule(function=ref)])(samples(["p", "q"], ["c", "d"]))
 
 
 def test_rule_options_are_checked_against_the_rule():
