@@ -101,13 +101,13 @@ def test_check_function_finds_missing_files_and_functions_without_running_them(t
 
 def test_a_function_that_raises_names_itself_the_row_and_the_error_in_one_line(tmp_path):
     ref = write_function(tmp_path, "def score(prompts, completions, labels):\n"
-                                   "    return [1.0 / len(c) for c in completions]\n")
+                                   "    return [1.0 if c else {}['answer'] for c in completions]\n")
     long_prompt = "sort " + "9" * 80 + " ="
     with pytest.raises(RewardError) as caught:
         RuleReward.from_specs([rule(function=ref)])(samples(["sort 1 =", long_prompt], ["1", ""]))
     message = str(caught.value)
     assert message == (f"reward function {ref} failed on train row 11 (prompt {long_prompt[:60] + '...'!r}): "
-                       "ZeroDivisionError: float division by zero")
+                       "KeyError: 'answer'")
     assert isinstance(caught.value, InvalidInput)  # a stage reports it as bad input, without a traceback
 
 
