@@ -504,8 +504,6 @@ RULE_OPTIONS = {
     "keyword": {"keywords"},
     "overlong_penalty": {"max_len", "buffer"},
 }
-# Built-in rules that compare a completion with the row's label column (label_key).
-LABEL_RULES = ("exact_match", "numeric_match")
 
 
 class RewardRule(Strict):

@@ -1,12 +1,18 @@
-"""RL stages through `python -m pipeline run`: real DeepSpeed, 2 processes, the tiny task."""
+"""RL stages: the objective's schema, the rollout's independence of the process count (real
+DeepSpeed, 1 vs 2 processes), and whole stages through `python -m pipeline run` on the tiny task."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
+import torch
 
-from tests.conftest import read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
-
-pytestmark = pytest.mark.slow
+from pipeline.config import PPOStage
+from tests.conftest import REPO, read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
 
 DIGITS = {"path": "builtin:digits", "eval_split": "eval"}
 
@@ -19,15 +25,109 @@ def rl_stage(name, **knobs):
     }
 
 
-def test_sft_rm_ppo_with_the_reward_model_as_the_reward_runs_and_logs_why_the_gpu_idles(workdir):
-    from transformers import AutoModelForCausalLM
+def ppo_spec(**knobs) -> PPOStage:
+    return PPOStage.model_validate({"name": "rl", "kind": "ppo", "model": "builtin:tiny-llama", "data": DIGITS,
+                                    "reward": {"rules": [{"rule": "exact_match"}]}, **knobs})
+
+
+# --------------------------------------------------------------------------- the objective's schema
+
+
+def test_the_default_objective_is_grpo_with_dapos_loss():
+    spec = ppo_spec()
+    assert (spec.advantage, spec.scale_rewards, spec.n_samples_per_prompt) == ("grpo", "group", 8)
+    assert (spec.loss_aggregation, spec.importance_sampling) == ("token_mean", "token")
+    assert (spec.clip_eps_low, spec.clip_eps_high) == (0.2, 0.28)
+    assert ppo_spec(advantage="gae").n_samples_per_prompt == 1
+
+
+def test_clip_eps_is_the_symmetric_shorthand_and_cannot_be_mixed_with_the_bounds():
+    spec = ppo_spec(clip_eps=0.1)
+    assert (spec.clip_eps_low, spec.clip_eps_high) == (0.1, 0.1)
+    assert spec == ppo_spec(clip_eps_low=0.1, clip_eps_high=0.1)  # one objective, one spec (and hash)
+    with pytest.raises(ValueError, match="clip_eps is the symmetric shorthand .* give it or clip_eps_high, not both"):
+        ppo_spec(clip_eps=0.1, clip_eps_high=0.3)
+
+
+def test_objective_fields_that_do_not_apply_are_refused():
+    with pytest.raises(ValueError, match="scale_rewards applies to advantage grpo, not rloo"):
+        ppo_spec(advantage="rloo", scale_rewards="none")
+    with pytest.raises(ValueError, match="dynamic_sampling drops prompts .* n_samples_per_prompt to 2 or more"):
+        ppo_spec(advantage="gae", dynamic_sampling=True)
+    with pytest.raises(ValueError, match="loss_aggregation"):
+        ppo_spec(loss_aggregation="mean")
+
+
+# --------------------------------------------------------------------------- 1 vs 2 processes
+
+
+def _probe(workdir, world: int) -> list[subprocess.Popen]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = workdir / f"probe-{world}.pt"
+    processes = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        processes.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "ppo_probe.py"), str(workdir), str(out)],
+                                          env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+    return processes
+
+
+@pytest.mark.slow
+def test_one_and_two_processes_give_the_same_advantages_and_the_same_first_update(tmp_path):
+    # The same rollout (fixed completions) on 1 process (micro batches of 4, 4 per step) and on 2
+    # (8 sequences each, 2 micro batches per step). Tolerances: advantages, log-probs and the loss
+    # 1e-6 (float32 log-probs from differently padded passes; the statistics are float64 sums); the
+    # step's gradient 1e-6 x its largest entry; the update (AdamW's first step, lr g / (|g| + 1e-8),
+    # lr 1e-3) 1e-7 wherever |g| > 1e-5: closer to 0 float32 noise in g decides Adam's step.
+    (tmp_path / "builtin").mkdir()
+    running = {world: _probe(tmp_path, world) for world in (1, 2)}
+    for world, processes in running.items():
+        for process in processes:
+            output, _ = process.communicate(timeout=600)
+            assert process.returncode == 0, f"{world} process(es):\n{output[-3000:]}"
+    one, two = (torch.load(tmp_path / f"probe-{w}.pt", weights_only=False) for w in (1, 2))
+    assert one["held"] == [16] and two["held"] == [8, 8]
+    assert one["gradient_accumulation"] == 4 and two["gradient_accumulation"] == 2
+    assert one["sequences"].keys() == two["sequences"].keys() and len(one["sequences"]) == 16
+    for key, seq in one["sequences"].items():
+        other = two["sequences"][key]
+        assert seq["tokens"] == other["tokens"], key
+        for field in ("advantages", "grpo_batch", "old_logprobs"):
+            torch.testing.assert_close(torch.tensor(other[field]), torch.tensor(seq[field]), atol=1e-6, rtol=0)
+    advantages = torch.tensor([a for seq in one["sequences"].values() for a in seq["advantages"]], dtype=torch.float64)
+    assert abs(advantages.mean()) < 1e-5 and abs(advantages.std() - 1) < 1e-3  # whitened over the whole rollout
+    assert one["trained"]["policy_loss"] == pytest.approx(two["trained"]["policy_loss"], abs=1e-6)
+    largest = max(g.abs().max().item() for g in one["gradient"].values())
+    compared = total = 0
+    for name, gradient in one["gradient"].items():
+        torch.testing.assert_close(two["gradient"][name], gradient, atol=1e-6 * largest, rtol=0, msg=name)
+        clear = gradient.abs() > 1e-5
+        torch.testing.assert_close(two["update"][name][clear], one["update"][name][clear], atol=1e-7, rtol=0, msg=name)
+        compared, total = compared + int(clear.sum()), total + gradient.numel()
+    assert compared > 0.8 * total and largest > 1e-2  # a real step, compared on most weights
+
+
+# --------------------------------------------------------------------------- whole stages
+
+
+@pytest.mark.slow
+def test_sft_rm_ppo_with_the_reward_model_as_the_reward_runs_logs_and_exports_its_critic(workdir):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     spec = tiny_pipeline(stages=[
         {"name": "sft", "kind": "sft", "model": "builtin:tiny-llama", "data": DIGITS, "max_steps": 30},
         {"name": "rm", "kind": "rm", "from": "sft", "data": DIGITS, "max_steps": 20},
         rl_stage("ppo", advantage="gae", reward={"model": "rm"}),
-        rl_stage("grpo_zero3", advantage="grpo", zero_stage=3,
-                 reward={"model": "rm", "rules": [{"rule": "exact_match", "weight": 1.0}]}),
+        rl_stage("grpo_zero3", advantage="grpo", zero_stage=3, dynamic_sampling=True, importance_sampling="sequence",
+                 loss_aggregation="sequence_mean",
+                 # rules decide (discrete rewards: some groups all alike); the RM still scores, weight 0
+                 reward={"model": "rm", "model_weight": 0.0,
+                         "rules": [{"rule": "exact_match"},
+                                   {"rule": "overlong_penalty", "options": {"max_len": 8, "buffer": 2}}]}),
     ])
     result = run_cli("run", write_pipeline(workdir, spec), cwd=workdir)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -37,9 +137,25 @@ def test_sft_rm_ppo_with_the_reward_model_as_the_reward_runs_and_logs_why_the_gp
         assert {"initial_reward", "final_reward"} <= set(outcome)
         rollouts = [m for m in read_metrics(runs / name) if "rollout" in m]
         assert rollouts, name
-        for key in ("reward", "kl", "entropy", "clip_fraction", "response_length", "generate_s", "train_s",
+        for key in ("reward", "kl", "entropy", "clip_fraction", "response_length", "generate_s", "score_s", "train_s",
                     "generate_tokens_per_s"):
             assert key in rollouts[-1], (name, key)
         AutoModelForCausalLM.from_pretrained(runs / name / "model")
     assert "value_loss" in [m for m in read_metrics(runs / "ppo") if "rollout" in m][-1]
-    assert "reward_reward_model" in [m for m in read_metrics(runs / "grpo_zero3") if "rollout" in m][-1]
+    last = [m for m in read_metrics(runs / "grpo_zero3") if "rollout" in m][-1]
+    assert {"reward_reward_model", "reward_overlong_penalty"} <= set(last)
+    sampling = [m for m in read_metrics(runs / "grpo_zero3") if "rollout" in m]
+    assert all(m["groups_kept"] + m["groups_filled"] == 8 and 1 <= m["sampling_rounds"] <= 4 for m in sampling)
+    assert sum(m["groups_dropped"] for m in sampling) > 0  # groups whose samples all got the same reward
+    assert not (runs / "grpo_zero3" / "critic").exists()
+
+    # The critic of the gae run reloads as a 1-label classifier and scores like the trained one.
+    critic = AutoModelForSequenceClassification.from_pretrained(runs / "ppo" / "critic")
+    assert critic.config.num_labels == 1 and critic.config.pad_token_id is not None
+    tokenizer = AutoTokenizer.from_pretrained(runs / "ppo" / "critic")
+    batch = tokenizer(["sort 3142 = 1234</s>", "sort 3142 = 3142</s>"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        values = critic(**batch).logits.squeeze(-1)
+    initial = AutoModelForSequenceClassification.from_pretrained(runs / "rm" / "model")  # where the critic started
+    with torch.no_grad():
+        assert not torch.allclose(values, initial(**batch).logits.squeeze(-1))  # it trained

@@ -1,0 +1,378 @@
+"""One rollout of RL: sample completions, score them, the frozen models' views of them, advantages.
+
+stages/ppo.py runs the loop rollout -> update -> log -> save; this module makes the rollout and
+hands it over as a typed `Rollout`. Three phases, each timed (metrics: generate_s, score_s):
+
+1. sampling: `generate` is the one function that turns prompts into completions (padded
+   `generate` in chunks of micro_rollout_batch_size); a faster engine replaces it alone. With
+   dynamic_sampling, prompts whose samples all got the same reward are dropped and more are
+   sampled, up to dynamic_sampling_max_rounds rounds.
+2. scoring: rule rewards on the decoded text (stages/rewards.py; every column of the row is
+   there) plus the reward model's score, normalised when the pipeline file says so.
+3. views and advantages: the actor's log-probs at sampling time, the reference's, the KL between
+   them, the critic's values (gae), and advantages from stages/losses.py over the whole rollout:
+   every statistic that spans sequences is summed over processes, so the numbers do not depend on
+   how many processes share the rollout or how it is cut into micro batches.
+
+Every process holds the same number of sequences and makes the same collective calls in the
+same order (ZeRO-3 gathers parameters collectively), whatever its own samples were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from stages import data, engine
+from stages import losses as L
+from stages.rewards import RuleReward, RunningMoments, Samples
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One data row as a prompt to sample from."""
+
+    split: str  # "train" or "eval": which rows `index` counts in
+    index: int  # the row's position in its split (among the rows the stage keeps: see data.tokenized_splits)
+    text: str
+    ids: list[int]  # the prompt's token ids
+    row: dict  # every column of the data row (reward functions see them all)
+    label: Optional[str]  # the label column (label_key), what exact_match compares with
+
+    @property
+    def name(self) -> str:
+        return f"{self.split} row {self.index}"
+
+
+@dataclass
+class Models:
+    """The four models of an RL stage: actor and critic are DeepSpeed engines that train; the
+    reference and the reward model are frozen (stages/models.py FrozenModel)."""
+
+    actor: object
+    reference: object
+    tokenizer: object
+    critic: Optional[object] = None  # gae only
+    reward_model: Optional[object] = None
+    reward_tokenizer: Optional[object] = None
+
+
+@dataclass
+class TrainBatch:
+    """A micro batch of a rollout for one training pass: B sequences right-padded to their
+    longest (W tokens); the per-token tensors are (B, W - 1), aligned with token_logprobs."""
+
+    tokens: data.Batch
+    mask: torch.Tensor  # response tokens that train
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    returns: Optional[torch.Tensor]  # gae
+    values: Optional[torch.Tensor]  # gae: the critic's values at sampling time
+
+
+@dataclass
+class RolloutStats:
+    """What a rollout says about itself (means and counts over every process)."""
+
+    reward: float  # mean raw reward of every sample drawn, kept or dropped
+    terms: dict  # each reward term's mean, the same samples
+    response_tokens: float  # generated tokens, all processes
+    sequences: int  # sequences that train, all processes
+    generate_s: float
+    score_s: float  # scoring, the frozen models' views and advantages
+    sampling: dict = field(default_factory=dict)  # dynamic sampling: groups_kept, groups_dropped, ...
+
+
+@dataclass
+class Rollout:
+    """One process's share of a rollout, ready to train on.
+
+    S sequences: the samples of each prompt contiguous, the same S on every process.
+    W is the longest prompt + response here; per-token tensors are (S, W - 1), on the device,
+    entry t about the token at t + 1 (losses.token_logprobs' alignment), 0 past each sequence.
+    """
+
+    sequences: list[list[int]]  # S token id lists: prompt + response, cut to max_len
+    response_masks: list[list[int]]  # S lists: 1 on the response tokens of each sequence
+    mask: torch.Tensor  # (S, W-1) float: response tokens that train (0 on places dynamic sampling filled)
+    old_logprobs: torch.Tensor  # (S, W-1) the actor's at sampling time (temperature applied)
+    ref_logprobs: torch.Tensor  # (S, W-1) the reference's
+    kl: torch.Tensor  # (S, W-1) KL estimate per response token (kl_estimator)
+    scores: torch.Tensor  # (S,) reward of each sequence after normalisation and clipping
+    advantages: torch.Tensor  # (S, W-1)
+    returns: Optional[torch.Tensor]  # (S, W-1) gae: the critic's targets
+    values: Optional[torch.Tensor]  # (S, W-1) gae: the critic's values at sampling time
+    processed_tokens: int = 0  # tokens the scoring passes processed here, padding included
+    stats: Optional[RolloutStats] = None
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    def train_batch(self, rows: Sequence[int], pad_id: int, device) -> TrainBatch:
+        tokens = data.padded_batch([{"input_ids": self.sequences[i], "loss_mask": self.response_masks[i]}
+                                    for i in rows], pad_id).to(device)
+        index = torch.tensor(list(rows), device=self.mask.device)
+        width = tokens.input_ids.shape[1] - 1
+
+        def take(tensor):
+            return None if tensor is None else tensor[index, :width]
+
+        return TrainBatch(tokens, take(self.mask), take(self.old_logprobs), take(self.ref_logprobs),
+                          take(self.advantages), take(self.returns), take(self.values))
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def generate(actor, prompts: Sequence[Prompt], *, tokenizer, stage, device, greedy: bool = False) -> list[list[int]]:
+    """Response token ids (cut after eos) for each prompt: padded `generate` in chunks of
+    micro_rollout_batch_size, with the actor's parameters gathered once under ZeRO-3 (every
+    process must call this as often as the others, with any number of prompts)."""
+    module = actor.module
+    module.eval()
+    responses = []
+    gather = (_gathered(module) if stage.zero_stage == 3 else contextlib.nullcontext())
+    sampling = {} if greedy else {"temperature": stage.temperature, "top_p": stage.top_p, "top_k": 0}
+    with torch.no_grad(), gather:
+        for start in range(0, len(prompts), stage.micro_rollout_batch_size):
+            chunk = prompts[start : start + stage.micro_rollout_batch_size]
+            width = max(len(p.ids) for p in chunk)
+            ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p.ids)) + p.ids for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in chunk])
+            out = module.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=stage.max_new_tokens,
+                do_sample=not greedy, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                use_cache=True, **sampling,
+            )
+            for row in out[:, width:].tolist():
+                cut = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+                responses.append(row[:cut])
+    return responses
+
+
+def _gathered(module):
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(module.parameters()))
+
+
+def informative_groups(rewards: Sequence[float], group_size: int) -> list[bool]:
+    """For each group of group_size contiguous samples: do its rewards differ? A group whose
+    samples all got the same reward has zero group-relative advantage: it teaches nothing."""
+    return [len(set(rewards[g : g + group_size])) > 1 for g in range(0, len(rewards), group_size)]
+
+
+def sum_over_processes(values: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor summed over every process, in float64 (losses.SumOverProcesses)."""
+    return torch.tensor(engine.all_reduce_sums(values.detach().double().cpu().clone()), dtype=torch.float64)
+
+
+def gathered_mean(values: Sequence[float]) -> float:
+    total, count = engine.all_reduce_sums([float(sum(values)), float(len(values))])
+    return total / max(count, 1.0)
+
+
+@dataclass
+class _Drawn:
+    """Samples drawn over the rounds of one rollout on this process."""
+
+    prompts: list = field(default_factory=list)  # one Prompt per sample
+    responses: list = field(default_factory=list)  # token ids
+    rewards: list = field(default_factory=list)  # raw summed reward
+    trains: list = field(default_factory=list)  # False on places filled with a dropped group
+    terms: dict = field(default_factory=dict)  # reward term -> its value's mean, once per sample
+
+    def add(self, prompts, responses, rewards, trains: bool = True, terms: Optional[dict] = None) -> None:
+        self.prompts += list(prompts)
+        self.responses += list(responses)
+        self.rewards += list(rewards)
+        self.trains += [trains] * len(prompts)
+        for name, mean in (terms or {}).items():
+            self.terms.setdefault(name, []).extend([mean] * len(prompts))
+
+
+class RolloutMaker:
+    """Makes one rollout after another; holds the running reward statistics (checkpointed)."""
+
+    def __init__(self, stage, ctx, models: Models, rules: RuleReward, generate_fn: Callable = generate):
+        self.stage, self.ctx, self.models, self.rules = stage, ctx, models, rules
+        self.generate_fn = generate_fn
+        self.moments = RunningMoments()
+        self.advantage_settings = L.AdvantageSettings(
+            group_size=stage.n_samples_per_prompt, gamma=stage.gamma, lam=stage.lam, scale_rewards=stage.scale_rewards)
+
+    def generate(self, prompts: Sequence[Prompt], greedy: bool = False) -> list[list[int]]:
+        return self.generate_fn(self.models.actor, prompts, tokenizer=self.models.tokenizer, stage=self.stage,
+                                device=self.ctx.device, greedy=greedy)
+
+    # ---- one rollout
+
+    def make(self, prompts_of_round: Callable[[int], list[Prompt]], kl_coef: float) -> Rollout:
+        """Sample (over rounds, with dynamic sampling), score and prepare this process's share.
+        prompts_of_round(k) gives the prompts of sampling round k (round 0 = the rollout's own)."""
+        every, kept, sampling, timing = self._draw(prompts_of_round)
+        started = time.time()
+        scores = self._normalized(kept.rewards, every.rewards)
+        rollout = self._views(kept, scores, kl_coef)
+        rollout.stats = RolloutStats(
+            reward=gathered_mean(every.rewards),
+            terms={name: gathered_mean(values) for name, values in every.terms.items()},
+            response_tokens=engine.all_reduce_sums([float(sum(len(r) for r in every.responses))])[0],
+            sequences=int(engine.all_reduce_sums([float(sum(kept.trains))])[0]),
+            generate_s=timing["generate_s"], score_s=timing["score_s"] + time.time() - started, sampling=sampling)
+        return rollout
+
+    def _draw(self, prompts_of_round):
+        """Sample and score round after round until every process holds as many groups whose
+        rewards differ as it has prompts (one round without dynamic sampling). Returns every
+        sample drawn, the samples of the rollout, the dynamic sampling counts and the times."""
+        stage, n = self.stage, self.stage.n_samples_per_prompt
+        every, kept, spare = _Drawn(), _Drawn(), _Drawn()
+        timing = {"generate_s": 0.0, "score_s": 0.0}
+        uniform = 0
+        for round_ in range(stage.dynamic_sampling_max_rounds if stage.dynamic_sampling else 1):
+            batch = [p for p in prompts_of_round(round_) for _ in range(n)]
+            wanted = len(batch)
+            t0 = time.time()
+            responses = self.generate(batch)
+            t1 = time.time()
+            rewards, terms = self.score(batch, responses)
+            timing["generate_s"] += t1 - t0
+            timing["score_s"] += time.time() - t1
+            every.add(batch, responses, rewards, terms=terms)
+            if not stage.dynamic_sampling:
+                return every, every, {}, timing
+            for g, informative in enumerate(informative_groups(rewards, n)):
+                part = slice(g * n, (g + 1) * n)
+                uniform += not informative
+                target = kept if informative and len(kept.prompts) < wanted else spare
+                target.add(batch[part], responses[part], rewards[part])
+            if engine.all_reduce_sums([float(wanted - len(kept.prompts))])[0] == 0:
+                break
+        missing = wanted - len(kept.prompts)  # places left: dropped groups fill them, and do not train
+        kept.add(spare.prompts[:missing], spare.responses[:missing], spare.rewards[:missing], trains=False)
+        counts = engine.all_reduce_sums([float(sum(kept.trains) // n), float(uniform), float(missing // n)])
+        sampling = {"groups_kept": counts[0], "groups_dropped": counts[1], "groups_filled": counts[2],
+                    "sampling_rounds": round_ + 1}
+        return every, kept, sampling, timing
+
+    def score(self, prompts: Sequence[Prompt], responses: list[list[int]]) -> tuple[list[float], dict[str, float]]:
+        """Summed reward per completion, before normalisation, and each term's mean."""
+        tokenizer, stage = self.models.tokenizer, self.stage
+        completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        samples = Samples(prompts=[p.text for p in prompts], completions=completions, rows=[p.row for p in prompts],
+                          labels=[p.label for p in prompts], lengths=[len(r) for r in responses],
+                          names=[p.name for p in prompts])
+        total, terms = self.rules(samples) if self.rules.terms else ([0.0] * len(responses), {})
+        if self.models.reward_model is not None:
+            scores = self._reward_model_scores(samples)
+            total = [t + stage.reward.model_weight * s for t, s in zip(total, scores)]
+            terms["reward_model"] = sum(scores) / max(len(scores), 1)
+        return total, terms
+
+    def _reward_model_scores(self, samples: Samples) -> list[float]:
+        """Re-tokenised with the reward model's tokenizer, formatted as it was trained."""
+        stage, tokenizer = self.stage, self.models.reward_tokenizer
+        rows = []
+        for text, completion in zip(samples.prompts, samples.completions):
+            ids = (data.encode_prompt(tokenizer, text, stage.data)
+                   + data.encode_response(tokenizer, text, completion, stage.data))[: stage.max_len]
+            rows.append({"input_ids": ids, "loss_mask": [1] * len(ids)})
+        scores = []
+        for start in range(0, len(rows), stage.micro_rollout_batch_size):
+            batch = data.padded_batch(rows[start : start + stage.micro_rollout_batch_size],
+                                      tokenizer.pad_token_id).to(self.ctx.device)
+            scores += batch.forward(self.models.reward_model).logits.squeeze(-1).float().tolist()
+        return scores
+
+    def _normalized(self, rewards: list[float], drawn: list[float]) -> list[float]:
+        """reward.normalize: by the running moments of every reward drawn so far (all processes);
+        reward.clip: clipped."""
+        stage = self.stage
+        if stage.reward.normalize:
+            everyone = [None] * self.ctx.world_size
+            dist.all_gather_object(everyone, drawn)
+            self.moments.update([r for part in everyone for r in part])
+            return self.moments.normalize(rewards, stage.reward.clip)
+        if stage.reward.clip:
+            return [max(-stage.reward.clip, min(stage.reward.clip, r)) for r in rewards]
+        return list(rewards)
+
+    # ---- the frozen models' views and the advantages
+
+    @torch.no_grad()
+    def _views(self, drawn: _Drawn, scores: list[float], kl_coef: float) -> Rollout:
+        stage, models, device = self.stage, self.models, self.ctx.device
+        sequences = [(p.ids + r)[: stage.max_len] for p, r in zip(drawn.prompts, drawn.responses)]
+        response_masks = [([0] * len(p.ids) + [1] * len(r))[: stage.max_len]
+                          for p, r in zip(drawn.prompts, drawn.responses)]
+        width = max(len(s) for s in sequences) - 1
+        shape = (len(sequences), width)
+        old, ref = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+        values = torch.zeros(shape, device=device) if models.critic is not None else None
+        mask = torch.zeros(shape, device=device)
+        models.actor.eval()
+        if models.critic is not None:
+            models.critic.eval()
+        processed = 0
+        for start in range(0, len(sequences), stage.micro_rollout_batch_size):
+            rows = range(start, min(start + stage.micro_rollout_batch_size, len(sequences)))
+            batch = data.padded_batch([{"input_ids": sequences[i], "loss_mask": response_masks[i]} for i in rows],
+                                      models.tokenizer.pad_token_id).to(device)
+            w = batch.input_ids.shape[1] - 1
+            processed += batch.processed_tokens
+            part = slice(rows.start, rows.stop)
+            old[part, :w] = logprobs_of(models.actor, batch, stage.temperature)[0]
+            ref[part, :w] = logprobs_of(models.reference, batch, stage.temperature)[0]
+            mask[part, :w] = batch.loss_mask[:, 1:].float()
+            if values is not None:
+                values[part, :w] = values_of(models.critic, batch)
+        mask *= torch.tensor(drawn.trains, dtype=mask.dtype, device=device).unsqueeze(1)
+        kl = L.kl_penalty(old, ref, stage.kl_estimator) * mask
+        score_tensor = torch.tensor(scores, dtype=torch.float32, device=device)
+        if values is not None:
+            values *= mask
+        inputs = L.AdvantageInputs(scores=score_tensor, kl=kl, mask=mask,
+                                   kl_coef=kl_coef if stage.kl_in_reward else 0.0, values=values)
+        advantages, returns = L.estimate_advantages(stage.advantage, inputs, self.advantage_settings,
+                                                    sum_over_processes)
+        return Rollout(sequences, response_masks, mask, old, ref, kl, score_tensor, advantages, returns, values,
+                       processed)
+
+    # ---- held-out reward
+
+    @torch.no_grad()
+    def held_out_reward(self, prompts: Sequence[Prompt]) -> float:
+        """Mean reward of greedy completions of the held-out prompts (each scored once, over all processes)."""
+        rank, world = self.ctx.rank, self.ctx.world_size
+        share = list(prompts[rank::world])
+        calls = -(-len(prompts) // world)  # the same number of prompts on every process
+        padded = share + (share or list(prompts))[:1] * (calls - len(share))
+        rewards, _ = self.score(padded, self.generate(padded, greedy=True))
+        return gathered_mean(rewards[: len(share)])
+
+
+def logprobs_of(model, batch: data.Batch, temperature: float):
+    """Token log-probs (B, W-1) of the batch's response tokens under the model (sampling
+    temperature applied), and the logits."""
+    logits = batch.forward(model).logits
+    return L.token_logprobs(logits.float() / temperature, batch.input_ids, batch.loss_mask), logits
+
+
+def values_of(critic, batch: data.Batch) -> torch.Tensor:
+    """The critic's value (B, W-1) at each position, aligned with token_logprobs (predicting token t+1)."""
+    module = critic.module
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    hidden = getattr(base, base.base_model_prefix)(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    return base.score(hidden).squeeze(-1).float()[:, :-1]
