@@ -513,14 +513,14 @@ class RewardRule(Strict):
         None,
         description="Built-in rule: exact_match or numeric_match (against the row's label column), "
         "regex (options.pattern must match the whole completion), length (options.target characters; "
-        "-|len - target| / target), keyword (fraction of options.keywords present), overlong_penalty "
+        "-abs(len - target) / target), keyword (fraction of options.keywords present), overlong_penalty "
         "(DAPO's soft length penalty on completion tokens: 0 up to options.max_len - options.buffer, "
         "falling linearly to -1 at options.max_len, -1 beyond; its weight is DAPO's penalty factor).",
     )
     function: Optional[str] = Field(
         None, description="Your own reward: path/to/file.py:function returning one float per completion. "
-        "A function with **kwargs is called as f(prompts=, completions=, <column>=...) with every column of "
-        "the rows as lists (TRL's convention); any other as f(prompts, completions, labels)."
+        "A function that takes **kwargs gets keywords: prompts, completions and every column of the rows, one "
+        "list per column (TRL's convention); any other is called as f(prompts, completions, labels)."
     )
     weight: float = Field(1.0, description="Weight of this term in the summed reward.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of the built-in rule (see rule).")

@@ -62,6 +62,10 @@ def reference_markdown() -> str:
         extra = [n for n in model.model_fields if n not in common]
         if extra:
             sections.append(_table(f"`kind: {kind}`", model, skip=common))
+    sections += [
+        _table("`reward:` (kind: ppo)", c.RewardSpec, "reward."),
+        _table("`reward.rules:` (each term)", c.RewardRule),
+    ]
     return "\n\n".join(sections)
 
 
