@@ -191,6 +191,8 @@ class _Drawn:
     rewards: list = field(default_factory=list)  # raw summed reward
     trains: list = field(default_factory=list)  # False on places filled with a dropped group
     terms: dict = field(default_factory=dict)  # reward term -> its value's mean, once per sample
+    generate_s: float = 0.0  # time spent sampling them
+    score_s: float = 0.0  # time spent scoring them
 
     def add(self, prompts, responses, rewards, trains: bool = True, terms: Optional[dict] = None) -> None:
         self.prompts += list(prompts)
@@ -220,7 +222,7 @@ class RolloutMaker:
     def make(self, prompts_of_round: Callable[[int], list[Prompt]], kl_coef: float) -> Rollout:
         """Sample (over rounds, with dynamic sampling), score and prepare this process's share.
         prompts_of_round(k) gives the prompts of sampling round k (round 0 = the rollout's own)."""
-        every, kept, sampling, timing = self._draw(prompts_of_round)
+        every, kept, sampling = self._draw(prompts_of_round)
         started = time.time()
         scores = self._normalized(kept.rewards, every.rewards)
         rollout = self._views(kept, scores, kl_coef)
@@ -229,16 +231,15 @@ class RolloutMaker:
             terms={name: gathered_mean(values) for name, values in every.terms.items()},
             response_tokens=engine.all_reduce_sums([float(sum(len(r) for r in every.responses))])[0],
             sequences=int(engine.all_reduce_sums([float(sum(kept.trains))])[0]),
-            generate_s=timing["generate_s"], score_s=timing["score_s"] + time.time() - started, sampling=sampling)
+            generate_s=every.generate_s, score_s=every.score_s + time.time() - started, sampling=sampling)
         return rollout
 
     def _draw(self, prompts_of_round):
         """Sample and score round after round until every process holds as many groups whose
         rewards differ as it has prompts (one round without dynamic sampling). Returns every
-        sample drawn, the samples of the rollout, the dynamic sampling counts and the times."""
+        sample drawn, the samples of the rollout and the dynamic sampling counts."""
         stage, n = self.stage, self.stage.n_samples_per_prompt
         every, kept, spare = _Drawn(), _Drawn(), _Drawn()
-        timing = {"generate_s": 0.0, "score_s": 0.0}
         uniform = 0
         for round_ in range(stage.dynamic_sampling_max_rounds if stage.dynamic_sampling else 1):
             batch = [p for p in prompts_of_round(round_) for _ in range(n)]
@@ -247,11 +248,11 @@ class RolloutMaker:
             responses = self.generate(batch)
             t1 = time.time()
             rewards, terms = self.score(batch, responses)
-            timing["generate_s"] += t1 - t0
-            timing["score_s"] += time.time() - t1
+            every.generate_s += t1 - t0
+            every.score_s += time.time() - t1
             every.add(batch, responses, rewards, terms=terms)
             if not stage.dynamic_sampling:
-                return every, every, {}, timing
+                return every, every, {}
             for g, informative in enumerate(informative_groups(rewards, n)):
                 part = slice(g * n, (g + 1) * n)
                 uniform += not informative
@@ -264,7 +265,7 @@ class RolloutMaker:
         counts = engine.all_reduce_sums([float(sum(kept.trains) // n), float(uniform), float(missing // n)])
         sampling = {"groups_kept": counts[0], "groups_dropped": counts[1], "groups_filled": counts[2],
                     "sampling_rounds": round_ + 1}
-        return every, kept, sampling, timing
+        return every, kept, sampling
 
     def score(self, prompts: Sequence[Prompt], responses: list[list[int]]) -> tuple[list[float], dict[str, float]]:
         """Summed reward per completion, before normalisation, and each term's mean."""
