@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from stages import data, engine
 from stages import losses as L
-from stages.rewards import RuleReward, RunningMoments, Samples
+from stages.rewards import RewardError, RuleReward, RunningMoments, Samples
 
 
 @dataclass(frozen=True)
@@ -268,17 +268,29 @@ class RolloutMaker:
         return every, kept, sampling
 
     def score(self, prompts: Sequence[Prompt], responses: list[list[int]]) -> tuple[list[float], dict[str, float]]:
-        """Summed reward per completion, before normalisation, and each term's mean."""
+        """Summed reward per completion, before normalisation, and each term's mean. A reward rule that
+        fails on one process stops every process with its message, after the same collective calls on
+        each (the others would otherwise wait for it forever)."""
         tokenizer, stage = self.models.tokenizer, self.stage
         completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
         samples = Samples(prompts=[p.text for p in prompts], completions=completions, rows=[p.row for p in prompts],
                           labels=[p.label for p in prompts], lengths=[len(r) for r in responses],
                           names=[p.name for p in prompts])
-        total, terms = self.rules(samples) if self.rules.terms else ([0.0] * len(responses), {})
+        failure, total, terms = None, [0.0] * len(responses), {}
+        try:
+            if self.rules.terms:
+                total, terms = self.rules(samples)
+        except RewardError as err:
+            failure = err
         if self.models.reward_model is not None:
             scores = self._reward_model_scores(samples)
             total = [t + stage.reward.model_weight * s for t, s in zip(total, scores)]
             terms["reward_model"] = sum(scores) / max(len(scores), 1)
+        everyone = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, None if failure is None else failure.message)
+        first = next((message for message in everyone if message is not None), None)
+        if first is not None:  # every process says the same, the first failure's message
+            raise failure if failure is not None and failure.message == first else RewardError(first)
         return total, terms
 
     def _reward_model_scores(self, samples: Samples) -> list[float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -24,7 +25,8 @@ from pipeline.config import PipelineSpec  # noqa: E402
 from pipeline.graph import build_tasks  # noqa: E402
 from stages import distributed, models, ppo, rollout, runner  # noqa: E402
 from stages import losses as L  # noqa: E402
-from stages.rewards import RuleReward  # noqa: E402
+from stages.rewards import RewardError, RuleReward  # noqa: E402
+from stages.rollout import Prompt  # noqa: E402
 
 SAMPLES = 2
 
@@ -52,6 +54,21 @@ def fixed_completions(actor, prompts, *, tokenizer, stage, device, greedy=False)
         text = " " + prompt.label + ("" if sample == prompt.index % SAMPLES else ".")
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
     return out
+
+
+def failing_reward(stage, ctx, rl_models, last: Prompt, mine: list) -> str:
+    """What each process raises when a reward rule fails on the rollout's last prompt, which only the
+    last process holds."""
+    def fails(samples):
+        return [1.0 if p != last.text else {}["answer"] for p in samples.prompts]
+
+    maker = rollout.RolloutMaker(stage, ctx, rl_models, RuleReward([("probe:fails", fails, 1.0)]),
+                                 generate_fn=fixed_completions)
+    try:
+        maker.score(mine, maker.generate(mine))
+    except RewardError as err:
+        return err.message
+    return "no error"
 
 
 def main(workdir: Path, out: Path) -> None:
@@ -92,6 +109,10 @@ def main(workdir: Path, out: Path) -> None:
     trained = ppo.update(rl_models, made, stage, ctx, stage.kl_coef, 0)
     after = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
 
+    last_process = SimpleNamespace(rank=env.world_size - 1, world_size=env.world_size)
+    last = prompts[schedule.prompt_rows(0, 0, last_process)[-1]]  # the rollout's last prompt
+    reward_failure = failing_reward(stage, ctx, rl_models, last, mine)
+
     sequences = {}
     for k in range(len(made)):
         prompt = mine[k // SAMPLES]
@@ -100,11 +121,14 @@ def main(workdir: Path, out: Path) -> None:
             "tokens": made.sequences[k], "advantages": made.advantages[k][keep].tolist(),
             "grpo_batch": batch_scaled[k][keep].tolist(), "old_logprobs": made.old_logprobs[k][keep].tolist()}
     everyone = [None] * env.world_size
-    torch.distributed.all_gather_object(everyone, {"sequences": sequences, "held": len(made)})
+    torch.distributed.all_gather_object(everyone, {"sequences": sequences, "held": len(made),
+                                                   "reward_failure": reward_failure})
     if env.rank == 0:
         torch.save({
             "sequences": {key: value for part in everyone for key, value in part["sequences"].items()},
             "held": [part["held"] for part in everyone],
+            "reward_failure": [part["reward_failure"] for part in everyone],
+            "last_prompt": (last.index, last.text),
             "trained": trained,
             "update": {n: after[n] - before[n] for n in before},
             "gradient": gradient,

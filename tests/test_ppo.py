@@ -109,6 +109,10 @@ def test_one_and_two_processes_give_the_same_advantages_and_the_same_first_updat
         torch.testing.assert_close(two["update"][name][clear], one["update"][name][clear], atol=1e-7, rtol=0, msg=name)
         compared, total = compared + int(clear.sum()), total + gradient.numel()
     assert compared > 0.8 * total and largest > 1e-2  # a real step, compared on most weights
+    # A reward rule failing on the last prompt (the second process's) stops every process with its message.
+    index, prompt = one["last_prompt"]
+    assert two["reward_failure"] == one["reward_failure"] * 2 == [
+        f"reward function probe:fails failed on train row {index} (prompt {prompt!r}): KeyError: 'answer'"] * 2
 
 
 # --------------------------------------------------------------------------- whole stages
@@ -160,3 +164,4 @@ def test_sft_rm_ppo_with_the_reward_model_as_the_reward_runs_logs_and_exports_it
     initial = AutoModelForSequenceClassification.from_pretrained(runs / "rm" / "model")  # where the critic started
     with torch.no_grad():
         assert not torch.allclose(values, initial(**batch).logits.squeeze(-1))  # it trained
+
