@@ -9,7 +9,8 @@ loaded:
   reward function written for TRL works unchanged), e.g.
   `def score(prompts, completions, answer, **kwargs)`;
 - otherwise, as before: `f(prompts, completions, labels)`, labels being the
-  row's label column (label_key).
+  row's label column (label_key); a `labels` parameter beside `**kwargs` gets
+  them too.
 
 `check_function` verifies a function without running it (the file parses and
 defines it with a signature of either kind), so `validate` can run on a login
@@ -178,7 +179,15 @@ def takes_columns(function: Callable) -> bool:
 
 def user_term(function: Callable) -> Callable[[Samples], list]:
     if takes_columns(function):
-        return lambda s: function(prompts=list(s.prompts), completions=list(s.completions), **s.columns())
+        wants_labels = "labels" in inspect.signature(function).parameters
+
+        def call(s: Samples) -> list:
+            columns = s.columns()
+            if wants_labels:  # an old (prompts, completions, labels, **kwargs) function keeps its labels
+                columns.setdefault("labels", list(s.labels))
+            return function(prompts=list(s.prompts), completions=list(s.completions), **columns)
+
+        return call
     return lambda s: function(list(s.prompts), list(s.completions), list(s.labels))
 
 

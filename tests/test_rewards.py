@@ -64,6 +64,13 @@ def test_a_function_with_kwargs_gets_every_column_of_its_rows(tmp_path):
     assert totals == [1.0, 0.0, 0.0]
 
 
+def test_an_old_function_with_kwargs_still_gets_its_labels(tmp_path):
+    ref = write_function(tmp_path, "def score(prompts, completions, labels, **kwargs):\n"
+                                   "    return [float(c == l) for c, l in zip(completions, labels)]\n")
+    totals, _ = RuleReward.from_specs([rule(function=ref)])(samples(["p", "q"], ["1", "2"], ["1", "3"]))
+    assert totals == [1.0, 0.0]
+
+
 def test_trl_style_completions_and_kwargs_only_functions_work(tmp_path):
     ref = write_function(tmp_path, "def score(completions, **kwargs):\n"
                                    "    return [float(len(kwargs['prompts'][0]) + len(c)) for c in completions]\n")
