@@ -67,8 +67,8 @@ def run(task, ctx) -> dict:
         window.restart()
         rollout = maker.make(lambda round_: [prompts[i] for i in schedule.prompt_rows(index, round_, ctx)],
                              kl_control.value)
-        window.add(rollout, {}, sum(rollout_sequence_flops(flop_models, len(s), stage.ppo_epochs)
-                                          for s in rollout.sequences))
+        flops = sum(rollout_sequence_flops(flop_models, len(s), stage.ppo_epochs) for s in rollout.sequences)
+        window.add(rollout, {}, flops)
         trained_at = time.time()
         trained = update(rl_models, rollout, stage, ctx, kl_control.value, index)
         timing = {"train_s": time.time() - trained_at, "rollout_s": time.time() - started}
