@@ -118,8 +118,9 @@ def load_prompts(stage, ctx, tokenizer) -> tuple[list[Prompt], list[Prompt], dic
         if missing is not None:
             raise InvalidInput(f"{stage.data.path} ({split}) row {missing}: no '{stage.label_key}' column, which "
                                f"the {'/'.join(RULES_NEEDING_LABELS)} rules compare against (label_key)")
-        prompts[split] = [Prompt(split, i, row[stage.data.prompt_key], tokens["input_ids"], row,
-                                 row.get(stage.label_key)) for i, (row, tokens) in enumerate(zip(part.rows, part.tokens))]
+        prompts[split] = [
+            Prompt(split, i, row[stage.data.prompt_key], tokens["input_ids"], row, row.get(stage.label_key))
+            for i, (row, tokens) in enumerate(zip(part.rows, part.tokens))]
     return prompts["train"], prompts["eval"][: stage.eval_prompts], tokenized.record()
 
 
