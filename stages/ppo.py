@@ -124,6 +124,11 @@ def load_prompts(stage, ctx, tokenizer) -> tuple[list[Prompt], list[Prompt], dic
     return prompts["train"], prompts["eval"][: stage.eval_prompts], tokenized.record()
 
 
+def critic_path(task, model_path: str) -> str:
+    """The critic starts from the reward model when there is one (it already reads rewards), else the policy."""
+    return task.upstream_dirs.get(task.stage.reward.model or "", model_path)
+
+
 def critic_stage(stage):
     return stage.model_copy(update={"learning_rate": stage.critic_learning_rate or stage.learning_rate})
 
