@@ -232,7 +232,7 @@ def test_preflight_of_every_kind_of_input_imports_no_gpu_library(tmp_path, saved
         {"name": "sft", "kind": "sft", "model": str(model), "data": {"path": "rows.jsonl", "chat_template": True}},
         {"name": "sft2", "kind": "sft", "from": "sft", "data": {"path": str(saved_datasets / "dict")}},
         {"name": "rl", "kind": "ppo", "from": "sft2", "data": {"path": "rows.jsonl"}, "rollout_batch_size": 16,
-         "micro_batch_size": 8, "reward": {"rules": [{"rule": "exact_match"}, {"function": "mine.py:score"}]}},
+         "micro_batch_size": 8, "max_new_tokens": 8, "reward": {"rules": [{"rule": "exact_match"}, {"function": "mine.py:score"}]}},
     ])
     code = ("import sys; from pipeline import config, preflight; "
             "preflight.check(config.load_pipeline(sys.argv[1])); "
