@@ -6,6 +6,8 @@ The tests wait by polling `python -m pipeline status --json`, as a user would.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.conftest import read_result, run_cli, write_pipeline
@@ -94,13 +96,16 @@ def test_the_chain_never_needed_accounting(chain, slurm_cluster):
 
 @pytest.fixture(scope="module")
 def failed_chain(slurm_cluster, tmp_path_factory):
-    """sft fails at run time (too few rows for one optimizer step); sft2 depends on it."""
+    """rl fails at run time: its reward function (it imports, so validate passes) raises when
+    called; sft2 depends on it."""
     workdir = tmp_path_factory.mktemp("failing")
-    rows = "".join('{"prompt": "sort 21 =", "response": " 12"}\n' for _ in range(3))
-    (workdir / "rows.jsonl").write_text(rows)
-    first = sft_stage("sft", 10)
-    first["data"] = {"path": "rows.jsonl", "eval_split": "rows.jsonl"}
-    spec = slurm_pipeline(stages=[first, sft_stage("sft2", 10, **{"from": "sft"})])
+    (workdir / "reward.py").write_text("def score(prompts, completions, labels):\n"
+                                       "    raise ValueError('no score for these rows')\n")
+    rl = {"name": "rl", "kind": "ppo", "model": "builtin:tiny-llama",
+          "data": {"path": "builtin:digits", "eval_split": "eval"}, "advantage": "grpo", "n_samples_per_prompt": 2,
+          "rollout_batch_size": 8, "micro_rollout_batch_size": 16, "max_new_tokens": 4, "max_steps": 2,
+          "reward": {"rules": [{"function": "reward.py:score"}]}}
+    spec = slurm_pipeline(stages=[rl, sft_stage("sft2", 10, **{"from": "rl"})])
     config, run = submit(workdir, spec)
     assert run.returncode == 0, run.stdout + run.stderr
     settled = wait_until_settled(workdir, config)
@@ -110,19 +115,20 @@ def failed_chain(slurm_cluster, tmp_path_factory):
 
 def test_a_failed_stage_leaves_its_dependants_cancelled(failed_chain):
     settled = failed_chain["settled"]
-    assert settled["sft"]["state"] == "failed"
+    assert settled["rl"]["state"] == "failed"
     assert settled["sft2"]["state"] == "cancelled"
-    assert settled["sft2"]["detail"] == "not run: upstream sft did not finish"
+    assert settled["sft2"]["detail"] == "not run: upstream rl did not finish"
     assert failed_chain["ids"]["sft2"] not in queued_jobs()
 
 
 def test_status_names_the_failed_stage_its_log_and_why(failed_chain):
     text = failed_chain["text"]
     assert text.returncode == 1
-    job = failed_chain["ids"]["sft"]
-    log = failed_chain["workdir"] / "runs" / "t" / "sft" / "logs" / f"{job}_0_log.err"
-    assert f"log: {log}" in text.stdout
-    assert "fewer than one optimizer step" in text.stdout  # the exception, from the log's last lines
+    job = failed_chain["ids"]["rl"]
+    logs = failed_chain["workdir"] / "runs" / "t" / "rl" / "logs"
+    assert re.search(rf"log: {re.escape(str(logs))}/{job}_\d+_log\.err", text.stdout), text.stdout
+    assert "reward function reward.py:score failed" in text.stdout  # the cause, from the failing rank's record
+    assert "no score for these rows" in text.stdout
 
 
 # --------------------------------------------------------------------------- one chain at a time, cancel
@@ -139,7 +145,7 @@ def live_chain(slurm_cluster, tmp_path_factory):
 
 def test_a_second_run_is_refused_while_the_chain_is_live(live_chain):
     again = run_cli("run", live_chain["config"], cwd=live_chain["workdir"], timeout=120)
-    assert again.returncode == 1
+    assert again.returncode == 2
     assert "still live" in again.stderr and "pipeline cancel" in again.stderr
     assert "Traceback" not in again.stderr
     assert job_ids(live_chain["workdir"]) == live_chain["ids"]
