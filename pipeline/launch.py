@@ -80,15 +80,14 @@ def run(spec: PipelineSpec, config: str, executor: Optional[str] = None, force: 
         check_slurm_ready(spec)
         state.refuse_if_live(pipeline_dir, config, tasks)  # before the download, which may take long
         try:
-            check_fits(spec, force)  # refuse before downloading tens of GB, when the shapes are known
-            checked = True
+            plans = check_fits(spec, force)  # refuse before downloading tens of GB, when the shapes are known
         except InvalidInput:  # a model outside the built-in table: its shape comes with prepare
-            checked = False
+            plans = None
         prepare.fetch(spec, cache, echo=echo)
-        if not checked:
-            check_fits(spec, force)
+        if plans is None:
+            plans = check_fits(spec, force)
     else:
-        check_fits(spec, force)
+        plans = check_fits(spec, force)
         check_local_gpus(spec)
         state.refuse_if_live(pipeline_dir, config, tasks)  # a Slurm chain training into the same folders
     doing = SUBMITTING if executor == "slurm" else RUNNING_LOCALLY
@@ -96,7 +95,7 @@ def run(spec: PipelineSpec, config: str, executor: Optional[str] = None, force: 
         state.refuse_if_live(pipeline_dir, config, tasks)  # again: someone may have submitted meanwhile
         digests.save()
         planned = graph.plan_actions(tasks, rerun=rerun)
-        measured.save_plans(spec, planned, plan.known_rows(spec))  # each result.json compares itself with it
+        measured.save_plans(planned, plans)  # each result.json compares itself with it
         if executor == "slurm":
             run_state = submit_slurm(spec, planned, config, echo=echo)
             jobs = {i.task.name: run_state.stages[i.task.name].job_id for i in planned if i.action != "skip"}
@@ -105,10 +104,19 @@ def run(spec: PipelineSpec, config: str, executor: Optional[str] = None, force: 
         return Outcome(executor, planned)
 
 
-def check_fits(spec: PipelineSpec, force: bool) -> None:
-    """Refuse (exit 3) a stage the plan says does not fit, before anything is written or queued."""
+def check_fits(spec: PipelineSpec, force: bool) -> Optional[list]:
+    """The plan of every stage; refuses (exit 3) a stage that does not fit, before anything is
+    written or queued. With `force` nothing is refused: a pipeline the planner cannot estimate
+    gives None."""
+    try:
+        plans = plan.plan_pipeline(spec, plan.known_rows(spec))
+    except PipelineError:
+        if force:
+            return None
+        raise
     if not force:
-        plan.raise_if_not_fits(plan.plan_pipeline(spec, plan.known_rows(spec)))
+        plan.raise_if_not_fits(plans)
+    return plans
 
 
 def write_spec(task: StageTask) -> None:

@@ -15,7 +15,6 @@ from statistics import fmean
 from typing import Optional
 
 from pipeline import metrics as records
-from pipeline.errors import PipelineError
 from pipeline.runfolder import StageFolder
 
 GiB = 1024**3
@@ -23,16 +22,15 @@ GiB = 1024**3
 COMPARED = ("gpu_mem_peak_gib", "host_mem_gib", "step_s", "tokens_per_s", "mfu", "token_efficiency")
 
 
-def save_plans(spec, planned, rows_by_stage: Optional[dict] = None) -> None:
+def save_plans(planned, plans: Optional[list]) -> None:
     """Write each submitted stage's plan (the planner's JSON, as `plan --json` prints it) into
-    its folder. A pipeline the planner cannot estimate (e.g. a model whose shape is not known
-    yet) gets no plan.json: the run goes on, and its result.json says `planned: null`."""
+    its folder. A pipeline the planner could not estimate (`plans` None, e.g. a model whose
+    shape is not known) gets no plan.json: the run goes on, and its result.json says `planned: null`."""
     from pipeline import plan
 
-    try:
-        entries = {e["stage"]: e for e in plan.plan_to_json(plan.plan_pipeline(spec, rows_by_stage))["stages"]}
-    except PipelineError:
+    if plans is None:
         return
+    entries = {e["stage"]: e for e in plan.plan_to_json(plans)["stages"]}
     saved_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     for item in planned:
         if item.action == "skip" or item.task.name not in entries:
