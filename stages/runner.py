@@ -87,11 +87,12 @@ class StageJob(Checkpointable):
         return run_stage(self.task)
 
     def checkpoint(self, *args, **kwargs) -> DelayedSubmission:
-        """Called on rank 0 when USR2 arrives (time limit near, or preemption).
+        """Called on rank 0 by submitit's USR2 handler, before it requeues the job.
 
-        No save here: the other ranks are mid-step and a DeepSpeed save needs
-        them all. The requeued job resumes from the newest complete checkpoint,
-        which the atomic `latest` file names."""
+        No save here: during training the loop has already saved at the signal's step
+        (stages/preemption.py) before handing the signal on; outside it (loading, the
+        final evaluation, export) the requeued job resumes from the newest complete
+        checkpoint, which the atomic `latest` file names."""
         latest = self.task.folder.latest_checkpoint()
         start = f"checkpoint {latest}" if latest else "the start (no checkpoint yet)"
         log.warning("stage %s: requeueing; the job will resume from %s", self.task.name, start)
