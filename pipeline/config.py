@@ -156,12 +156,13 @@ class ClusterSpec(Strict):
         description="Extra sbatch options for every stage job, by long name without dashes "
         "(e.g. {exclusive: true, reservation: my-res, gres: 'gpu:8'}); true writes a bare flag.",
     )
-    requeue_signal_s: int = Field(
-        120,
+    requeue_signal_s: Optional[int] = Field(
+        None,
         ge=10,
         le=3600,
-        description="Seconds before a stage job's time limit at which Slurm sends it USR2: the job "
-        "requeues itself and resumes from its newest checkpoint.",
+        description="Seconds before a stage job's time limit at which Slurm sends it USR2: the job saves "
+        "a checkpoint at the end of its current step, requeues itself and resumes from there. Default: "
+        "from the plan's estimated checkpoint save and step times, plus a margin (at least 90).",
     )
     max_requeues: int = Field(
         3,

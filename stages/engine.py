@@ -334,12 +334,10 @@ def _steps(engine, loop, stage, ctx, checkpoints, metrics, signals, initial, sta
                 saved = step
             signal_name = signals.requested(step, step_s, last=step >= loop.total_steps)
             if signal_name:
-                if saved != step:
-                    started = time.time()
-                    checkpoints.save(engine, step, {"step": step, "initial_eval": initial, "signal": signal_name})
-                    log.info("checkpoint at %s took %.2f s", signal_name, time.time() - started)
                 metrics.close()
-                signals.requeue(ctx.rank, step)
+                state = {"step": step, "initial_eval": initial, "signal": signal_name}
+                signals.save_and_requeue(signal_name, ctx.rank, step,
+                                         None if saved == step else lambda: checkpoints.save(engine, step, state))
             window.started += time.time() - paused
             if step >= loop.total_steps:
                 break

@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,17 +56,27 @@ class Signals:
         self.checks, self.check_s = 0, 0.0  # what the checks cost, for the log and the interval
         self.every = 1  # steps between checks: the same on every rank (from all-reduced timings)
 
-    def __enter__(self) -> "Signals":
+    def start(self) -> "Signals":
         for sig in CAUGHT:
             self.previous[sig] = signal.signal(sig, self._note)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """Back to submitit's handlers; one that arrived after the loop's last check acts now."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        if self.received is not None and exc[0] is None:
-            # Arrived after the loop's last check: submitit's handler acts on it now.
+        if self.received is not None:
             _call(self.previous.get(signal.SIGUSR2), signal.SIGUSR2)
+
+    def __enter__(self) -> "Signals":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.stop()
+        else:
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
 
     def _note(self, signum, frame) -> None:
         if self.received is None:
@@ -97,6 +107,15 @@ class Signals:
         share = 100 * self.check_s / max(loop_s, 1e-9)
         return (f"signal checks: {self.checks}, {mean_ms:.3f} ms each, {share:.2f}% of the training loop's time, "
                 f"every {self.every} steps at the end")
+
+    def save_and_requeue(self, name: str, rank: int, step: int, save: Optional[Callable[[], None]]) -> None:
+        """At the step every rank learnt of signal `name`: `save` (None: this step is saved
+        already), then requeue. Never returns."""
+        if save is not None:
+            started = time.time()
+            save()
+            log.info("checkpoint at %s took %.2f s", name, time.time() - started)
+        self.requeue(rank, step)
 
     def requeue(self, rank: int, step: int) -> None:
         """After the checkpoint: rank 0 requeues through submitit and exits; the others exit."""

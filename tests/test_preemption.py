@@ -110,13 +110,22 @@ def stage_processes(run_pid: int) -> dict[int, int]:
 
 
 def training_records(folder: Path) -> list[dict]:
-    return [r for r in read_metrics(folder) if "loss" in r] if (folder / "metrics.jsonl").exists() else []
+    return [r for r in read_metrics(folder) if "lr" in r] if (folder / "metrics.jsonl").exists() else []
+
+
+RL_ROLLOUTS = 8
 
 
 def chain() -> dict:
     stage = {"model": "builtin:tiny-llama", "data": {"path": "builtin:digits", "eval_split": "eval"},
              "max_steps": STEPS}
-    return tiny_pipeline(stages=[{"name": "sft", "kind": "sft", **stage}, {"name": "dpo", "kind": "dpo", **stage}],
+    # RL with the state a resume must carry: the reward normaliser's statistics, the adaptive KL
+    # coefficient, and every rank's sampler (each rank samples differently).
+    rl = {**stage, "name": "rl", "kind": "ppo", "max_steps": RL_ROLLOUTS, "advantage": "grpo",
+          "reward": {"rules": [{"rule": "exact_match"}, {"rule": "length", "options": {"target": 4}}], "normalize": True},
+          "kl_target": 0.5, "n_samples_per_prompt": 4, "rollout_batch_size": 8, "micro_rollout_batch_size": 32,
+          "max_new_tokens": 6, "micro_batch_size": 16, "global_batch_size": 32}
+    return tiny_pipeline(stages=[{"name": "sft", "kind": "sft", **stage}, {"name": "dpo", "kind": "dpo", **stage}, rl],
                          defaults={"log_interval": 1, "warmup_steps": 4, "save_interval": 0})
 
 
@@ -132,7 +141,8 @@ def runs(tmp_path_factory) -> dict:
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
         sent = {}
         if name == "signalled":
-            plan = {"sft": (1, signal.SIGUSR2, 7), "dpo": (0, signal.SIGTERM, 11)}  # rank, signal, after step
+            # rank, signal, after step
+            plan = {"sft": (1, signal.SIGUSR2, 7), "dpo": (0, signal.SIGTERM, 11), "rl": (1, signal.SIGUSR2, 3)}
             deadline = time.time() + 240
             while len(sent) < len(plan) and process.poll() is None and time.time() < deadline:
                 for stage, (rank, sig, after) in plan.items():
@@ -178,3 +188,16 @@ def test_a_signalled_stage_saves_at_the_signal_and_resumes_on_the_same_trajector
     key = "final_eval_loss" if stage == "sft" else "eval_loss"
     assert read_result(signalled)[key] == pytest.approx(read_result(reference)[key], rel=LOSS_RTOL)
     print(json.dumps({"stage": stage, "signal_after_step": step_seen, "saved_step": saved_step}))
+
+
+@pytest.mark.slow
+def test_a_signalled_rl_stage_resumes_with_its_normaliser_kl_coefficient_and_samplers(runs):
+    signalled, reference = runs["signalled"]["runs"] / "rl", runs["uninterrupted"]["runs"] / "rl"
+    _, rollout_seen = runs["signalled"]["sent"]["rl"]
+    tags = sorted(p.name for p in (signalled / "checkpoints").glob("step-*"))
+    assert len(tags) == 1 and rollout_seen <= int(tags[0].removeprefix("step-")) < RL_ROLLOUTS, tags
+    got, want = training_records(signalled), training_records(reference)
+    assert [r["step"] for r in got] == list(range(1, RL_ROLLOUTS + 1))
+    for mine, theirs in zip(got, want):
+        for key in ("policy_loss", "reward", "kl", "kl_coef", "response_length"):
+            assert mine[key] == pytest.approx(theirs[key], rel=LOSS_RTOL, abs=1e-7), (mine["step"], key)
