@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pipeline import timeline
 from pipeline.deepspeed_settings import bucket_elements, persistence_threshold
 from pipeline.failure import saving
 from pipeline.runfolder import temporary
@@ -216,6 +217,8 @@ class Checkpoints:
         elif "rng" in client_state:  # a checkpoint from before per-rank states: rank 0's CPU state
             torch.set_rng_state(client_state["rng"])
         log.info("resumed from checkpoint %s", tag)
+        if self.is_main:
+            timeline.record(self.stage_folder, timeline.RESUMED, step=client_state["step"])
         return client_state
 
 
@@ -282,7 +285,7 @@ def train(engine, loop: Loop, stage, ctx) -> dict:
         metrics.truncate_after(start_step)
 
     engine.train()
-    with preemption.Signals(ctx.device) as signals:
+    with preemption.Signals(ctx) as signals:
         loop_started = time.time()
         step = _steps(engine, loop, stage, ctx, checkpoints, metrics, signals, initial, start_step)
         log.info(signals.cost_line(time.time() - loop_started))
@@ -336,7 +339,7 @@ def _steps(engine, loop, stage, ctx, checkpoints, metrics, signals, initial, sta
             if signal_name:
                 metrics.close()
                 state = {"step": step, "initial_eval": initial, "signal": signal_name}
-                signals.save_and_requeue(signal_name, ctx.rank, step,
+                signals.save_and_requeue(signal_name, step,
                                          None if saved == step else lambda: checkpoints.save(engine, step, state))
             window.started += time.time() - paused
             if step >= loop.total_steps:

@@ -30,6 +30,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pipeline import timeline
+
 log = logging.getLogger("stages")
 
 CAUGHT = (signal.SIGUSR2, signal.SIGTERM)
@@ -48,8 +50,8 @@ def steps_between_checks(check_s: float, step_s: float) -> int:
 class Signals:
     """USR2/SIGTERM noted (not acted on) while the training loop runs; a context manager."""
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, ctx):
+        self.device, self.rank, self.folder = ctx.device, ctx.rank, ctx.folder
         self.received: Optional[int] = None  # the signal this rank got, if any
         self.received_at: Optional[float] = None
         self.previous: dict = {}
@@ -91,11 +93,14 @@ class Signals:
         if step % self.every and not last:
             return None
         started = time.perf_counter()
+        # A rank's check time includes waiting for the last rank to arrive; the last one's does
+        # not: its (the least) is the check's own cost. MAX of the negated value is that MIN.
         mean_check_s = self.check_s / max(self.checks, 1)
-        values = torch.tensor([float(self.received or 0), mean_check_s, step_s], dtype=torch.float64,
+        values = torch.tensor([float(self.received or 0), -mean_check_s, step_s], dtype=torch.float64,
                               device=self.device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        signum, check_s, slowest_step_s = values.tolist()
+        signum, least_check_s, slowest_step_s = values.tolist()
+        check_s = -least_check_s
         self.checks += 1
         self.check_s += time.perf_counter() - started
         if self.checks > 1:  # the first check's time includes the ranks catching up with each other
@@ -108,14 +113,16 @@ class Signals:
         return (f"signal checks: {self.checks}, {mean_ms:.3f} ms each, {share:.2f}% of the training loop's time, "
                 f"every {self.every} steps at the end")
 
-    def save_and_requeue(self, name: str, rank: int, step: int, save: Optional[Callable[[], None]]) -> None:
+    def save_and_requeue(self, name: str, step: int, save: Optional[Callable[[], None]]) -> None:
         """At the step every rank learnt of signal `name`: `save` (None: this step is saved
         already), then requeue. Never returns."""
         if save is not None:
             started = time.time()
             save()
             log.info("checkpoint at %s took %.2f s", name, time.time() - started)
-        self.requeue(rank, step)
+        if self.rank == 0:
+            timeline.record(self.folder, timeline.SAVED_AT_SIGNAL, signal=name, step=step)
+        self.requeue(self.rank, step)
 
     def requeue(self, rank: int, step: int) -> None:
         """After the checkpoint: rank 0 requeues through submitit and exits; the others exit."""

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -35,13 +36,14 @@ LOSS_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def one_process_group():
+def one_process_group(tmp_path_factory):
+    """A gloo group of this process alone (a file rendezvous: no MASTER_* variables set here,
+    which the stage jobs this session starts would inherit)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        store = tmp_path_factory.mktemp("gloo") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
 
 
@@ -51,7 +53,8 @@ def test_a_signal_is_noted_in_the_loop_and_handed_to_the_previous_handler_after(
     seen = []
     before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
     try:
-        with preemption.Signals(torch.device("cpu")) as signals:
+        ctx = SimpleNamespace(device=torch.device("cpu"), rank=0, folder=None)
+        with preemption.Signals(ctx) as signals:
             assert signals.requested(1, 1.0, last=False) is None
             os.kill(os.getpid(), signal.SIGUSR2)
             assert signals.requested(2, 1.0, last=False) == "SIGUSR2"
@@ -110,7 +113,17 @@ def stage_processes(run_pid: int) -> dict[int, int]:
 
 
 def training_records(folder: Path) -> list[dict]:
-    return [r for r in read_metrics(folder) if "lr" in r] if (folder / "metrics.jsonl").exists() else []
+    """metrics.jsonl's training records (a line still being written is skipped)."""
+    path = folder / "metrics.jsonl"
+    found = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "lr" in record:
+            found.append(record)
+    return found
 
 
 RL_ROLLOUTS = 8
@@ -155,7 +168,9 @@ def runs(tmp_path_factory) -> dict:
                 time.sleep(0.05)
         stdout, _ = process.communicate(timeout=300)
         assert process.returncode == 0, stdout[-5000:]
-        out[name] = {"runs": workdir / "runs" / "t", "sent": sent, "stdout": stdout}
+        status = json.loads(run_cli("status", config, "--json", cwd=workdir).stdout)
+        out[name] = {"runs": workdir / "runs" / "t", "sent": sent, "stdout": stdout,
+                     "status": {s["name"]: s["detail"] for s in status["stages"]}}
     return out
 
 
@@ -175,7 +190,11 @@ def test_a_signalled_stage_saves_at_the_signal_and_resumes_on_the_same_trajector
     log = (signalled / "logs").glob("*_0_log.out")
     log_text = "".join(p.read_text() for p in log)
     assert f"resumed from checkpoint {tags[0]}" in log_text
-    assert len([line for line in (signalled / "events.jsonl").read_text().splitlines() if line]) == 2
+    events = [json.loads(line) for line in (signalled / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events if e["event"] == "started"] == ["started", "started"]
+    signal_name = "SIGUSR2" if stage == "sft" else "SIGTERM"
+    # `status` shows the stage's requeue: why, and the step it resumed from (0 steps lost).
+    assert f"({signal_name} at step {saved_step}, resumed from step {saved_step})" in runs["signalled"]["status"][stage]
 
     # Every step once, and the same numbers as the uninterrupted run's.
     got, want = training_records(signalled), training_records(reference)
@@ -195,7 +214,7 @@ def test_a_signalled_rl_stage_resumes_with_its_normaliser_kl_coefficient_and_sam
     signalled, reference = runs["signalled"]["runs"] / "rl", runs["uninterrupted"]["runs"] / "rl"
     _, rollout_seen = runs["signalled"]["sent"]["rl"]
     tags = sorted(p.name for p in (signalled / "checkpoints").glob("step-*"))
-    assert len(tags) == 1 and rollout_seen <= int(tags[0].removeprefix("step-")) < RL_ROLLOUTS, tags
+    assert len(tags) == 1 and rollout_seen <= int(tags[0].removeprefix("step-")) <= RL_ROLLOUTS, tags
     got, want = training_records(signalled), training_records(reference)
     assert [r["step"] for r in got] == list(range(1, RL_ROLLOUTS + 1))
     for mine, theirs in zip(got, want):
