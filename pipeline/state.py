@@ -321,7 +321,7 @@ def _from_local_run(task, record: StageRecord, running: Optional[Holder]) -> Sta
         detail = f"the local `run` on {record.host} ended while the stage ran (killed?); {_resume_point(task)}"
         return _with_log(StageStatus(state=FAILED, detail=detail, **base), record)
     if record.state == FAILED:
-        return _with_log(StageStatus(state=FAILED, detail=record.detail, **base), record)
+        return _with_log(StageStatus(state=FAILED, detail=record.detail + _interruptions(task), **base), record)
     return StageStatus(state=record.state, detail=f"{record.detail}; {_resume_point(task)}", **base)
 
 

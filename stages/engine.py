@@ -26,7 +26,7 @@ from pipeline import timeline
 from pipeline.deepspeed_settings import bucket_elements, persistence_threshold
 from pipeline.failure import saving
 from pipeline.runfolder import temporary
-from stages import batching, compat, preemption, tracking
+from stages import batching, compat, preemption, tracking, watchdog
 
 log = logging.getLogger("stages")
 
@@ -300,9 +300,12 @@ def _steps(engine, loop, stage, ctx, checkpoints, metrics, signals, initial, sta
     """The optimizer steps after `start_step`; at a signal, save and requeue (never returns then)."""
     world, window = dist.get_world_size(), Window(ctx)
     step = saved = start_step
+    hangs = watchdog.Watchdog(ctx, stage.hang_factor, stage.hang_min_s, ctx.task.max_retries,
+                              signals.submitit_handler).start()
     while step < loop.total_steps:
         epoch, offset = divmod(step, loop.steps_per_epoch)
         for planned in loop.steps(epoch)[offset:]:
+            hangs.step_started(step + 1)
             step_started = time.time()
             last = len(planned.micro_batches) - 1
             for j, micro in enumerate(planned.micro_batches):
@@ -317,6 +320,7 @@ def _steps(engine, loop, stage, ctx, checkpoints, metrics, signals, initial, sta
                 engine.step()
                 window.add(batch, shares, loop.flops(batch) if micro.weight else 0.0)
             step += 1
+            hangs.step_ended()
             step_s = time.time() - step_started
             if step % stage.log_interval == 0 or step == loop.total_steps:
                 # The first window after a resume may be short: it starts at the resumed step.

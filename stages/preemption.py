@@ -80,6 +80,11 @@ class Signals:
             for sig, handler in self.previous.items():
                 signal.signal(sig, handler)
 
+    @property
+    def submitit_handler(self):
+        """The USR2 handler that was in place before (submitit's: requeue on rank 0)."""
+        return self.previous.get(signal.SIGUSR2)
+
     def _note(self, signum, frame) -> None:
         if self.received is None:
             self.received, self.received_at = signum, time.time()

@@ -130,7 +130,7 @@ def _run_stage(task: StageTask) -> dict:
     env = distributed.detect()
     _configure_logging(env.rank)
     _end_with_the_run(task.folder, env.rank)
-    device = distributed.init(env, task.gpus_per_node)
+    device = distributed.init(env, task.gpus_per_node, task.stage.collective_timeout_s)
     devices = distributed.devices(device, env.world_size)
     ctx = StageContext(
         task=task,

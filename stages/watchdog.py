@@ -5,9 +5,10 @@ rank until the collective timeout, and on Slurm burns the allocation until the t
 limit. Each rank runs a thread that watches the step in progress: once
 HANG_WARMUP_STEPS steps have been timed, a step running longer than `hang_factor` x the
 median of the steps before it (and at least `hang_min_s`) makes the rank write every
-thread's Python stack to its log (faulthandler), say "hang at step N", and leave: rank 0
+thread's Python stack to its log (faulthandler) and say "hang at step N"; rank 0 then
 requeues the job through submitit (it resumes from its newest checkpoint) unless the
-stage has already hung `cluster.max_retries` times, then it fails. Only the training
+stage has already hung `cluster.max_retries` times, then it fails; the other ranks wait
+for that (their step is stuck behind the same collective) and leave. Only the training
 step is watched: evaluation, checkpoint saves and logging are not, and the first steps
 (compilation, caches) are not.
 
@@ -47,8 +48,11 @@ class Watchdog:
         self.step: Optional[int] = None  # the step in progress, None between steps
         self.started = 0.0
         self.test_hang = _test_hang(ctx.rank)
-        if factor > 0:
+
+    def start(self) -> "Watchdog":
+        if self.factor > 0:
             threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
+        return self
 
     def step_started(self, step: int) -> None:
         """Step `step` (1-based) begins; sleeps here when the test hook asks for it."""
@@ -81,6 +85,9 @@ class Watchdog:
         sys.stderr.flush()
         sys.stdout.flush()
         if self.rank != 0:
+            # Rank 0 decides (requeue or fail). Leaving now would break its collective with an
+            # error instead of letting it see the hang; a requeue ends this process anyway.
+            time.sleep(limit + 10)
             os._exit(1)
         hangs = timeline.count(self.folder, timeline.HANG)
         timeline.record(self.folder, timeline.HANG, step=step)

@@ -220,3 +220,48 @@ def test_a_signalled_rl_stage_resumes_with_its_normaliser_kl_coefficient_and_sam
     for mine, theirs in zip(got, want):
         for key in ("policy_loss", "reward", "kl", "kl_coef", "response_length"):
             assert mine[key] == pytest.approx(theirs[key], rel=LOSS_RTOL, abs=1e-7), (mine["step"], key)
+
+
+# --------------------------------------------------------------------------- the hang watchdog
+
+
+def test_a_step_counts_as_hung_past_factor_times_the_median_once_enough_steps_are_timed():
+    from stages.watchdog import HANG_WARMUP_STEPS, Watchdog
+
+    ctx = SimpleNamespace(rank=0, folder=None)
+    dog = Watchdog(ctx, factor=20.0, min_s=3.0, max_retries=2, requeue_handler=None)  # not started: no thread
+    dog.durations = [0.5] * (HANG_WARMUP_STEPS - 1)
+    assert dog.limit_s() is None  # the first steps are not judged
+    dog.durations += [0.1, 0.2, 0.3, 0.4]
+    assert dog.limit_s() == pytest.approx(20 * 0.45)  # median of 0.1..0.5 (eight values)
+    dog.durations = [0.01] * 10
+    assert dog.limit_s() == 3.0  # never under hang_min_s
+
+
+# A checkpoint at 6, the hang at 12: the requeued attempt resumes from 6 and times 5 steps
+# (HANG_WARMUP_STEPS) before the hang again, so the watchdog judges it there too.
+HANG_STEP, HANG_SAVE_EVERY = 12, 6
+
+
+@pytest.mark.slow
+def test_a_hung_stage_dumps_its_stacks_requeues_then_fails_after_max_retries(tmp_path):
+    spec = tiny_pipeline(cluster={"max_retries": 1},
+                         defaults={"log_interval": 1, "save_interval": HANG_SAVE_EVERY, "hang_factor": 5,
+                                   "hang_min_s": 3})
+    spec["stages"][0]["max_steps"] = HANG_STEP + 2
+    config = write_pipeline(tmp_path, spec)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PIPELINE_TEST_HANG": f"1:{HANG_STEP}:600"}  # rank 1 sleeps
+    result = subprocess.run([sys.executable, "-m", "pipeline", "run", str(config)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    stage = tmp_path / "runs" / "t" / "sft"
+    errors = "".join(p.read_text() for p in sorted((stage / "logs").glob("*_log.err")))
+    # Every rank said where and dumped its threads' stacks: rank 1 asleep in the test hook.
+    assert errors.count(f"hang at step {HANG_STEP}: rank 0") == 2 and errors.count(f"hang at step {HANG_STEP}: rank 1") == 2
+    assert 'watchdog.py", line' in errors and "in step_started" in errors  # faulthandler's format
+    assert f"hang at step {HANG_STEP}: requeueing (1 of cluster.max_retries 1)" in errors
+    assert f"hang at step {HANG_STEP}: the stage hung 2 times, more than cluster.max_retries (1): failing" in errors
+    # The requeued attempt resumed from the newest checkpoint; status says why the stage failed.
+    status = json.loads(run_cli("status", config, "--json", cwd=tmp_path).stdout)["stages"][0]
+    assert status["state"] == "failed"
+    assert f"hang at step {HANG_STEP}, resumed from step {HANG_SAVE_EVERY}, hang at step {HANG_STEP}" in status["detail"]
