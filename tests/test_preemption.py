@@ -156,7 +156,7 @@ def runs(tmp_path_factory) -> dict:
         if name == "signalled":
             # rank, signal, after step
             plan = {"sft": (1, signal.SIGUSR2, 7), "dpo": (0, signal.SIGTERM, 11), "rl": (1, signal.SIGUSR2, 3)}
-            deadline = time.time() + 240
+            deadline = time.time() + 420  # three stages, two starts each (the pinned stack is slower)
             while len(sent) < len(plan) and process.poll() is None and time.time() < deadline:
                 for stage, (rank, sig, after) in plan.items():
                     records = training_records(workdir / "runs" / "t" / stage)

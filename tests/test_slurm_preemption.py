@@ -118,3 +118,30 @@ def test_every_step_has_the_loss_of_the_uninterrupted_run(preempted):
     for a, b in zip(mine, theirs):
         assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL), a["step"]
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-9), a["step"]
+
+
+# --------------------------------------------------------------------------- a hang
+
+HANG_STEP, HANG_SAVE_EVERY = 12, 6  # the requeued attempt times 5 steps (7..11) before hanging again
+
+
+def test_a_hung_stage_is_requeued_then_fails_after_max_retries_and_status_says_hang(slurm_cluster, tmp_path):
+    # PIPELINE_TEST_HANG (test-only, stages/watchdog.py): rank 1 sleeps inside step HANG_STEP, every attempt.
+    spec = slurm_pipeline(
+        stages=[sft_stage("sft", HANG_STEP + 2)],
+        cluster={"max_retries": 1, "env": {"PIPELINE_TEST_HANG": f"1:{HANG_STEP}:600"}},
+        defaults={"save_interval": HANG_SAVE_EVERY, "log_interval": 1, "hang_factor": 5, "hang_min_s": 3},
+    )
+    config = write_pipeline(tmp_path, spec)
+    result = run_cli("run", config, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job = job_ids(tmp_path)["sft"]
+    stage = wait_until_settled(tmp_path, config)["sft"]
+    assert stage["state"] == "failed" and stage["job_id"] == job
+    assert stage["restarts"] == 1  # one requeue (max_retries 1), then the second hang fails it
+    assert f"hang at step {HANG_STEP}, resumed from step {HANG_SAVE_EVERY}, hang at step {HANG_STEP}" in stage["detail"]
+    logs = tmp_path / "runs" / "t" / "sft" / "logs"
+    errors = (logs / f"{job}_0_log.err").read_text() + (logs / f"{job}_1_log.err").read_text()
+    assert errors.count(f"hang at step {HANG_STEP}: rank 0") == 2 and errors.count(f"hang at step {HANG_STEP}: rank 1") == 2
+    assert 'watchdog.py", line' in errors and "in step_started" in errors  # rank 1's stack: asleep in the hook
+    assert "more than cluster.max_retries (1): failing" in errors
