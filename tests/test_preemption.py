@@ -156,7 +156,7 @@ def runs(tmp_path_factory) -> dict:
         if name == "signalled":
             # rank, signal, after step
             plan = {"sft": (1, signal.SIGUSR2, 7), "dpo": (0, signal.SIGTERM, 11), "rl": (1, signal.SIGUSR2, 3)}
-            deadline = time.time() + 420  # three stages, two starts each (the pinned stack is slower)
+            deadline = time.time() + 900  # three stages, two starts each (the pinned stack is slow)
             while len(sent) < len(plan) and process.poll() is None and time.time() < deadline:
                 for stage, (rank, sig, after) in plan.items():
                     records = training_records(workdir / "runs" / "t" / stage)
@@ -166,7 +166,7 @@ def runs(tmp_path_factory) -> dict:
                             os.kill(pid, sig)
                             sent[stage] = (time.time(), records[-1]["step"])
                 time.sleep(0.05)
-        stdout, _ = process.communicate(timeout=300)
+        stdout, _ = process.communicate(timeout=900)
         assert process.returncode == 0, stdout[-5000:]
         status = json.loads(run_cli("status", config, "--json", cwd=workdir).stdout)
         out[name] = {"runs": workdir / "runs" / "t", "sent": sent, "stdout": stdout,
