@@ -156,12 +156,13 @@ class ClusterSpec(Strict):
         description="Extra sbatch options for every stage job, by long name without dashes "
         "(e.g. {exclusive: true, reservation: my-res, gres: 'gpu:8'}); true writes a bare flag.",
     )
-    requeue_signal_s: int = Field(
-        120,
+    requeue_signal_s: Optional[int] = Field(
+        None,
         ge=10,
         le=3600,
-        description="Seconds before a stage job's time limit at which Slurm sends it USR2: the job "
-        "requeues itself and resumes from its newest checkpoint.",
+        description="Seconds before a stage job's time limit at which Slurm sends it USR2: the job saves "
+        "a checkpoint at the end of its current step, requeues itself and resumes from there. Default: "
+        "from the plan's estimated checkpoint save and step times, plus a margin (at least 90).",
     )
     max_requeues: int = Field(
         3,
@@ -170,6 +171,9 @@ class ClusterSpec(Strict):
         description="How many times a stage job that reaches its time limit is requeued before it counts "
         "as failed (preemptions do not count, except in jobs shorter than 10 minutes).",
     )
+    max_retries: int = Field(
+        2, ge=0, le=100, description="How many times a stage job that hangs (see hang_factor) is requeued "
+        "before it fails.")
     hf_home: Optional[str] = Field(
         None,
         description="Hugging Face cache folder shared by the submit host and the compute nodes: `prepare` "
@@ -392,6 +396,15 @@ class TrainingKnobs(Strict):
     seed: int = Field(42, ge=0, description="Seed for initialisation, data order and sampling.")
     nodes: int = Field(1, ge=1, le=1024, description="Nodes this stage runs on.")
     time: Optional[str] = Field(None, description="Wall-clock limit for this stage's Slurm job; default cluster.time.")
+    hang_factor: float = Field(
+        20.0, ge=0, description="A training step running longer than this many times the median step (after "
+        "the first 5; evaluation and saves are not timed), and at least hang_min_s, is a hang: every process "
+        "writes its Python stacks to its log and the job is requeued, up to cluster.max_retries, then fails. "
+        "0 turns the watchdog off.")
+    hang_min_s: float = Field(300.0, gt=0, description="The least time a step may take before it can count as a hang.")
+    collective_timeout_s: int = Field(
+        1800, ge=10, description="torch.distributed's timeout for one collective (NCCL/gloo): a rank waiting "
+        "longer for the others fails.")
 
     @field_validator("time")
     @classmethod

@@ -25,7 +25,7 @@ from pipeline.runfolder import StageFolder
 
 # Fields that change how a stage is run or logged, not what it produces.
 OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints", "eval_interval", "nodes",
-                      "max_truncated_share"}
+                      "max_truncated_share", "hang_factor", "hang_min_s", "collective_timeout_s"}
 
 
 class StageTask(BaseModel):
@@ -44,6 +44,7 @@ class StageTask(BaseModel):
     inputs: dict[str, dict] = {}  # field -> {path, sha256}: what it reads from disk (pipeline/identity.py)
     spec_hash: str
     wandb: Optional[WandbSpec] = None  # the pipeline's tracking.wandb: how not what the stage trains
+    max_retries: int = 2  # cluster.max_retries: requeues after a hang (stages/watchdog.py)
 
     @property
     def name(self) -> str:
@@ -100,6 +101,7 @@ def build_tasks(spec: PipelineSpec, digests: Optional[Digests] = None) -> list[S
                 inputs=inputs,
                 spec_hash=digest,
                 wandb=spec.tracking.wandb,
+                max_retries=spec.cluster.max_retries,
             )
         )
     return tasks

@@ -464,7 +464,7 @@ def slurm_parameters(spec: PipelineSpec, task: StageTask, after: list[str]) -> d
         "time": slurm_time_to_minutes(stage.time or cluster.time),
         "nodes": stage.nodes,
         "ntasks_per_node": task.processes_per_node,
-        "signal_delay_s": cluster.requeue_signal_s,
+        "signal_delay_s": plan.signal_lead(spec, stage),
         "setup": slurm_setup_lines(spec),
     }
     for name in ("partition", "account", "qos", "constraint", "cpus_per_task"):

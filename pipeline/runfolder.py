@@ -9,7 +9,7 @@
       <stage>/                      one folder per stage: StageFolder
         model/                      the exported model, Hugging Face format
         critic/                     PPO with a critic (advantage: gae): the critic, a 1-label sequence classifier
-        checkpoints/                DeepSpeed checkpoints step-00000100/ ...; `latest` names the newest complete one
+        checkpoints/                DeepSpeed checkpoints step-00000100/ (+ rng-rankNNNNN.pt per rank); `latest` names the newest complete one
         metrics.jsonl               one JSON object per logged step
         result.json                 final metrics and the spec hash that lets a re-run skip the stage
         spec.json                   the resolved stage as it was submitted
@@ -164,6 +164,10 @@ class StageFolder:
     def checkpoint_tags(self) -> list[str]:
         """The checkpoint folders present, oldest first (complete or not)."""
         return sorted(p.name for p in self.checkpoints.glob("step-*") if p.is_dir())
+
+    def rng_state(self, tag: str, rank: int) -> Path:
+        """One rank's random number generators' states inside checkpoint `tag`."""
+        return self.checkpoints / tag / f"rng-rank{rank:05d}.pt"
 
     def latest_checkpoint(self) -> Optional[str]:
         """The tag of the newest complete checkpoint, or None."""

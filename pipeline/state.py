@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from pipeline import failure, graph, metrics, runfolder, slurm
+from pipeline import failure, graph, metrics, runfolder, slurm, timeline
 from pipeline.errors import InvalidInput, PipelineError
 
 LOG_TAIL_LINES = 15
@@ -314,13 +314,14 @@ def _from_local_run(task, record: StageRecord, running: Optional[Holder]) -> Sta
     if record.state == RUNNING and running is not None:
         progress = metrics.progress(task.folder.metrics)
         detail = f"local job on {record.host}" + (f", {progress.text()}" if progress is not None else "")
+        detail += _interruptions(task)
         return StageStatus(state=RUNNING, detail=detail + f" (`run` {running.pid})", progress=_as_dict(progress),
                            **base)
     if record.state == RUNNING:  # the run that ran it is gone without saying how the stage ended
         detail = f"the local `run` on {record.host} ended while the stage ran (killed?); {_resume_point(task)}"
         return _with_log(StageStatus(state=FAILED, detail=detail, **base), record)
     if record.state == FAILED:
-        return _with_log(StageStatus(state=FAILED, detail=record.detail, **base), record)
+        return _with_log(StageStatus(state=FAILED, detail=record.detail + _interruptions(task), **base), record)
     return StageStatus(state=record.state, detail=f"{record.detail}; {_resume_point(task)}", **base)
 
 
@@ -337,7 +338,7 @@ def _from_job(task, record: StageRecord, info: Optional[slurm.JobInfo], run_stat
                              source="record", **base)
         return _with_log(status, record) if state == FAILED else status
     base.update(slurm_state=info.state, restarts=info.restarts, source="slurm")
-    requeued = f", requeued {info.restarts}x" if info.restarts else ""
+    requeued = f", requeued {info.restarts}x" + _interruptions(task) if info.restarts else ""
     if info.waiting:
         if info.reason == "Dependency":
             upstream = [run_state.job_stage(j) or f"job {j}" for j in record.after]
@@ -416,4 +417,10 @@ def _result_summary(task: graph.StageTask) -> str:
     except (OSError, json.JSONDecodeError):
         return ""
     numbers = {k: v for k, v in result.items() if isinstance(v, float) and k != "seconds"}
-    return "  ".join(f"{k}={v:.4g}" for k, v in numbers.items())
+    return "  ".join(f"{k}={v:.4g}" for k, v in numbers.items()) + _interruptions(task)
+
+
+def _interruptions(task: graph.StageTask) -> str:
+    """The stage's signals and resumes, e.g. " (SIGUSR2 at step 12, resumed from step 12)"; "" if none."""
+    said = timeline.interruptions(task.folder)
+    return f" ({said})" if said else ""

@@ -21,6 +21,7 @@ from pipeline import metrics as records
 from pipeline.runfolder import StageFolder
 
 QUEUED, RUNNING, REQUEUED, DONE = "queued", "running", "requeued", "done"
+SAVED_AT_SIGNAL, RESUMED, HANG = "saved at signal", "resumed", "hang"  # events a stage's rank 0 records
 
 
 def record_start(folder: StageFolder) -> None:
@@ -32,8 +33,14 @@ def record_start(folder: StageFolder) -> None:
         f.write(json.dumps(event) + "\n")
 
 
-def starts(folder: StageFolder) -> list[float]:
-    """When each attempt of the stage's job started, oldest first."""
+def record(folder: StageFolder, event: str, **fields) -> None:
+    """Rank 0 of a stage job notes a moment: `saved at signal` (signal, step), `resumed` (step),
+    `hang` (step: stages/watchdog.py)."""
+    with open(folder.events, "a") as f:
+        f.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+
+
+def _events(folder: StageFolder) -> list[dict]:
     try:
         lines = folder.events.read_text().splitlines()
     except OSError:
@@ -41,12 +48,33 @@ def starts(folder: StageFolder) -> list[float]:
     found = []
     for line in lines:
         try:
-            event = json.loads(line)
+            found.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-        if event.get("event") == "started":
-            found.append(float(event["time"]))
-    return sorted(found)
+    return found
+
+
+def starts(folder: StageFolder) -> list[float]:
+    """When each attempt of the stage's job started, oldest first."""
+    return sorted(float(e["time"]) for e in _events(folder) if e.get("event") == "started")
+
+
+def count(folder: StageFolder, event: str) -> int:
+    return sum(1 for e in _events(folder) if e.get("event") == event)
+
+
+def interruptions(folder: StageFolder) -> str:
+    """What status says of a stage's requeues: each signal, the step saved at it, the step
+    resumed from (e.g. "SIGUSR2 at step 12, resumed from step 12"); "" if none."""
+    said = []
+    for event in _events(folder):
+        if event.get("event") == SAVED_AT_SIGNAL:
+            said.append(f"{event['signal']} at step {event['step']}")
+        elif event.get("event") == RESUMED:
+            said.append(f"resumed from step {event['step']}")
+        elif event.get("event") == HANG:
+            said.append(f"hang at step {event['step']}")
+    return ", ".join(said)
 
 
 @dataclass

@@ -22,10 +22,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pipeline import timeline
 from pipeline.deepspeed_settings import bucket_elements, persistence_threshold
 from pipeline.failure import saving
 from pipeline.runfolder import temporary
-from stages import batching, compat, tracking
+from stages import batching, compat, preemption, tracking, watchdog
 
 log = logging.getLogger("stages")
 
@@ -172,8 +173,8 @@ class Checkpoints:
     a job killed mid-save resumes from the previous complete checkpoint.
     """
 
-    def __init__(self, stage_folder, keep: int, is_main: bool):
-        self.stage_folder, self.keep, self.is_main = stage_folder, keep, is_main
+    def __init__(self, stage_folder, keep: int, is_main: bool, rank: int = 0):
+        self.stage_folder, self.keep, self.is_main, self.rank = stage_folder, keep, is_main, rank
         self.folder = stage_folder.checkpoints
 
     def save(self, engine, step: int, client_state: dict, others: Optional[dict] = None) -> None:
@@ -187,6 +188,9 @@ class Checkpoints:
             engine.save_checkpoint(str(self.folder), tag=tag, client_state=client_state, save_latest=False)
             for name, other in (others or {}).items():
                 other.save_checkpoint(str(self.folder / tag), tag=name, save_latest=False)
+            own = self.stage_folder.rng_state(tag, self.rank)  # every rank its own generators
+            own.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(rng_states(), own)
             dist.barrier()
         if self.is_main:
             marker = self.stage_folder.latest_marker
@@ -207,8 +211,39 @@ class Checkpoints:
         _, client_state = engine.load_checkpoint(str(self.folder), tag=tag)
         for name, other in (others or {}).items():
             other.load_checkpoint(str(self.folder / tag), tag=name)
+        own = self.stage_folder.rng_state(tag, self.rank)
+        if own.exists():
+            set_rng_states(torch.load(own, weights_only=False))
+        elif "rng" in client_state:  # a checkpoint from before per-rank states: rank 0's CPU state
+            torch.set_rng_state(client_state["rng"])
         log.info("resumed from checkpoint %s", tag)
+        if self.is_main:
+            timeline.record(self.stage_folder, timeline.RESUMED, step=client_state["step"])
         return client_state
+
+
+def rng_states() -> dict:
+    """This process's random number generators: Python's, NumPy's, torch's CPU and CUDA."""
+    import random
+
+    import numpy as np
+
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 # --------------------------------------------------------------------------- the loop
@@ -236,9 +271,8 @@ class Loop:
 
 def train(engine, loop: Loop, stage, ctx) -> dict:
     """Run (or resume) the optimizer steps; returns initial and final eval metrics."""
-    checkpoints = Checkpoints(ctx.folder, stage.keep_checkpoints, ctx.is_main)
+    checkpoints = Checkpoints(ctx.folder, stage.keep_checkpoints, ctx.is_main, ctx.rank)
     metrics = Metrics(ctx, loop.total_steps)
-    world = dist.get_world_size()
 
     state = checkpoints.load(engine)
     if state is None:
@@ -248,15 +282,31 @@ def train(engine, loop: Loop, stage, ctx) -> dict:
         metrics.write({"step": 0, **{f"eval_{k}": v for k, v in initial.items()}})
     else:
         start_step, initial = state["step"], state["initial_eval"]
-        torch.set_rng_state(state["rng"])
         metrics.truncate_after(start_step)
 
     engine.train()
-    step = start_step
-    window = Window(ctx)
+    with preemption.Signals(ctx) as signals:
+        loop_started = time.time()
+        step = _steps(engine, loop, stage, ctx, checkpoints, metrics, signals, initial, start_step)
+        log.info(signals.cost_line(time.time() - loop_started))
+
+    final = loop.evaluate()
+    metrics.write({"step": step, **{f"eval_{k}": v for k, v in final.items()}})
+    metrics.close()
+    return {"initial": initial, "final": final, "steps": step}
+
+
+def _steps(engine, loop, stage, ctx, checkpoints, metrics, signals, initial, start_step: int) -> int:
+    """The optimizer steps after `start_step`; at a signal, save and requeue (never returns then)."""
+    world, window = dist.get_world_size(), Window(ctx)
+    step = saved = start_step
+    hangs = watchdog.Watchdog(ctx, stage.hang_factor, stage.hang_min_s, ctx.task.max_retries,
+                              signals.submitit_handler).start()
     while step < loop.total_steps:
         epoch, offset = divmod(step, loop.steps_per_epoch)
         for planned in loop.steps(epoch)[offset:]:
+            hangs.step_started(step + 1)
+            step_started = time.time()
             last = len(planned.micro_batches) - 1
             for j, micro in enumerate(planned.micro_batches):
                 # Packed steps vary in micro batch count: the last one is the boundary, and
@@ -270,8 +320,12 @@ def train(engine, loop: Loop, stage, ctx) -> dict:
                 engine.step()
                 window.add(batch, shares, loop.flops(batch) if micro.weight else 0.0)
             step += 1
+            hangs.step_ended()
+            step_s = time.time() - step_started
             if step % stage.log_interval == 0 or step == loop.total_steps:
-                record = {"step": step, **window.close(_steps_in_window(step, stage.log_interval))}
+                # The first window after a resume may be short: it starts at the resumed step.
+                in_window = min(_steps_in_window(step, stage.log_interval), step - start_step)
+                record = {"step": step, **window.close(in_window)}
                 record["lr"] = engine.get_lr()[0]
                 norm = engine.get_global_grad_norm()
                 if norm is not None:
@@ -283,15 +337,18 @@ def train(engine, loop: Loop, stage, ctx) -> dict:
                 metrics.write({"step": step, **{f"eval_{k}": v for k, v in loop.evaluate().items()}})
                 engine.train()
             if stage.save_interval and step % stage.save_interval == 0 and step < loop.total_steps:
-                checkpoints.save(engine, step, {"step": step, "initial_eval": initial, "rng": torch.get_rng_state()})
+                checkpoints.save(engine, step, {"step": step, "initial_eval": initial})
+                saved = step
+            signal_name = signals.requested(step, step_s, last=step >= loop.total_steps)
+            if signal_name:
+                metrics.close()
+                state = {"step": step, "initial_eval": initial, "signal": signal_name}
+                signals.save_and_requeue(signal_name, step,
+                                         None if saved == step else lambda: checkpoints.save(engine, step, state))
             window.started += time.time() - paused
             if step >= loop.total_steps:
                 break
-
-    final = loop.evaluate()
-    metrics.write({"step": step, **{f"eval_{k}": v for k, v in final.items()}})
-    metrics.close()
-    return {"initial": initial, "final": final, "steps": step}
+    return step
 
 
 class Window:

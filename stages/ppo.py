@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from pipeline.config import RULES_NEEDING_LABELS
 from pipeline.errors import InvalidInput
 from pipeline.flops import rollout_sequence_flops
-from stages import batching, data, engine, models
+from stages import batching, data, engine, models, preemption
 from stages import losses as L
 from stages.rewards import RuleReward
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, logprobs_of, values_of
@@ -46,7 +46,7 @@ def run(task, ctx) -> dict:
     window = engine.Window(ctx)  # a rollout's tokens, FLOPs, time and memory
     kl_control = (L.AdaptiveKLController(stage.kl_coef, stage.kl_target, 10_000) if stage.kl_target
                   else L.FixedKLController(stage.kl_coef))
-    checkpoints = engine.Checkpoints(ctx.folder, stage.keep_checkpoints, ctx.is_main)
+    checkpoints = engine.Checkpoints(ctx.folder, stage.keep_checkpoints, ctx.is_main, ctx.rank)
     metrics = engine.Metrics(ctx, schedule.total_steps)
     others = {"critic": rl_models.critic} if rl_models.critic is not None else None
 
@@ -58,10 +58,10 @@ def run(task, ctx) -> dict:
     else:
         start, step, initial_reward = state["rollout"], state["step"], state["initial_reward"]
         maker.moments.load_state_dict(state["moments"])
-        kl_control.value = state["kl_coef"]
-        torch.set_rng_state(state["rng"])
+        kl_control.value = state["kl_coef"]  # every rank's generators (the sampler's): Checkpoints.load
         metrics.truncate_after(step)
 
+    signals = preemption.Signals(ctx).start()  # a signal: save after this rollout, requeue
     for index in range(start, schedule.total_rollouts):
         started = time.time()
         window.restart()
@@ -81,11 +81,17 @@ def run(task, ctx) -> dict:
         last = index + 1 == schedule.total_rollouts
         if crossed(stage.eval_interval, previous, step) and not last:
             metrics.write({"step": step, "eval_reward": maker.held_out_reward(eval_prompts)})
-        if crossed(stage.save_interval, previous, step) and not last:
-            checkpoints.save(rl_models.actor, step, {
-                "rollout": index + 1, "step": step, "initial_reward": initial_reward,
-                "moments": maker.moments.state_dict(), "kl_coef": kl_control.value, "rng": torch.get_rng_state(),
-            }, others)
+        resume_state = {"rollout": index + 1, "step": step, "initial_reward": initial_reward,
+                        "moments": maker.moments.state_dict(), "kl_coef": kl_control.value}
+        periodic = crossed(stage.save_interval, previous, step) and not last
+        if periodic:
+            checkpoints.save(rl_models.actor, step, resume_state, others)
+        signal_name = signals.requested(index + 1, time.time() - started, last=last)
+        if signal_name:
+            metrics.close()
+            signals.save_and_requeue(
+                signal_name, step, None if periodic else lambda: checkpoints.save(rl_models.actor, step, resume_state, others))
+    signals.stop()
 
     final_reward = maker.held_out_reward(eval_prompts)
     metrics.write({"step": step, "eval_reward": final_reward})

@@ -87,11 +87,12 @@ class StageJob(Checkpointable):
         return run_stage(self.task)
 
     def checkpoint(self, *args, **kwargs) -> DelayedSubmission:
-        """Called on rank 0 when USR2 arrives (time limit near, or preemption).
+        """Called on rank 0 by submitit's USR2 handler, before it requeues the job.
 
-        No save here: the other ranks are mid-step and a DeepSpeed save needs
-        them all. The requeued job resumes from the newest complete checkpoint,
-        which the atomic `latest` file names."""
+        No save here: during training the loop has already saved at the signal's step
+        (stages/preemption.py) before handing the signal on; outside it (loading, the
+        final evaluation, export) the requeued job resumes from the newest complete
+        checkpoint, which the atomic `latest` file names."""
         latest = self.task.folder.latest_checkpoint()
         start = f"checkpoint {latest}" if latest else "the start (no checkpoint yet)"
         log.warning("stage %s: requeueing; the job will resume from %s", self.task.name, start)
@@ -129,7 +130,7 @@ def _run_stage(task: StageTask) -> dict:
     env = distributed.detect()
     _configure_logging(env.rank)
     _end_with_the_run(task.folder, env.rank)
-    device = distributed.init(env, task.gpus_per_node)
+    device = distributed.init(env, task.gpus_per_node, task.stage.collective_timeout_s)
     devices = distributed.devices(device, env.world_size)
     ctx = StageContext(
         task=task,

@@ -704,3 +704,29 @@ def test_the_34b_plan_says_why_offload_is_on_and_that_two_nodes_need_none():
     assert without["no offload at all (ZeRO-3 alone)"] is False
     assert without["nodes: 2, optimizer_offload: false"] is True
     assert "why these settings" in format_plan([dpo])
+
+
+# --------------------------------------------------------------------------- checkpoint save time
+
+
+def test_a_checkpoint_holds_the_trained_models_weights_and_adam_states_not_the_frozen_reference():
+    from pipeline.plan.timing import checkpoint_bytes, checkpoint_save_seconds
+
+    shape = shapes.resolve_shape(CODELLAMA_34B)
+    n = shape.params_with_head("lm")
+    for precision, per_param in (("bf16", 2 + 12), ("fp32", 4 + 8)):  # weights + (master,) m, v
+        knobs = plan.Knobs.from_stage(stage(kind="dpo", precision=precision))
+        models, _ = plan.stage_models(knobs, shape)
+        assert [m.trained for m in models].count(True) == 1  # the reference is not saved
+        assert checkpoint_bytes(models, knobs) == n * per_param
+    two_nodes = plan.Knobs.from_stage(stage(kind="dpo", nodes=2))
+    models, _ = plan.stage_models(two_nodes, shape)
+    assert checkpoint_save_seconds(models, two_nodes) == pytest.approx(n * 14 / 2 / 1e9)  # 1 GB/s per node
+
+
+def test_the_signal_lead_covers_twice_the_save_and_a_step_and_stays_in_slurms_range():
+    from pipeline.plan.timing import signal_lead_seconds
+
+    assert signal_lead_seconds(save_s=236.0, step_s=26.0) == 2 * 236 + 2 * 26 + 60
+    assert signal_lead_seconds(save_s=0.01, step_s=None) == 90  # a tiny model: the floor
+    assert signal_lead_seconds(save_s=5000.0, step_s=10.0) == 3600

@@ -1,5 +1,7 @@
-"""Preemption on a real Slurm cluster: USR2 mid-training requeues the stage's job,
-and the requeued job resumes from its newest checkpoint, not from step 0.
+"""Preemption on a real Slurm cluster: USR2 mid-training makes every rank save a checkpoint
+at the same step (stages/preemption.py), the job requeues itself, and the requeued job
+resumes from exactly that step: no step lost or repeated, the same per-step losses as an
+uninterrupted run.
 
 `scancel --signal=USR2` is what Slurm sends before a time limit (--signal=USR2@N)
 and on preemption; sending it ourselves makes the moment deterministic. The same
@@ -8,8 +10,10 @@ stage also runs uninterrupted, beside it, as the reference.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -25,7 +29,9 @@ from tests.slurm_support import (
 
 pytestmark = pytest.mark.slow
 
-STEPS, SAVE_EVERY, LOG_EVERY = 200, 20, 5
+STEPS, SAVE_EVERY, LOG_EVERY = 200, 100, 1
+SIGNAL_AFTER = 30  # steps; a periodic checkpoint only comes at 100: the one resumed from is the signal's
+LOSS_RTOL = 1e-5  # fp32 on CPU, same data order and generators: equal to float32 rounding
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +51,11 @@ def preempted(slurm_cluster, tmp_path_factory):
     workdir, config = runs["preempted"]
     job = job_ids(workdir)["sft"]
     stage_dir = workdir / "runs" / "t" / "sft"
-    wait_for_file(stage_dir / "checkpoints" / "latest")
+    wait_for_file(stage_dir / "metrics.jsonl")
+    deadline = time.time() + 180
+    while (signalled_at := last_training_step(stage_dir)) < SIGNAL_AFTER:
+        assert time.time() < deadline, "the stage did not reach the step to signal at"
+        time.sleep(0.2)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
 
     settled = {name: wait_until_settled(w, c) for name, (w, c) in runs.items()}
@@ -54,8 +64,22 @@ def preempted(slurm_cluster, tmp_path_factory):
         stage_dir=stage_dir,
         reference_dir=runs["uninterrupted"][0] / "runs" / "t" / "sft",
         settled=settled,
+        signalled_at=signalled_at,
         log=(stage_dir / "logs" / f"{job}_0_log.out").read_text(),
     )
+
+
+def last_training_step(stage_dir) -> int:
+    """The newest training record's step (a line still being written is skipped)."""
+    steps = [0]
+    for line in (stage_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "loss" in record:
+            steps.append(record["step"])
+    return max(steps)
 
 
 def test_usr2_requeues_the_same_job(preempted):
@@ -66,9 +90,12 @@ def test_usr2_requeues_the_same_job(preempted):
     assert "requeueing; the job will resume from checkpoint step-" in preempted["log"]
 
 
-def test_the_requeued_job_resumes_from_its_checkpoint_not_from_step_0(preempted):
+def test_the_requeued_job_resumes_from_the_step_it_saved_at_the_signal(preempted):
+    saved = re.findall(r"checkpoint at step (\d+) saved", preempted["log"])
     resumed = re.findall(r"resumed from checkpoint step-(\d+)", preempted["log"])
-    assert len(resumed) == 1 and int(resumed[0]) >= SAVE_EVERY
+    assert len(saved) == 1 and len(resumed) == 1 and int(resumed[0]) == int(saved[0])  # 0 steps lost
+    # Saved at the signal (the metrics said signalled_at when USR2 was sent), not at a periodic step.
+    assert preempted["signalled_at"] <= int(saved[0]) < SAVE_EVERY
     assert len(re.findall(r"stage sft \(sft\): rank 0 of 2", preempted["log"])) == 2  # two starts
     # metrics.jsonl: every training step logged once, the evaluation before training once.
     metrics = read_metrics(preempted["stage_dir"])
@@ -81,4 +108,40 @@ def test_the_resumed_run_ends_where_an_uninterrupted_one_does(preempted):
     resumed, reference = read_result(preempted["stage_dir"]), read_result(preempted["reference_dir"])
     assert resumed["steps"] == reference["steps"] == STEPS
     assert resumed["final_eval_loss"] < 0.5 * resumed["initial_eval_loss"]  # it did train
-    assert resumed["final_eval_loss"] == pytest.approx(reference["final_eval_loss"], rel=1e-3)
+    assert resumed["final_eval_loss"] == pytest.approx(reference["final_eval_loss"], rel=LOSS_RTOL)
+
+
+def test_every_step_has_the_loss_of_the_uninterrupted_run(preempted):
+    mine = [m for m in read_metrics(preempted["stage_dir"]) if "loss" in m]
+    theirs = [m for m in read_metrics(preempted["reference_dir"]) if "loss" in m]
+    assert [m["step"] for m in mine] == [m["step"] for m in theirs] == list(range(1, STEPS + 1))
+    for a, b in zip(mine, theirs):
+        assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL), a["step"]
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-9), a["step"]
+
+
+# --------------------------------------------------------------------------- a hang
+
+HANG_STEP, HANG_SAVE_EVERY = 12, 6  # the requeued attempt times 5 steps (7..11) before hanging again
+
+
+def test_a_hung_stage_is_requeued_then_fails_after_max_retries_and_status_says_hang(slurm_cluster, tmp_path):
+    # PIPELINE_TEST_HANG (test-only, stages/watchdog.py): rank 1 sleeps inside step HANG_STEP, every attempt.
+    spec = slurm_pipeline(
+        stages=[sft_stage("sft", HANG_STEP + 2)],
+        cluster={"max_retries": 1, "env": {"PIPELINE_TEST_HANG": f"1:{HANG_STEP}:600"}},
+        defaults={"save_interval": HANG_SAVE_EVERY, "log_interval": 1, "hang_factor": 5, "hang_min_s": 3},
+    )
+    config = write_pipeline(tmp_path, spec)
+    result = run_cli("run", config, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job = job_ids(tmp_path)["sft"]
+    stage = wait_until_settled(tmp_path, config)["sft"]
+    assert stage["state"] == "failed" and stage["job_id"] == job
+    assert stage["restarts"] == 1  # one requeue (max_retries 1), then the second hang fails it
+    assert f"hang at step {HANG_STEP}, resumed from step {HANG_SAVE_EVERY}, hang at step {HANG_STEP}" in stage["detail"]
+    logs = tmp_path / "runs" / "t" / "sft" / "logs"
+    errors = (logs / f"{job}_0_log.err").read_text() + (logs / f"{job}_1_log.err").read_text()
+    assert errors.count(f"hang at step {HANG_STEP}: rank 0") == 2 and errors.count(f"hang at step {HANG_STEP}: rank 1") == 2
+    assert 'watchdog.py", line' in errors and "in step_started" in errors  # rank 1's stack: asleep in the hook
+    assert "more than cluster.max_retries (1): failing" in errors

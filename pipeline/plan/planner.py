@@ -16,7 +16,7 @@ from pipeline.plan.fixes import Suggestion, settings_relaxed, suggest
 from pipeline.plan.inputs import Hardware, Knobs, PPOWorkload
 from pipeline.plan.memory import Memory, trainable_tensors
 from pipeline.plan.report import shortfall_text
-from pipeline.plan.timing import TimeEstimate
+from pipeline.plan.timing import TimeEstimate, checkpoint_save_seconds, signal_lead_seconds
 from pipeline.rows import is_row_file
 from pipeline.shapes import ModelShape, resolve_shape
 
@@ -123,6 +123,23 @@ def known_rows(spec) -> dict:
             with open(path, "rb") as f:
                 rows[stage.name] = sum(1 for line in f if line.strip())
     return {k: v for k, v in rows.items() if v}
+
+
+def signal_lead(spec, stage) -> int:
+    """Seconds before its time limit at which a stage job is signalled to save and requeue:
+    cluster.requeue_signal_s when set, else from the estimated checkpoint save time and step
+    time (pipeline/plan/timing.py signal_lead_seconds)."""
+    if spec.cluster.requeue_signal_s is not None:
+        return spec.cluster.requeue_signal_s
+    knobs = Knobs.from_stage(stage)
+    shape = resolve_shape(_stage_model_name(spec, stage), hf_cache(spec).hub)
+    ppo = ppo_workload(spec, stage) if stage.kind == "ppo" else None
+    models, _ = stage_models(knobs, shape, ppo)
+    try:
+        estimated = estimate_stage(knobs, shape, Hardware.from_cluster(spec.cluster), ppo=ppo).time
+    except ValueError:  # an unknown GPU: the plan has said so already
+        estimated = None
+    return signal_lead_seconds(checkpoint_save_seconds(models, knobs), estimated.step_s if estimated else None)
 
 
 def plan_pipeline(spec, rows_by_stage: Optional[dict] = None) -> list[StagePlan]:

@@ -257,3 +257,39 @@ def _generation_s(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
     if knobs.zero_stage == 3 and world > 1:  # one gather of the whole actor per rollout
         seconds += weights * ring / bandwidth
     return seconds
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+# What one node writes to the shared filesystem a checkpoint goes to: a conservative figure for
+# an NFS or Lustre/GPFS client (a Lustre client alone does 1-5 GB/s; NFS often less).
+CHECKPOINT_WRITE_BYTES_PER_S = 1e9
+SIGNAL_MARGIN_S = 60  # requeueing (scontrol), the processes' exit, a slower filesystem moment
+SIGNAL_LEAD_MIN_S, SIGNAL_LEAD_MAX_S = 90, 3600
+
+
+def checkpoint_bytes(models: list[ModelUse], knobs: Knobs) -> int:
+    """What a DeepSpeed checkpoint of the stage holds: each trained model's weights (knobs.weight_bytes
+    per parameter, frozen base included) and its trained parameters' Adam states (m and v, and the
+    fp32 master copy where the weights are bf16/fp16). Frozen models (reference, reward) are not saved."""
+    total = 0
+    for use in models:
+        if not use.trained:
+            continue
+        trained, frozen = trainable_tensors(use, knobs)
+        states = 8 if knobs.precision == "fp32" else 12
+        total += (sum(trained) + sum(frozen)) * knobs.weight_bytes + sum(trained) * states
+    return total
+
+
+def checkpoint_save_seconds(models: list[ModelUse], knobs: Knobs) -> float:
+    """Time to write one checkpoint: every rank writes its shard, so each node its share."""
+    return checkpoint_bytes(models, knobs) / max(knobs.nodes, 1) / CHECKPOINT_WRITE_BYTES_PER_S
+
+
+def signal_lead_seconds(save_s: float, step_s: Optional[float]) -> int:
+    """How long before the time limit Slurm should signal: the step running then ends (twice an
+    estimated step, for a slow one), the checkpoint is written (twice the estimate), and the
+    job requeues and exits (SIGNAL_MARGIN_S)."""
+    lead = 2 * save_s + 2 * (step_s or 0.0) + SIGNAL_MARGIN_S
+    return int(min(SIGNAL_LEAD_MAX_S, max(SIGNAL_LEAD_MIN_S, math.ceil(lead))))

@@ -1,0 +1,159 @@
+"""Save on the signal: a stage that Slurm is about to stop saves at the next optimizer step.
+
+submitit installs its own USR2 handler in every task before the stage starts: on rank 0
+it calls StageJob.checkpoint, requeues the job (`scontrol requeue`; locally, exit code
+144) and exits; on the other ranks it only logs. SIGTERM it only logs. Alone that loses
+every step since the last periodic checkpoint, since no rank can save while the others
+are mid-step.
+
+While the training loop runs, `Signals` takes over USR2 and SIGTERM in every rank: the
+handler only notes the signal. Once per optimizer step the loop asks `requested()`, a
+one-number all-reduce (MAX) of every rank's note, so a signal that reached any rank is
+known to all at the same step; they all save that step's checkpoint and then `requeue`:
+rank 0 hands the signal to submitit's own handler (requeue and exit), the others exit.
+Resume is therefore only ever at an optimizer-step boundary, never inside gradient
+accumulation. Outside the loop (loading, the final evaluation, export) submitit's
+handlers are in place as before: the job requeues at once and resumes from the newest
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from pipeline import timeline
+
+log = logging.getLogger("stages")
+
+CAUGHT = (signal.SIGUSR2, signal.SIGTERM)
+CHECK_BUDGET = 0.01  # the check may cost at most this share of a step ...
+MOST_STEPS_BETWEEN_CHECKS = 16  # ... but a signal waits at most this many steps to be seen
+
+
+def steps_between_checks(check_s: float, step_s: float) -> int:
+    """Check every k steps, k the smallest that keeps the check within CHECK_BUDGET of the
+    steps' time (1 for any real model: a one-number all-reduce is tens of microseconds)."""
+    if step_s <= 0:
+        return 1
+    return max(1, min(MOST_STEPS_BETWEEN_CHECKS, math.ceil(check_s / (CHECK_BUDGET * step_s))))
+
+
+class Signals:
+    """USR2/SIGTERM noted (not acted on) while the training loop runs; a context manager."""
+
+    def __init__(self, ctx):
+        self.device, self.rank, self.folder = ctx.device, ctx.rank, ctx.folder
+        self.received: Optional[int] = None  # the signal this rank got, if any
+        self.received_at: Optional[float] = None
+        self.previous: dict = {}
+        self.checks, self.check_s = 0, 0.0  # what the checks cost, for the log and the interval
+        self.every = 1  # steps between checks: the same on every rank (from all-reduced timings)
+
+    def start(self) -> "Signals":
+        for sig in CAUGHT:
+            self.previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def stop(self) -> None:
+        """Back to submitit's handlers; one that arrived after the loop's last check acts now."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        if self.received is not None:
+            _call(self.previous.get(signal.SIGUSR2), signal.SIGUSR2)
+
+    def __enter__(self) -> "Signals":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.stop()
+        else:
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+
+    @property
+    def submitit_handler(self):
+        """The USR2 handler that was in place before (submitit's: requeue on rank 0)."""
+        return self.previous.get(signal.SIGUSR2)
+
+    def _note(self, signum, frame) -> None:
+        if self.received is None:
+            self.received, self.received_at = signum, time.time()
+        # A log call in a signal handler can deadlock on the handler's lock: write directly.
+        os.write(2, f"caught {signal.Signals(signum).name}: saving a checkpoint at the end of this step\n".encode())
+
+    def requested(self, step: int, step_s: float, last: bool) -> Optional[str]:
+        """After optimizer step `step` (which took `step_s`): the name of a signal some rank
+        got, the same on every rank, or None. A collective every `every` steps and at the
+        `last`; it also carries the ranks' timings, so every rank picks the same next interval."""
+        if step % self.every and not last:
+            return None
+        started = time.perf_counter()
+        # A rank's check time includes waiting for the last rank to arrive; the last one's does
+        # not: its (the least) is the check's own cost. MAX of the negated value is that MIN.
+        mean_check_s = self.check_s / max(self.checks, 1)
+        values = torch.tensor([float(self.received or 0), -mean_check_s, step_s], dtype=torch.float64,
+                              device=self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        signum, least_check_s, slowest_step_s = values.tolist()
+        check_s = -least_check_s
+        self.checks += 1
+        self.check_s += time.perf_counter() - started
+        if self.checks > 1:  # the first check's time includes the ranks catching up with each other
+            self.every = steps_between_checks(check_s, slowest_step_s)
+        return signal.Signals(int(signum)).name if signum else None
+
+    def cost_line(self, loop_s: float) -> str:
+        mean_ms = 1e3 * self.check_s / max(self.checks, 1)
+        share = 100 * self.check_s / max(loop_s, 1e-9)
+        return (f"signal checks: {self.checks}, {mean_ms:.3f} ms each, {share:.2f}% of the training loop's time, "
+                f"every {self.every} steps at the end")
+
+    def save_and_requeue(self, name: str, step: int, save: Optional[Callable[[], None]]) -> None:
+        """At the step every rank learnt of signal `name`: `save` (None: this step is saved
+        already), then requeue. Never returns."""
+        if save is not None:
+            started = time.time()
+            save()
+            log.info("checkpoint at %s took %.2f s", name, time.time() - started)
+        if self.rank == 0:
+            timeline.record(self.folder, timeline.SAVED_AT_SIGNAL, signal=name, step=step)
+        self.requeue(self.rank, step)
+
+    def requeue(self, rank: int, step: int) -> None:
+        """After the checkpoint: rank 0 requeues through submitit and exits; the others exit."""
+        since = f"{time.time() - self.received_at:.1f} s after the signal" if self.received_at else "on another rank's signal"
+        log.warning("checkpoint at step %d saved %s: requeueing", step, since)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if rank == 0:
+            try:
+                _call(self.previous.get(signal.SIGUSR2), signal.SIGUSR2)
+            except SystemExit as done:  # submitit's own exit after requeueing
+                code = done.code if isinstance(done.code, int) else 1
+                _leave(code & 0xFF)
+            _leave(1)  # no submitit handler: not a submitit job
+        _leave(0)
+
+
+def _call(handler, signum) -> None:
+    if callable(handler):
+        handler(signum, None)
+
+
+def _leave(code: int) -> None:
+    """Exit now, without the interpreter's teardown (DeepSpeed's threads can abort it and
+    change the exit code: 144 tells submitit's local executor to requeue)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,267 @@
+"""Save on the signal, resume exactly (stages/preemption.py, engine.Checkpoints).
+
+The end-to-end check sends real signals to a local run's stage processes: USR2 to rank
+1 only of the sft stage (rank 0 learns it through the per-step all-reduce) and SIGTERM
+to rank 0 of the dpo stage. Each stage saves at that step, requeues through submitit
+(local executor: exit code 144) and resumes; its per-step losses must equal an
+uninterrupted run's, every step logged exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from stages.preemption import MOST_STEPS_BETWEEN_CHECKS
+from tests.conftest import read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
+
+STEPS = 24
+# fp32 on CPU with gloo, same data order, same generators: the sums are the same operations
+# in the same order, so the losses should agree to float32 rounding.
+LOSS_RTOL = 1e-5
+
+
+# --------------------------------------------------------------------------- units
+
+
+@pytest.fixture(scope="module")
+def one_process_group(tmp_path_factory):
+    """A gloo group of this process alone (a file rendezvous: no MASTER_* variables set here,
+    which the stage jobs this session starts would inherit)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = tmp_path_factory.mktemp("gloo") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+
+
+def test_a_signal_is_noted_in_the_loop_and_handed_to_the_previous_handler_after(one_process_group):
+    from stages import preemption
+
+    seen = []
+    before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
+    try:
+        ctx = SimpleNamespace(device=torch.device("cpu"), rank=0, folder=None)
+        with preemption.Signals(ctx) as signals:
+            assert signals.requested(1, 1.0, last=False) is None
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert signals.requested(2, 1.0, last=False) == "SIGUSR2"
+            assert seen == []  # noted only, not acted on while the loop runs
+            os.kill(os.getpid(), signal.SIGTERM)  # a second signal keeps the first's name
+            signals.every = 4
+            assert signals.requested(3, 1.0, last=False) is None  # not a checking step: no collective
+            assert signals.requested(3, 1.0, last=True) == "SIGUSR2"  # the last step always checks
+            assert signals.checks == 3
+        # Still pending when the loop ended: the handler that was there before acts on it.
+        assert seen == [signal.SIGUSR2]
+        assert signal.getsignal(signal.SIGTERM) != signals._note
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
+def test_steps_between_checks_keep_the_check_within_one_percent_of_a_step():
+    from stages.preemption import MOST_STEPS_BETWEEN_CHECKS, steps_between_checks
+
+    assert steps_between_checks(check_s=50e-6, step_s=2.0) == 1  # NCCL, a real model
+    assert steps_between_checks(check_s=1.5e-3, step_s=0.05) == 3  # 1.5 ms > 0.5 ms: every 3rd step
+    assert steps_between_checks(check_s=1.0, step_s=0.001) == MOST_STEPS_BETWEEN_CHECKS
+    assert steps_between_checks(check_s=1e-3, step_s=0.0) == 1
+
+
+def test_rng_states_round_trip():
+    from stages.engine import rng_states, set_rng_states
+
+    saved = rng_states()
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.random(), np.random.rand(), torch.rand(3)  # move on
+    set_rng_states(saved)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert again[0] == expected[0] and again[1] == expected[1] and torch.equal(again[2], expected[2])
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def stage_processes(run_pid: int) -> dict[int, int]:
+    """{global rank: pid} of the stage job's task processes started by the local `run`."""
+    marker = f"PIPELINE_RUN_PID={run_pid}".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in environ:
+            ranks = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"SUBMITIT_LOCAL_GLOBALID=")]
+            if ranks and b"_submit" in (entry / "cmdline").read_bytes():
+                found[int(ranks[0])] = int(entry.name)
+    return found
+
+
+def training_records(folder: Path) -> list[dict]:
+    """metrics.jsonl's training records (a line still being written is skipped)."""
+    path = folder / "metrics.jsonl"
+    found = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "lr" in record:
+            found.append(record)
+    return found
+
+
+RL_ROLLOUTS = 8
+
+
+def chain() -> dict:
+    stage = {"model": "builtin:tiny-llama", "data": {"path": "builtin:digits", "eval_split": "eval"},
+             "max_steps": STEPS}
+    # RL with the state a resume must carry: the reward normaliser's statistics, the adaptive KL
+    # coefficient, and every rank's sampler (each rank samples differently).
+    rl = {**stage, "name": "rl", "kind": "ppo", "max_steps": RL_ROLLOUTS, "advantage": "grpo",
+          "reward": {"rules": [{"rule": "exact_match"}, {"rule": "length", "options": {"target": 4}}], "normalize": True},
+          "kl_target": 0.5, "n_samples_per_prompt": 4, "rollout_batch_size": 8, "micro_rollout_batch_size": 32,
+          "max_new_tokens": 6, "micro_batch_size": 16, "global_batch_size": 32}
+    return tiny_pipeline(stages=[{"name": "sft", "kind": "sft", **stage}, {"name": "dpo", "kind": "dpo", **stage}, rl],
+                         defaults={"log_interval": 1, "warmup_steps": 4, "save_interval": 0})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The chain run twice: uninterrupted, and signalled once in each stage mid-training."""
+    out = {}
+    for name in ("uninterrupted", "signalled"):
+        workdir = tmp_path_factory.mktemp(name)
+        config = write_pipeline(workdir, chain())
+        process = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(config)], cwd=workdir,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        sent = {}
+        if name == "signalled":
+            # rank, signal, after step
+            plan = {"sft": (1, signal.SIGUSR2, 7), "dpo": (0, signal.SIGTERM, 11), "rl": (1, signal.SIGUSR2, 3)}
+            deadline = time.time() + 900  # three stages, two starts each (the pinned stack is slow)
+            while len(sent) < len(plan) and process.poll() is None and time.time() < deadline:
+                for stage, (rank, sig, after) in plan.items():
+                    records = training_records(workdir / "runs" / "t" / stage)
+                    if stage not in sent and records and records[-1]["step"] >= after:
+                        pid = stage_processes(process.pid).get(rank)
+                        if pid:
+                            os.kill(pid, sig)
+                            sent[stage] = (time.time(), records[-1]["step"])
+                time.sleep(0.05)
+        stdout, _ = process.communicate(timeout=900)
+        assert process.returncode == 0, stdout[-5000:]
+        status = json.loads(run_cli("status", config, "--json", cwd=workdir).stdout)
+        out[name] = {"runs": workdir / "runs" / "t", "sent": sent, "stdout": stdout,
+                     "status": {s["name"]: s["detail"] for s in status["stages"]}}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_a_signalled_stage_saves_at_the_signal_and_resumes_on_the_same_trajectory(runs, stage):
+    signalled, reference = runs["signalled"]["runs"] / stage, runs["uninterrupted"]["runs"] / stage
+    sent_at, step_seen = runs["signalled"]["sent"][stage]
+
+    # One checkpoint (save_interval 0: no periodic ones), at a step the signal came during or before.
+    tags = sorted(p.name for p in (signalled / "checkpoints").glob("step-*"))
+    assert len(tags) == 1, tags
+    saved_step = int(tags[0].removeprefix("step-"))
+    assert step_seen <= saved_step <= step_seen + 1 + MOST_STEPS_BETWEEN_CHECKS, (step_seen, saved_step)
+    assert sorted(p.name for p in (signalled / "checkpoints" / tags[0]).glob("rng-rank*.pt")) == [
+        "rng-rank00000.pt", "rng-rank00001.pt"]
+    log = (signalled / "logs").glob("*_0_log.out")
+    log_text = "".join(p.read_text() for p in log)
+    assert f"resumed from checkpoint {tags[0]}" in log_text
+    events = [json.loads(line) for line in (signalled / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events if e["event"] == "started"] == ["started", "started"]
+    signal_name = "SIGUSR2" if stage == "sft" else "SIGTERM"
+    # `status` shows the stage's requeue: why, and the step it resumed from (0 steps lost).
+    assert f"({signal_name} at step {saved_step}, resumed from step {saved_step})" in runs["signalled"]["status"][stage]
+
+    # Every step once, and the same numbers as the uninterrupted run's.
+    got, want = training_records(signalled), training_records(reference)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for mine, theirs in zip(got, want):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=LOSS_RTOL), mine["step"]
+        assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-9), mine["step"]
+    evals = [r["step"] for r in read_metrics(signalled) if any(k.startswith("eval_") for k in r)]
+    assert evals == [0, STEPS]
+    key = "final_eval_loss" if stage == "sft" else "eval_loss"
+    assert read_result(signalled)[key] == pytest.approx(read_result(reference)[key], rel=LOSS_RTOL)
+    print(json.dumps({"stage": stage, "signal_after_step": step_seen, "saved_step": saved_step}))
+
+
+@pytest.mark.slow
+def test_a_signalled_rl_stage_resumes_with_its_normaliser_kl_coefficient_and_samplers(runs):
+    signalled, reference = runs["signalled"]["runs"] / "rl", runs["uninterrupted"]["runs"] / "rl"
+    _, rollout_seen = runs["signalled"]["sent"]["rl"]
+    tags = sorted(p.name for p in (signalled / "checkpoints").glob("step-*"))
+    assert len(tags) == 1 and rollout_seen <= int(tags[0].removeprefix("step-")) <= RL_ROLLOUTS, tags
+    got, want = training_records(signalled), training_records(reference)
+    assert [r["step"] for r in got] == list(range(1, RL_ROLLOUTS + 1))
+    for mine, theirs in zip(got, want):
+        for key in ("policy_loss", "reward", "kl", "kl_coef", "response_length"):
+            assert mine[key] == pytest.approx(theirs[key], rel=LOSS_RTOL, abs=1e-7), (mine["step"], key)
+
+
+# --------------------------------------------------------------------------- the hang watchdog
+
+
+def test_a_step_counts_as_hung_past_factor_times_the_median_once_enough_steps_are_timed():
+    from stages.watchdog import HANG_WARMUP_STEPS, Watchdog
+
+    ctx = SimpleNamespace(rank=0, folder=None)
+    dog = Watchdog(ctx, factor=20.0, min_s=3.0, max_retries=2, requeue_handler=None)  # not started: no thread
+    dog.durations = [0.5] * (HANG_WARMUP_STEPS - 1)
+    assert dog.limit_s() is None  # the first steps are not judged
+    dog.durations += [0.1, 0.2, 0.3, 0.4]
+    assert dog.limit_s() == pytest.approx(20 * 0.45)  # median of 0.1..0.5 (eight values)
+    dog.durations = [0.01] * 10
+    assert dog.limit_s() == 3.0  # never under hang_min_s
+
+
+# A checkpoint at 6, the hang at 12: the requeued attempt resumes from 6 and times 5 steps
+# (HANG_WARMUP_STEPS) before the hang again, so the watchdog judges it there too.
+HANG_STEP, HANG_SAVE_EVERY = 12, 6
+
+
+@pytest.mark.slow
+def test_a_hung_stage_dumps_its_stacks_requeues_then_fails_after_max_retries(tmp_path):
+    spec = tiny_pipeline(cluster={"max_retries": 1},
+                         defaults={"log_interval": 1, "save_interval": HANG_SAVE_EVERY, "hang_factor": 5,
+                                   "hang_min_s": 3})
+    spec["stages"][0]["max_steps"] = HANG_STEP + 2
+    config = write_pipeline(tmp_path, spec)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PIPELINE_TEST_HANG": f"1:{HANG_STEP}:600"}  # rank 1 sleeps
+    result = subprocess.run([sys.executable, "-m", "pipeline", "run", str(config)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    stage = tmp_path / "runs" / "t" / "sft"
+    errors = "".join(p.read_text() for p in sorted((stage / "logs").glob("*_log.err")))
+    # Every rank said where and dumped its threads' stacks: rank 1 asleep in the test hook.
+    assert errors.count(f"hang at step {HANG_STEP}: rank 0") == 2 and errors.count(f"hang at step {HANG_STEP}: rank 1") == 2
+    assert 'watchdog.py", line' in errors and "in step_started" in errors  # faulthandler's format
+    assert f"hang at step {HANG_STEP}: requeueing (1 of cluster.max_retries 1)" in errors
+    assert f"hang at step {HANG_STEP}: the stage hung 2 times, more than cluster.max_retries (1): failing" in errors
+    # The requeued attempt resumed from the newest checkpoint; status says why the stage failed.
+    status = json.loads(run_cli("status", config, "--json", cwd=tmp_path).stdout)["stages"][0]
+    assert status["state"] == "failed"
+    assert f"hang at step {HANG_STEP}, resumed from step {HANG_SAVE_EVERY}, hang at step {HANG_STEP}" in status["detail"]
