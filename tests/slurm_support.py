@@ -65,10 +65,15 @@ def slurm_pipeline(stages=None, **overrides) -> dict:
     return tiny_pipeline(stages=stages, cluster=cluster, **overrides)
 
 
-def sft_stage(name="sft", steps=30, **fields) -> dict:
+def stage_on_digits(name: str, kind: str, steps=30, **fields) -> dict:
+    """A stage of `kind` on the built-in task, from the tiny model or `from` an upstream stage."""
     start = {"from": fields.pop("from")} if "from" in fields else {"model": "builtin:tiny-llama"}
-    return {"name": name, "kind": "sft", **start, "data": {"path": "builtin:digits", "eval_split": "eval"},
+    return {"name": name, "kind": kind, **start, "data": {"path": "builtin:digits", "eval_split": "eval"},
             "max_steps": steps, **fields}
+
+
+def sft_stage(name="sft", steps=30, **fields) -> dict:
+    return stage_on_digits(name, "sft", steps, **fields)
 
 
 def status(workdir: Path, config: Path) -> dict:

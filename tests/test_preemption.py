@@ -1,10 +1,11 @@
 """Save on the signal, resume exactly (stages/preemption.py, engine.Checkpoints).
 
-The end-to-end check sends real signals to a local run's stage processes: USR2 to rank
-1 only of the sft stage (rank 0 learns it through the per-step all-reduce) and SIGTERM
-to rank 0 of the dpo stage. Each stage saves at that step, requeues through submitit
-(local executor: exit code 144) and resumes; its per-step losses must equal an
-uninterrupted run's, every step logged exactly once.
+The end-to-end check sends real signals to a local run's stage processes: SIGTERM to
+rank 0 of the sft stage, USR2 to rank 1 only of the rl stage (rank 0 learns it through
+the all-reduce). Each stage saves at that step, requeues through submitit (local
+executor: exit code 144) and resumes; its per-step losses must equal an uninterrupted
+run's, every step logged exactly once. tests/test_slurm_preemption.py does the same to
+a DPO stage on the real Slurm test cluster, and hangs a stage there (the watchdog).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def one_process_group(tmp_path_factory):
         store = tmp_path_factory.mktemp("gloo") / "store"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
+    dist.destroy_process_group()
 
 
 def test_a_signal_is_noted_in_the_loop_and_handed_to_the_previous_handler_after(one_process_group):
@@ -138,7 +140,7 @@ def chain() -> dict:
           "reward": {"rules": [{"rule": "exact_match"}, {"rule": "length", "options": {"target": 4}}], "normalize": True},
           "kl_target": 0.5, "n_samples_per_prompt": 4, "rollout_batch_size": 8, "micro_rollout_batch_size": 32,
           "max_new_tokens": 6, "micro_batch_size": 16, "global_batch_size": 32}
-    return tiny_pipeline(stages=[{"name": "sft", "kind": "sft", **stage}, {"name": "dpo", "kind": "dpo", **stage}, rl],
+    return tiny_pipeline(stages=[{"name": "sft", "kind": "sft", **stage}, rl],
                          defaults={"log_interval": 1, "warmup_steps": 4, "save_interval": 0})
 
 
@@ -155,8 +157,8 @@ def runs(tmp_path_factory) -> dict:
         sent = {}
         if name == "signalled":
             # rank, signal, after step
-            plan = {"sft": (1, signal.SIGUSR2, 7), "dpo": (0, signal.SIGTERM, 11), "rl": (1, signal.SIGUSR2, 3)}
-            deadline = time.time() + 900  # three stages, two starts each (the pinned stack is slow)
+            plan = {"sft": (0, signal.SIGTERM, 7), "rl": (1, signal.SIGUSR2, 3)}
+            deadline = time.time() + 600  # two stages, two starts each (the pinned stack is slow)
             while len(sent) < len(plan) and process.poll() is None and time.time() < deadline:
                 for stage, (rank, sig, after) in plan.items():
                     records = training_records(workdir / "runs" / "t" / stage)
@@ -175,8 +177,8 @@ def runs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["sft", "dpo"])
-def test_a_signalled_stage_saves_at_the_signal_and_resumes_on_the_same_trajectory(runs, stage):
+def test_a_signalled_stage_saves_at_the_signal_and_resumes_on_the_same_trajectory(runs):
+    stage = "sft"
     signalled, reference = runs["signalled"]["runs"] / stage, runs["uninterrupted"]["runs"] / stage
     sent_at, step_seen = runs["signalled"]["sent"][stage]
 
@@ -192,7 +194,7 @@ def test_a_signalled_stage_saves_at_the_signal_and_resumes_on_the_same_trajector
     assert f"resumed from checkpoint {tags[0]}" in log_text
     events = [json.loads(line) for line in (signalled / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events if e["event"] == "started"] == ["started", "started"]
-    signal_name = "SIGUSR2" if stage == "sft" else "SIGTERM"
+    signal_name = "SIGTERM"
     # `status` shows the stage's requeue: why, and the step it resumed from (0 steps lost).
     assert f"({signal_name} at step {saved_step}, resumed from step {saved_step})" in runs["signalled"]["status"][stage]
 
@@ -204,7 +206,7 @@ def test_a_signalled_stage_saves_at_the_signal_and_resumes_on_the_same_trajector
         assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-9), mine["step"]
     evals = [r["step"] for r in read_metrics(signalled) if any(k.startswith("eval_") for k in r)]
     assert evals == [0, STEPS]
-    key = "final_eval_loss" if stage == "sft" else "eval_loss"
+    key = "final_eval_loss"
     assert read_result(signalled)[key] == pytest.approx(read_result(reference)[key], rel=LOSS_RTOL)
     print(json.dumps({"stage": stage, "signal_after_step": step_seen, "saved_step": saved_step}))
 
@@ -236,32 +238,3 @@ def test_a_step_counts_as_hung_past_factor_times_the_median_once_enough_steps_ar
     assert dog.limit_s() == pytest.approx(20 * 0.45)  # median of 0.1..0.5 (eight values)
     dog.durations = [0.01] * 10
     assert dog.limit_s() == 3.0  # never under hang_min_s
-
-
-# A checkpoint at 6, the hang at 12: the requeued attempt resumes from 6 and times 5 steps
-# (HANG_WARMUP_STEPS) before the hang again, so the watchdog judges it there too.
-HANG_STEP, HANG_SAVE_EVERY = 12, 6
-
-
-@pytest.mark.slow
-def test_a_hung_stage_dumps_its_stacks_requeues_then_fails_after_max_retries(tmp_path):
-    spec = tiny_pipeline(cluster={"max_retries": 1},
-                         defaults={"log_interval": 1, "save_interval": HANG_SAVE_EVERY, "hang_factor": 5,
-                                   "hang_min_s": 3})
-    spec["stages"][0]["max_steps"] = HANG_STEP + 2
-    config = write_pipeline(tmp_path, spec)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PIPELINE_TEST_HANG": f"1:{HANG_STEP}:600"}  # rank 1 sleeps
-    result = subprocess.run([sys.executable, "-m", "pipeline", "run", str(config)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1, result.stdout + result.stderr
-    stage = tmp_path / "runs" / "t" / "sft"
-    errors = "".join(p.read_text() for p in sorted((stage / "logs").glob("*_log.err")))
-    # Every rank said where and dumped its threads' stacks: rank 1 asleep in the test hook.
-    assert errors.count(f"hang at step {HANG_STEP}: rank 0") == 2 and errors.count(f"hang at step {HANG_STEP}: rank 1") == 2
-    assert 'watchdog.py", line' in errors and "in step_started" in errors  # faulthandler's format
-    assert f"hang at step {HANG_STEP}: requeueing (1 of cluster.max_retries 1)" in errors
-    assert f"hang at step {HANG_STEP}: the stage hung 2 times, more than cluster.max_retries (1): failing" in errors
-    # The requeued attempt resumed from the newest checkpoint; status says why the stage failed.
-    status = json.loads(run_cli("status", config, "--json", cwd=tmp_path).stdout)["stages"][0]
-    assert status["state"] == "failed"
-    assert f"hang at step {HANG_STEP}, resumed from step {HANG_SAVE_EVERY}, hang at step {HANG_STEP}" in status["detail"]
