@@ -19,7 +19,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.config import PipelineSpec, Stage, WandbSpec, topological_order
+from pipeline.config import PipelineSpec, Stage, WandbSpec, slurm_time_to_minutes, topological_order
 from pipeline.identity import Digests, changed_inputs, input_digests
 from pipeline.runfolder import StageFolder
 
@@ -44,7 +44,8 @@ class StageTask(BaseModel):
     inputs: dict[str, dict] = {}  # field -> {path, sha256}: what it reads from disk (pipeline/identity.py)
     spec_hash: str
     wandb: Optional[WandbSpec] = None  # the pipeline's tracking.wandb: how not what the stage trains
-    max_retries: int = 2  # cluster.max_retries: requeues after a hang (stages/watchdog.py)
+    max_retries: int = 2  # cluster.max_retries: requeues after a hang (stages/watchdog.py) or a node failure
+    time_limit_min: Optional[int] = None  # the Slurm job's time limit; None on the local executor
 
     @property
     def name(self) -> str:
@@ -102,6 +103,8 @@ def build_tasks(spec: PipelineSpec, digests: Optional[Digests] = None) -> list[S
                 spec_hash=digest,
                 wandb=spec.tracking.wandb,
                 max_retries=spec.cluster.max_retries,
+                time_limit_min=(slurm_time_to_minutes(stage.time or spec.cluster.time)
+                                if spec.cluster.executor == "slurm" else None),
             )
         )
     return tasks

@@ -338,7 +338,7 @@ def _from_job(task, record: StageRecord, info: Optional[slurm.JobInfo], run_stat
                              source="record", **base)
         return _with_log(status, record) if state == FAILED else status
     base.update(slurm_state=info.state, restarts=info.restarts, source="slurm")
-    requeued = f", requeued {info.restarts}x" + _interruptions(task) if info.restarts else ""
+    requeued = _interruptions(task) or (f", requeued {info.restarts}x" if info.restarts else "")
     if info.waiting:
         if info.reason == "Dependency":
             upstream = [run_state.job_stage(j) or f"job {j}" for j in record.after]
@@ -421,6 +421,7 @@ def _result_summary(task: graph.StageTask) -> str:
 
 
 def _interruptions(task: graph.StageTask) -> str:
-    """The stage's signals and resumes, e.g. " (SIGUSR2 at step 12, resumed from step 12)"; "" if none."""
+    """The stage job's requeues, why and where it resumed, e.g. "; requeued 1x: time limit
+    (SIGUSR2) at step 12, resumed from step 12"; "" if none."""
     said = timeline.interruptions(task.folder)
-    return f" ({said})" if said else ""
+    return f"; {said}" if said else ""

@@ -18,26 +18,99 @@ from datetime import datetime
 from typing import Optional
 
 from pipeline import metrics as records
+from pipeline.failure import task_job_id
 from pipeline.runfolder import StageFolder
 
 QUEUED, RUNNING, REQUEUED, DONE = "queued", "running", "requeued", "done"
-SAVED_AT_SIGNAL, RESUMED, HANG = "saved at signal", "resumed", "hang"  # events a stage's rank 0 records
+# Events a stage's rank 0 records besides "started": the loop saved at a signal (signal, step,
+# reason), a resume (step), a hang (step: stages/watchdog.py), a requeue asked for by submitit's
+# USR2 handler (reason; stages/runner.py: after the first two it adds nothing).
+STARTED, SAVED_AT_SIGNAL, RESUMED, HANG, REQUEUE = "started", "saved at signal", "resumed", "hang", "requeue"
+# Why an attempt of a stage's job ended and the job started again.
+TIME_LIMIT, PREEMPTED, HUNG, UNEXPLAINED = "time limit", "preempted", "hang", "ended without a word (node failure?)"
+
+
+def restart_count() -> int:
+    """How many times Slurm has started this job before (0 outside Slurm), the same in every rank."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
 def record_start(folder: StageFolder) -> None:
     """Rank 0 of a stage job says it started (one line per attempt)."""
-    event = {"event": "started", "time": round(time.time(), 3), "host": socket.gethostname(),
-             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-             "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
+    event = {"event": STARTED, "time": round(time.time(), 3), "host": socket.gethostname(),
+             "job_id": task_job_id(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+             "slurm_restart_count": restart_count()}
     with open(folder.events, "a") as f:
         f.write(json.dumps(event) + "\n")
 
 
 def record(folder: StageFolder, event: str, **fields) -> None:
-    """Rank 0 of a stage job notes a moment: `saved at signal` (signal, step), `resumed` (step),
-    `hang` (step: stages/watchdog.py)."""
+    """Rank 0 of a stage job notes a moment (SAVED_AT_SIGNAL, RESUMED, HANG, REQUEUE)."""
     with open(folder.events, "a") as f:
         f.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+
+
+def signal_reason(signal_name: str, elapsed_s: float, time_limit_min: Optional[float]) -> str:
+    """Why Slurm signalled a job `elapsed_s` into its attempt. SIGTERM is preemption (or scancel).
+    USR2 comes both ahead of the time limit (--signal) and on preemption where the site sends
+    it: judged as submitit does for its own requeue count (cluster.max_requeues), a time limit
+    once the attempt has run 80% of its limit or is within 10 minutes of it."""
+    if signal_name != "SIGUSR2" or not time_limit_min:
+        return PREEMPTED
+    limit_s = 60.0 * time_limit_min
+    return TIME_LIMIT if elapsed_s >= min(0.8 * limit_s, limit_s - 600) else PREEMPTED
+
+
+@dataclass
+class Attempt:
+    """One start of a stage job and how it ended."""
+
+    job_id: Optional[str]
+    started: float
+    restart: int = 0  # Slurm's restart count of this start
+    resumed_from: Optional[int] = None  # the step resumed from; None: from the start
+    ended: Optional[str] = None  # TIME_LIMIT, PREEMPTED, HUNG or UNEXPLAINED; None: the newest, or the job's last
+    signal: Optional[str] = None
+    at_step: Optional[int] = None  # the step saved at the signal, or the hung step
+
+    def text(self) -> str:
+        what = self.ended or ""
+        if self.signal:
+            what += f" ({self.signal})"
+        if self.at_step is not None:
+            what += f" at step {self.at_step}"
+        return what
+
+
+def attempts(folder: StageFolder) -> list[Attempt]:
+    """Every start of the stage's newest job, oldest first, each with how it ended: an attempt
+    followed by another start of the same job without a word of why ended UNEXPLAINED (the node
+    failed, or the job was killed and Slurm requeued it). Earlier jobs (earlier `run`s) are left out."""
+    found: list[Attempt] = []
+    for event in _events(folder):
+        kind = event.get("event")
+        if kind == STARTED:
+            job = event.get("job_id", event.get("slurm_job_id"))
+            if found and found[-1].job_id != job:
+                found = []  # a new submission: its history starts here
+            if found and found[-1].ended is None:
+                found[-1].ended = UNEXPLAINED
+            found.append(Attempt(job, float(event["time"]), int(event.get("slurm_restart_count", 0) or 0)))
+        elif not found:
+            continue
+        elif kind == RESUMED:
+            found[-1].resumed_from = event.get("step")
+        elif found[-1].ended is not None:
+            continue  # the first word of why counts (a requeue after a save at the signal says nothing new)
+        elif kind == SAVED_AT_SIGNAL:
+            found[-1].ended = event.get("reason") or PREEMPTED
+            found[-1].signal, found[-1].at_step = event.get("signal"), event.get("step")
+        elif kind == HANG:
+            found[-1].ended, found[-1].at_step = HUNG, event.get("step")
+        elif kind == REQUEUE:
+            found[-1].ended = event.get("reason") or PREEMPTED
+            found[-1].signal = event.get("signal")
+    return found
 
 
 def _events(folder: StageFolder) -> list[dict]:
@@ -56,25 +129,42 @@ def _events(folder: StageFolder) -> list[dict]:
 
 def starts(folder: StageFolder) -> list[float]:
     """When each attempt of the stage's job started, oldest first."""
-    return sorted(float(e["time"]) for e in _events(folder) if e.get("event") == "started")
-
-
-def count(folder: StageFolder, event: str) -> int:
-    return sum(1 for e in _events(folder) if e.get("event") == event)
+    return sorted(float(e["time"]) for e in _events(folder) if e.get("event") == STARTED)
 
 
 def interruptions(folder: StageFolder) -> str:
-    """What status says of a stage's requeues: each signal, the step saved at it, the step
-    resumed from (e.g. "SIGUSR2 at step 12, resumed from step 12"); "" if none."""
+    """What status says of a stage job's requeues: how many, why each attempt ended and where
+    the next one resumed, e.g. "requeued 1x: preempted (SIGTERM) at step 12, resumed from step
+    12; hang at step 30" (the second attempt hung and failed); "" if nothing happened."""
     said = []
-    for event in _events(folder):
-        if event.get("event") == SAVED_AT_SIGNAL:
-            said.append(f"{event['signal']} at step {event['step']}")
-        elif event.get("event") == RESUMED:
-            said.append(f"resumed from step {event['step']}")
-        elif event.get("event") == HANG:
-            said.append(f"hang at step {event['step']}")
-    return ", ".join(said)
+    history = attempts(folder)
+    for k, attempt in enumerate(history):
+        if attempt.ended is None:
+            continue
+        text = attempt.text()
+        if k + 1 < len(history):
+            after = history[k + 1].resumed_from
+            text += f", resumed from step {after}" if after is not None else ""
+        said.append(text)
+    if not said:
+        return ""
+    return (f"requeued {len(history) - 1}x: " if len(history) > 1 else "") + "; ".join(said)
+
+
+def attempt_seconds(folder: StageFolder) -> float:
+    """How long the newest attempt of the stage job has run (from rank 0's start record)."""
+    history = attempts(folder)
+    return time.time() - history[-1].started if history else 0.0
+
+
+def unexplained_endings(folder: StageFolder, job: Optional[str], restart: int) -> int:
+    """How many attempts of job `job` before its start number `restart` ended without a word:
+    what cluster.max_retries bounds besides hangs (every rank computes the same, whenever it
+    reads the file, since it counts only earlier starts)."""
+    history = [a for a in attempts(folder) if a.job_id == job and a.restart < restart]
+    if history and history[-1].ended is None:  # the one before this start: it ended without a word too
+        history[-1].ended = UNEXPLAINED
+    return sum(a.ended == UNEXPLAINED for a in history)
 
 
 @dataclass

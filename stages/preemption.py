@@ -52,6 +52,7 @@ class Signals:
 
     def __init__(self, ctx):
         self.device, self.rank, self.folder = ctx.device, ctx.rank, ctx.folder
+        self.time_limit_min = ctx.task.time_limit_min
         self.received: Optional[int] = None  # the signal this rank got, if any
         self.received_at: Optional[float] = None
         self.previous: dict = {}
@@ -126,7 +127,9 @@ class Signals:
             save()
             log.info("checkpoint at %s took %.2f s", name, time.time() - started)
         if self.rank == 0:
-            timeline.record(self.folder, timeline.SAVED_AT_SIGNAL, signal=name, step=step)
+            timeline.record(self.folder, timeline.SAVED_AT_SIGNAL, signal=name, step=step,
+                            reason=timeline.signal_reason(name, timeline.attempt_seconds(self.folder),
+                                                          self.time_limit_min))
         self.requeue(self.rank, step)
 
     def requeue(self, rank: int, step: int) -> None:

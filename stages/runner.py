@@ -93,7 +93,10 @@ class StageJob(Checkpointable):
         (stages/preemption.py) before handing the signal on; outside it (loading, the
         final evaluation, export) the requeued job resumes from the newest complete
         checkpoint, which the atomic `latest` file names."""
-        latest = self.task.folder.latest_checkpoint()
+        folder = self.task.folder
+        timeline.record(folder, timeline.REQUEUE, signal="SIGUSR2", reason=timeline.signal_reason(
+            "SIGUSR2", timeline.attempt_seconds(folder), self.task.time_limit_min))
+        latest = folder.latest_checkpoint()
         start = f"checkpoint {latest}" if latest else "the start (no checkpoint yet)"
         log.warning("stage %s: requeueing; the job will resume from %s", self.task.name, start)
         return DelayedSubmission(StageJob(self.task))
@@ -124,6 +127,23 @@ def run_stage(task: StageTask) -> dict:
     return result
 
 
+class TooManyRestarts(RuntimeError):
+    """The job ended without a word (a node failure, a kill) more often than cluster.max_retries."""
+
+
+def _refuse_after_too_many_silent_endings(task: StageTask) -> None:
+    """Slurm requeues a job whose node failed; each such start counts against cluster.max_retries,
+    like a hang. Every rank decides alike, before any collective of the stage (they count earlier
+    starts only, whether or not rank 0 has recorded this one yet)."""
+    silent = timeline.unexplained_endings(task.folder, failure.task_job_id(), timeline.restart_count())
+    if silent > task.max_retries:
+        raise TooManyRestarts(
+            f"job {failure.task_job_id()} of stage {task.name} ended without saving or saying why {silent} "
+            f"time{'s' if silent > 1 else ''} (a node failure, or its processes killed), more than "
+            f"cluster.max_retries ({task.max_retries}): failing. "
+            f"The earlier attempts' logs are in {task.folder.logs}")
+
+
 def _run_stage(task: StageTask) -> dict:
     from stages import distributed
 
@@ -146,6 +166,7 @@ def _run_stage(task: StageTask) -> dict:
         for leftover in ctx.folder.leftovers():  # of an attempt killed mid-write
             remove(leftover)
         timeline.record_start(ctx.folder)  # every attempt: the report's timeline shows requeues
+    _refuse_after_too_many_silent_endings(task)
     _materialize_builtins(task, ctx)
     # Every rank says where it is (each task has its own log): multi-node problems show here.
     print(

@@ -89,7 +89,7 @@ class Watchdog:
             # error instead of letting it see the hang; a requeue ends this process anyway.
             time.sleep(limit + 10)
             os._exit(1)
-        hangs = timeline.count(self.folder, timeline.HANG)
+        hangs = sum(attempt.ended == timeline.HUNG for attempt in timeline.attempts(self.folder))
         timeline.record(self.folder, timeline.HANG, step=step)
         if hangs >= self.max_retries:
             print(f"hang at step {step}: the stage hung {hangs + 1} times, more than cluster.max_retries "

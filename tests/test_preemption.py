@@ -55,7 +55,7 @@ def test_a_signal_is_noted_in_the_loop_and_handed_to_the_previous_handler_after(
     seen = []
     before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
     try:
-        ctx = SimpleNamespace(device=torch.device("cpu"), rank=0, folder=None)
+        ctx = SimpleNamespace(device=torch.device("cpu"), rank=0, folder=None, task=SimpleNamespace(time_limit_min=None))
         with preemption.Signals(ctx) as signals:
             assert signals.requested(1, 1.0, last=False) is None
             os.kill(os.getpid(), signal.SIGUSR2)
@@ -91,6 +91,56 @@ def test_rng_states_round_trip():
     set_rng_states(saved)
     again = (random.random(), np.random.rand(), torch.rand(3))
     assert again[0] == expected[0] and again[1] == expected[1] and torch.equal(again[2], expected[2])
+
+
+def events_folder(tmp_path, *events) -> "StageFolder":
+    """A stage folder whose events.jsonl holds `events` (dicts), one second apart."""
+    from pipeline.runfolder import StageFolder
+
+    folder = StageFolder(tmp_path / "sft")
+    folder.path.mkdir(parents=True)
+    folder.events.write_text("".join(json.dumps({"time": 1000.0 + k, **e}) + "\n" for k, e in enumerate(events)))
+    return folder
+
+
+def started(job="7", restart=0) -> dict:
+    return {"event": "started", "job_id": job, "slurm_restart_count": restart}
+
+
+def test_status_says_why_each_attempt_ended_and_where_the_next_resumed(tmp_path):
+    from pipeline import timeline
+
+    folder = events_folder(
+        tmp_path,
+        started(job="6"), {"event": "hang", "step": 3},  # an earlier run's job: not this job's history
+        started(), {"event": "saved at signal", "signal": "SIGUSR2", "step": 12, "reason": "time limit"},
+        {"event": "requeue", "signal": "SIGUSR2", "reason": "preempted"},  # submitit's, after the save: no news
+        started(restart=1), {"event": "resumed", "step": 12}, {"event": "hang", "step": 30},
+        started(restart=2), {"event": "resumed", "step": 24},
+        started(restart=3),  # the attempt before ended without a word: its node failed
+        {"event": "requeue", "signal": "SIGUSR2", "reason": "preempted"},  # USR2 while loading
+        started(restart=4),
+    )
+    assert [a.ended for a in timeline.attempts(folder)] == [
+        timeline.TIME_LIMIT, timeline.HUNG, timeline.UNEXPLAINED, timeline.PREEMPTED, None]
+    assert timeline.interruptions(folder) == (
+        "requeued 4x: time limit (SIGUSR2) at step 12, resumed from step 12; hang at step 30, resumed from step 24; "
+        "ended without a word (node failure?); preempted (SIGUSR2)")
+    # Every rank of start 4 counts the same silent endings, whether or not rank 0 wrote start 4 yet.
+    assert timeline.unexplained_endings(folder, "7", 4) == 1
+    assert timeline.unexplained_endings(folder, "7", 3) == 1  # start 2 ended silently: start 3 follows it
+    assert timeline.unexplained_endings(folder, "7", 2) == 0
+    assert timeline.unexplained_endings(folder, "6", 1) == 0  # an earlier job's history is its own
+
+
+def test_usr2_is_a_time_limit_only_near_the_limit():
+    from pipeline.timeline import PREEMPTED, TIME_LIMIT, signal_reason
+
+    # 60 min limit: a time limit from 48 min (80%); 20 min: from 10 min (10 minutes before).
+    assert signal_reason("SIGUSR2", 47 * 60, 60) == PREEMPTED and signal_reason("SIGUSR2", 48 * 60, 60) == TIME_LIMIT
+    assert signal_reason("SIGUSR2", 9 * 60, 20) == PREEMPTED and signal_reason("SIGUSR2", 10 * 60, 20) == TIME_LIMIT
+    assert signal_reason("SIGTERM", 59 * 60, 60) == PREEMPTED  # Slurm's preemption signal
+    assert signal_reason("SIGUSR2", 10**6, None) == PREEMPTED  # a local job has no limit
 
 
 # --------------------------------------------------------------------------- end to end
@@ -196,7 +246,8 @@ def test_a_signalled_stage_saves_at_the_signal_and_resumes_on_the_same_trajector
     assert [e["event"] for e in events if e["event"] == "started"] == ["started", "started"]
     signal_name = "SIGTERM"
     # `status` shows the stage's requeue: why, and the step it resumed from (0 steps lost).
-    assert f"({signal_name} at step {saved_step}, resumed from step {saved_step})" in runs["signalled"]["status"][stage]
+    said = f"requeued 1x: preempted ({signal_name}) at step {saved_step}, resumed from step {saved_step}"
+    assert said in runs["signalled"]["status"][stage]
 
     # Every step once, and the same numbers as the uninterrupted run's.
     got, want = training_records(signalled), training_records(reference)

@@ -12,15 +12,19 @@ signals SFT and RL stages of a local run; a hang is tested here, at the end.)
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import read_metrics, read_result, run_cli, write_pipeline
 from tests.slurm_support import (
     job_ids,
+    scontrol_job,
     sft_stage,
     stage_on_digits,
     slurm_cluster,  # noqa: F401 -- fixture
@@ -70,6 +74,20 @@ def preempted(slurm_cluster, tmp_path_factory):
         signalled_at=signalled_at,
         log=(stage_dir / "logs" / f"{job}_0_log.out").read_text(),
     )
+
+
+def processes_of_job(job: str) -> list[int]:
+    """The pids of the job's processes on this machine (the batch script, srun, the ranks)."""
+    marker = f"SLURM_JOB_ID={job}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    assert found, f"no process of job {job}"
+    return found
 
 
 def last_training_step(stage_dir) -> int:
@@ -143,9 +161,49 @@ def test_a_hung_stage_is_requeued_then_fails_after_max_retries_and_status_says_h
     stage = wait_until_settled(tmp_path, config)["sft"]
     assert stage["state"] == "failed" and stage["job_id"] == job
     assert stage["restarts"] == 1  # one requeue (max_retries 1), then the second hang fails it
-    assert f"hang at step {HANG_STEP}, resumed from step {HANG_SAVE_EVERY}, hang at step {HANG_STEP}" in stage["detail"]
+    assert (f"requeued 1x: hang at step {HANG_STEP}, resumed from step {HANG_SAVE_EVERY}; hang at step {HANG_STEP}"
+            in stage["detail"])
     logs = tmp_path / "runs" / "t" / "sft" / "logs"
     errors = (logs / f"{job}_0_log.err").read_text() + (logs / f"{job}_1_log.err").read_text()
     assert errors.count(f"hang at step {HANG_STEP}: rank 0") == 2 and errors.count(f"hang at step {HANG_STEP}: rank 1") == 2
     assert 'watchdog.py", line' in errors and "in step_started" in errors  # rank 1's stack: asleep in the hook
     assert "more than cluster.max_retries (1): failing" in errors
+
+
+# --------------------------------------------------------------------------- a node failure
+
+
+def test_a_job_whose_node_fails_is_requeued_and_counts_against_max_retries(slurm_cluster, tmp_path):
+    # A node that dies: the job's processes stop dead (SIGSTOP, so they cannot act on the SIGTERM
+    # that marking the node down sends), the node is marked down, which makes Slurm requeue the job
+    # (--requeue, JobRequeue=1), and the processes are killed. With max_retries 0 the requeued start
+    # refuses to go on and says why; its dependants are cancelled.
+    spec = slurm_pipeline(stages=[sft_stage("sft", 400), sft_stage("after", 5, **{"from": "sft"})],
+                          cluster={"max_retries": 0}, defaults={"save_interval": 20, "log_interval": 1})
+    config = write_pipeline(tmp_path, spec)
+    result = run_cli("run", config, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job = job_ids(tmp_path)["sft"]
+    stage_dir = tmp_path / "runs" / "t" / "sft"
+    wait_for_file(stage_dir / "metrics.jsonl")
+    deadline = time.time() + 180
+    while last_training_step(stage_dir) < 25:  # past the checkpoint at 20
+        assert time.time() < deadline, "the stage did not reach step 25"
+        time.sleep(0.2)
+    node = scontrol_job(job)["NodeList"]
+    frozen = processes_of_job(job)
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=test-node-failure"], check=True)
+    for pid in frozen:
+        os.kill(pid, signal.SIGKILL)
+    try:
+        settled = wait_until_settled(tmp_path, config)
+    finally:
+        # Back in service (ReturnToService=2 may have done it already, which makes RESUME an error).
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
+    stage = settled["sft"]
+    assert stage["state"] == "failed" and stage["job_id"] == job and stage["restarts"] == 1, stage
+    assert "ended without a word (node failure?)" in stage["detail"]
+    assert "more than cluster.max_retries (0)" in stage["detail"]
+    assert settled["after"]["state"] == "cancelled", settled["after"]
