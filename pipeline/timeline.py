@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -37,17 +38,19 @@ def restart_count() -> int:
 
 def record_start(folder: StageFolder) -> None:
     """Rank 0 of a stage job says it started (one line per attempt)."""
-    event = {"event": STARTED, "time": round(time.time(), 3), "host": socket.gethostname(),
-             "job_id": task_job_id(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-             "slurm_restart_count": restart_count()}
-    with open(folder.events, "a") as f:
-        f.write(json.dumps(event) + "\n")
+    record(folder, STARTED, host=socket.gethostname(), job_id=task_job_id(),
+           slurm_job_id=os.environ.get("SLURM_JOB_ID"), slurm_restart_count=restart_count())
 
 
 def record(folder: StageFolder, event: str, **fields) -> None:
-    """Rank 0 of a stage job notes a moment (SAVED_AT_SIGNAL, RESUMED, HANG, REQUEUE)."""
-    with open(folder.events, "a") as f:
-        f.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+    """Rank 0 of a stage job notes a moment (STARTED, SAVED_AT_SIGNAL, RESUMED, HANG, REQUEUE).
+    The stage goes on when the line cannot be written (a full disk): it says so in the log."""
+    line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n"
+    try:
+        with open(folder.events, "a") as f:
+            f.write(line)
+    except OSError as err:
+        print(f"could not note '{event}' in {folder.events}: {err}", file=sys.stderr, flush=True)
 
 
 def signal_reason(signal_name: str, elapsed_s: float, time_limit_min: Optional[float]) -> str:
