@@ -63,6 +63,7 @@ def preempted(slurm_cluster, tmp_path_factory):
     while (signalled_at := last_training_step(stage_dir)) < SIGNAL_AFTER:
         assert time.time() < deadline, "the stage did not reach the step to signal at"
         time.sleep(0.2)
+    signalled_time = time.time()
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
 
     settled = {name: wait_until_settled(w, c) for name, (w, c) in runs.items()}
@@ -72,6 +73,7 @@ def preempted(slurm_cluster, tmp_path_factory):
         reference_dir=runs["uninterrupted"][0] / "runs" / "t" / STAGE,
         settled=settled,
         signalled_at=signalled_at,
+        signalled_time=signalled_time,
         log=(stage_dir / "logs" / f"{job}_0_log.out").read_text(),
     )
 
@@ -131,6 +133,21 @@ def test_the_resumed_run_ends_where_an_uninterrupted_one_does(preempted):
     assert resumed["eval_loss"] < 0.5 * resumed["initial_eval_loss"]  # it did train
     for key in ("eval_loss", "eval_reward_accuracy", "eval_margin"):
         assert resumed[key] == pytest.approx(reference[key], rel=LOSS_RTOL), key
+
+
+def test_the_figures_of_a_preemption(preempted):
+    """Printed for the record (pytest -s): the save's time, signal to saved, saved to the requeued
+    job's start, steps lost."""
+    events = [json.loads(line) for line in (preempted["stage_dir"] / "events.jsonl").read_text().splitlines()]
+    saved = next(e for e in events if e["event"] == "saved at signal")
+    restarted = [e for e in events if e["event"] == "started"][1]
+    resumed = next(e for e in events if e["event"] == "resumed")
+    save_s = float(re.search(r"checkpoint at SIGUSR2 took ([0-9.]+) s", preempted["log"]).group(1))
+    figures = {"stage": STAGE, "steps_lost": saved["step"] - resumed["step"], "checkpoint_save_s": save_s,
+               "signal_to_saved_s": round(saved["time"] - preempted["signalled_time"], 2),
+               "saved_to_requeued_start_s": round(restarted["time"] - saved["time"], 2)}
+    print("preemption figures:", json.dumps(figures))
+    assert figures["steps_lost"] == 0 and 0 <= figures["signal_to_saved_s"] < 30
 
 
 def test_every_step_has_the_loss_of_the_uninterrupted_run(preempted):
