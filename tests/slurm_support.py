@@ -76,6 +76,20 @@ def sft_stage(name="sft", steps=30, **fields) -> dict:
     return stage_on_digits(name, "sft", steps, **fields)
 
 
+def last_training_step(stage_dir: Path) -> int:
+    """The newest training record's step (a line still being written is skipped)."""
+    steps = [0]
+    path = stage_dir / "metrics.jsonl"
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "loss" in record:
+            steps.append(record["step"])
+    return max(steps)
+
+
 def status(workdir: Path, config: Path) -> dict:
     result = run_cli("status", config, "--json", cwd=workdir, timeout=120)
     assert result.returncode in (0, 1), result.stdout + result.stderr

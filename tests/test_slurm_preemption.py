@@ -24,6 +24,7 @@ import pytest
 from tests.conftest import read_metrics, read_result, run_cli, write_pipeline
 from tests.slurm_support import (
     job_ids,
+    last_training_step,
     scontrol_job,
     sft_stage,
     stage_on_digits,
@@ -90,19 +91,6 @@ def processes_of_job(job: str) -> list[int]:
             continue
     assert found, f"no process of job {job}"
     return found
-
-
-def last_training_step(stage_dir) -> int:
-    """The newest training record's step (a line still being written is skipped)."""
-    steps = [0]
-    for line in (stage_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "loss" in record:
-            steps.append(record["step"])
-    return max(steps)
 
 
 def test_usr2_requeues_the_same_job(preempted):
