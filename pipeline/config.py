@@ -172,8 +172,8 @@ class ClusterSpec(Strict):
         "as failed (preemptions do not count, except in jobs shorter than 10 minutes).",
     )
     max_retries: int = Field(
-        2, ge=0, le=100, description="How many times a stage job that hangs (see hang_factor) is requeued "
-        "before it fails.")
+        2, ge=0, le=100, description="How many times a stage job that hangs (see hang_factor), or that Slurm "
+        "requeues after its node failed, is started again before it fails.")
     hf_home: Optional[str] = Field(
         None,
         description="Hugging Face cache folder shared by the submit host and the compute nodes: `prepare` "
