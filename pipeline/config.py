@@ -397,7 +397,8 @@ class TrainingKnobs(Strict):
     nodes: int = Field(1, ge=1, le=1024, description="Nodes this stage runs on.")
     time: Optional[str] = Field(None, description="Wall-clock limit for this stage's Slurm job; default cluster.time.")
     hang_factor: float = Field(
-        20.0, ge=0, description="A training step running longer than this many times the median step (after "
+        20.0, ge=0, description="A training step (in RL: a rollout and its update) running longer than this many "
+        "times the median step (after "
         "the first 5; evaluation and saves are not timed), and at least hang_min_s, is a hang: every process "
         "writes its Python stacks to its log and the job is requeued, up to cluster.max_retries, then fails. "
         "0 turns the watchdog off.")

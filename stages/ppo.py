@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from pipeline.config import RULES_NEEDING_LABELS
 from pipeline.errors import InvalidInput
 from pipeline.flops import rollout_sequence_flops
-from stages import batching, data, engine, models, preemption
+from stages import batching, data, engine, models, preemption, watchdog
 from stages import losses as L
 from stages.rewards import RuleReward
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, logprobs_of, values_of
@@ -62,7 +62,11 @@ def run(task, ctx) -> dict:
         metrics.truncate_after(step)
 
     signals = preemption.Signals(ctx).start()  # a signal: save after this rollout, requeue
+    # A rollout and its update (evaluation and saves not) far slower than the ones before is a hang.
+    hangs = watchdog.Watchdog(ctx, stage.hang_factor, stage.hang_min_s, task.max_retries,
+                              signals.submitit_handler).start()
     for index in range(start, schedule.total_rollouts):
+        hangs.step_started(step + 1)
         started = time.time()
         window.restart()
         rollout = maker.make(lambda round_: [prompts[i] for i in schedule.prompt_rows(index, round_, ctx)],
@@ -72,6 +76,7 @@ def run(task, ctx) -> dict:
         trained_at = time.time()
         trained = update(rl_models, rollout, stage, ctx, kl_control.value, index)
         timing = {"train_s": time.time() - trained_at, "rollout_s": time.time() - started}
+        hangs.step_ended()
         previous, step = step, min(schedule.total_steps, (index + 1) * schedule.steps_per_rollout)
 
         kl_per_sequence = rollout_kl(rollout)

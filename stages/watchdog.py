@@ -28,13 +28,17 @@ import threading
 import time
 from typing import Optional
 
-from pipeline import timeline
+from pipeline import failure, timeline
 
 log = logging.getLogger("stages")
 
 HANG_WARMUP_STEPS = 5
 TEST_HANG_ENV = "PIPELINE_TEST_HANG"
 POLL_S = 0.5
+
+
+class Hang(RuntimeError):
+    """A stage that hung more often than cluster.max_retries (its failure record's cause)."""
 
 
 class Watchdog:
@@ -92,8 +96,12 @@ class Watchdog:
         hangs = sum(attempt.ended == timeline.HUNG for attempt in timeline.attempts(self.folder))
         timeline.record(self.folder, timeline.HANG, step=step)
         if hangs >= self.max_retries:
-            print(f"hang at step {step}: the stage hung {hangs + 1} times, more than cluster.max_retries "
-                  f"({self.max_retries}): failing", file=sys.stderr, flush=True)
+            said = (f"hang at step {step}: the stage hung {hangs + 1} time{'s' if hangs else ''}, more than "
+                    f"cluster.max_retries ({self.max_retries}): failing")
+            print(said, file=sys.stderr, flush=True)
+            # What `run` and `status` say: the hang, not "process died" (every rank's stacks are in its .err log).
+            failure.record_exception(self.folder, self.rank, Hang(said + "; each rank's Python stacks are in its "
+                                                                  ".err log"), log=None)
             os._exit(1)
         print(f"hang at step {step}: requeueing ({hangs + 1} of cluster.max_retries {self.max_retries})",
               file=sys.stderr, flush=True)
