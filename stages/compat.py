@@ -49,7 +49,8 @@ DeepSpeed starts).
 
 Spellings that differ (no patching): `dtype` vs `torch_dtype` in `from_pretrained`,
 HfDeepSpeedConfig's import path, what `apply_chat_template(tokenize=True)` returns, and
-which attention implementation names exist (eager, sdpa, flash_attention_2 everywhere).
+which attention implementation names exist (eager, sdpa, flash_attention_2 everywhere), and
+whether continuous batching exists (`continuous_batching_available`: 5.x; stages/generation.py).
 
 `python -m stages.compat --self-check` reports the installed versions and which patches
 apply; which DeepSpeed ops are prebuilt (compiled in at install) or already JIT-built in
@@ -165,6 +166,17 @@ def attention_implementations() -> list[str]:
     except ImportError:  # before the attention registry (4.48): a fixed set
         return ["eager", "sdpa", "flash_attention_2"]
     return ["eager", *sorted(ALL_ATTENTION_FUNCTIONS.valid_keys())]
+
+
+def continuous_batching_available(model) -> bool:
+    """Can `model` generate with transformers' continuous batching (a paged KV cache that requests join
+    and leave as they finish: `generate_batch`, transformers 5.x)? Asked of the installed classes, not
+    the version number; the pinned stack (4.38) has neither the method nor its config class."""
+    try:
+        from transformers import ContinuousBatchingConfig  # noqa: F401
+    except ImportError:
+        return False
+    return callable(getattr(model, "generate_batch", None))
 
 
 def hf_deepspeed_config(ds_config: dict):

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from pipeline.config import RULES_NEEDING_LABELS
 from pipeline.errors import InvalidInput
 from pipeline.flops import rollout_sequence_flops
-from stages import batching, data, engine, models, preemption
+from stages import batching, data, engine, generation, models, preemption
 from stages import losses as L
 from stages.rewards import RuleReward
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, logprobs_of, values_of
@@ -41,6 +41,7 @@ def run(task, ctx) -> dict:
     ds_config = ctx.deepspeed_config(stage, model_path)
     schedule = Schedule.of(stage, ctx.world_size, ds_config, len(prompts))
     rl_models = load_models(task, ctx, model_path, tokenizer, ds_config, schedule.total_steps)
+    sampler = generation.engine_for(stage, rl_models.actor.module, ctx.device)  # before anything trains
     maker = RolloutMaker(stage, ctx, rl_models, RuleReward.from_specs(stage.reward.rules))
     flop_models = rollout_flop_models(task, model_path, rl_models)
     window = engine.Window(ctx)  # a rollout's tokens, FLOPs, time and memory
@@ -107,6 +108,7 @@ def run(task, ctx) -> dict:
         "train_prompts": len(prompts),
         "eval_prompts": len(eval_prompts),
         "truncation": truncation,
+        "generation": sampler,
     }
 
 
@@ -225,24 +227,29 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
         critic.train()
     per_step = stage.micro_batch_size * actor.gradient_accumulation_steps()
     order_generator = torch.Generator().manual_seed(stage.seed * 7919 + index)
+    lengths = [len(s) for s in rollout.sequences]
     sums: dict[str, float] = {}
-    steps = 0
+    steps = processed = 0
     for _ in range(stage.ppo_epochs):
         order = torch.randperm(len(rollout), generator=order_generator).tolist()
         for first in range(0, len(order), per_step):
             rows = order[first : first + per_step]
             tokens, sequences = engine.all_reduce_sums([float(rollout.mask[rows].sum()),
                                                         float(rollout.mask[rows].any(dim=1).sum())])
-            micro = [rows[k : k + stage.micro_batch_size] for k in range(0, len(rows), stage.micro_batch_size)]
+            # The step's rows, shortest first: each micro batch pads to its own longest (batching.by_length).
+            micro = batching.by_length(rows, lengths, stage.micro_batch_size)
             for j, part in enumerate(micro):
                 batch = rollout.train_batch(part, rl_models.tokenizer.pad_token_id, ctx.device)
+                processed += batch.tokens.processed_tokens
                 shares = train_micro_batch(rl_models, batch, stage, ctx.world_size, kl_coef, tokens, sequences,
                                            boundary=j == len(micro) - 1)
                 for key, value in shares.items():
                     sums[key] = sums.get(key, 0.0) + value
             steps += 1
-    totals = engine.all_reduce_sums(list(sums.values()))
-    return {key: total / steps for key, total in zip(sums, totals)}
+    *totals, processed_all, real_all = engine.all_reduce_sums(
+        list(sums.values()) + [float(processed), float(stage.ppo_epochs * rollout.real_tokens)])
+    means = {key: total / steps for key, total in zip(sums, totals)}
+    return {**means, "train_token_efficiency": real_all / max(processed_all, 1.0)}
 
 
 def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, kl_coef: float, tokens: float,
@@ -311,7 +318,9 @@ def rollout_record(step: int, index: int, rollout: Rollout, trained: dict, kl: f
         "generate_s": stats.generate_s,
         "score_s": stats.score_s,  # rewards, the frozen models' and the critic's passes, advantages
         **timing,  # train_s, rollout_s
-        "generate_tokens_per_s": stats.response_tokens / max(stats.generate_s, 1e-9),
+        "generate_tokens_per_s": stats.response_tokens / max(stats.generate_s, 1e-9),  # tokens sampled
+        "score_tokens_per_s": stats.tokens / max(stats.score_s, 1e-9),  # prompt + response tokens scored
+        "train_tokens_per_s": stage.ppo_epochs * stats.tokens / max(timing["train_s"], 1e-9),
         "lr": lr,
     }
 
