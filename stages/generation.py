@@ -18,13 +18,15 @@ stage's spec hash. Both are deterministic given the process's torch random state
 samples what the interrupted one would have: continuous batching reseeds torch's global generator
 with the seed it is given plus the process's rank, and that seed is drawn from the same generator.
 
-Under ZeRO-3 the actor's parameters are gathered once around the whole call. Continuous batching
-runs the model in a background thread; the gathered parameters are ordinary tensors there.
+Under ZeRO-3 the actor's parameters are gathered once around the whole call; for continuous
+batching DeepSpeed's per-module hooks are lifted too (stages/compat.py zero3_unhooked: each process
+runs its own number of forward passes, which the hooks' collective calls cannot follow).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Sequence
 
 import torch
@@ -38,7 +40,7 @@ ENGINES = ("padded", "continuous")
 def engine_for(stage, module, device) -> str:
     """The engine `stage.generation` asks for on this stack and device (auto: see the module doc).
     Asking for continuous where the installed transformers has none is an error, not a fallback."""
-    available = compat.continuous_batching_available(module)
+    available = compat.continuous_batching_available(module, stage.zero_stage)
     if stage.generation == "continuous" and not available:
         raise InvalidInput(f"stage '{stage.name}': generation: continuous needs transformers' continuous batching "
                            f"(5.x), which the installed transformers {compat.versions()['transformers']} does not "
@@ -53,14 +55,12 @@ def generate(actor, prompts: Sequence, *, tokenizer, stage, device, greedy: bool
     must call this as often as the others, with any number of prompts (ZeRO-3 gathers collectively)."""
     module = actor.module
     module.eval()
-    gather = _gathered(module) if stage.zero_stage == 3 else contextlib.nullcontext()
     ids = [list(p.ids) for p in prompts]
-    with torch.no_grad(), gather:
-        if not ids:
-            return []
-        if engine_for(stage, module, device) == "continuous":
-            out = continuous(module, ids, tokenizer=tokenizer, stage=stage, greedy=greedy)
-        else:
+    if engine_for(stage, module, device) == "continuous":
+        with torch.no_grad(), (compat.zero3_unhooked(actor) if stage.zero_stage == 3 else contextlib.nullcontext()):
+            out = continuous(module, ids, tokenizer=tokenizer, stage=stage, greedy=greedy) if ids else []
+    else:
+        with torch.no_grad(), (_gathered(module) if stage.zero_stage == 3 else contextlib.nullcontext()):
             out = padded(module, ids, tokenizer=tokenizer, stage=stage, device=device, greedy=greedy)
     return [cut_at_eos(row, tokenizer.eos_token_id) for row in out]
 
@@ -97,6 +97,8 @@ def continuous(module, prompts: list[list[int]], *, tokenizer, stage, greedy: bo
     tensors every time, which a kept graph would still point at.
     """
     from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)  # not a line per call in the stage log
 
     page = 256
     longest = max(len(p) for p in prompts) + stage.max_new_tokens

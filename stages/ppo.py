@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -257,18 +258,8 @@ def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, k
     """Forward, backward and (at the step's last micro batch) step of the actor and critic; returns
     this micro batch's shares of the step's logged means."""
     actor, critic = rl_models.actor, rl_models.critic
-    mask = batch.mask
-
-    def share(per_token, mode="token_mean"):
-        return L.aggregate_loss(per_token, mask, mode, tokens=tokens, sequences=sequences,
-                                max_len=stage.max_new_tokens)
-
-    new, logits = logprobs_of(actor, batch.tokens, stage.temperature)
-    losses, clipped = L.policy_loss(new, batch.old_logprobs, batch.advantages, mask, clip_eps_low=stage.clip_eps_low,
-                                    clip_eps_high=stage.clip_eps_high, importance_sampling=stage.importance_sampling)
-    loss = share(losses, stage.loss_aggregation)
-    if not stage.kl_in_reward:
-        loss = loss + kl_coef * share(L.kl_penalty(new, batch.ref_logprobs, stage.kl_estimator), stage.loss_aggregation)
+    share = step_share(batch, stage, tokens, sequences)
+    loss, new, logits, clipped = policy_objective(actor, batch, stage, kl_coef, share)
     # DeepSpeed averages gradients over processes; the shares add up over them.
     actor.set_gradient_accumulation_boundary(boundary)
     actor.backward(loss * world, scale_wrt_gas=False)
@@ -282,13 +273,36 @@ def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, k
         }
     if critic is not None:
         values = values_of(critic, batch.tokens)
-        value_losses, value_clipped = L.value_loss(values, batch.values, batch.returns, mask, stage.value_clip_eps)
+        value_losses, value_clipped = L.value_loss(values, batch.values, batch.returns, batch.mask, stage.value_clip_eps)
         value_loss = share(value_losses)
         critic.set_gradient_accumulation_boundary(boundary)
         critic.backward(value_loss * world, scale_wrt_gas=False)
         critic.step()
         record.update(value_loss=value_loss.item(), value_clip_fraction=share(value_clipped.float()).item())
     return record
+
+
+def step_share(batch: TrainBatch, stage, tokens: float, sequences: float) -> Callable:
+    """per-token tensor (B, W-1), aggregation -> this micro batch's share of the step's mean."""
+
+    def share(per_token, mode="token_mean"):
+        return L.aggregate_loss(per_token, batch.mask, mode, tokens=tokens, sequences=sequences,
+                                max_len=stage.max_new_tokens)
+
+    return share
+
+
+def policy_objective(actor, batch: TrainBatch, stage, kl_coef: float, share: Callable):
+    """The policy's loss share on a micro batch (with the KL term when it is not in the reward), its
+    new log-probs, logits and which tokens were clipped."""
+    new, logits = logprobs_of(actor, batch.tokens, stage.temperature)
+    losses, clipped = L.policy_loss(new, batch.old_logprobs, batch.advantages, batch.mask,
+                                    clip_eps_low=stage.clip_eps_low, clip_eps_high=stage.clip_eps_high,
+                                    importance_sampling=stage.importance_sampling)
+    loss = share(losses, stage.loss_aggregation)
+    if not stage.kl_in_reward:
+        loss = loss + kl_coef * share(L.kl_penalty(new, batch.ref_logprobs, stage.kl_estimator), stage.loss_aggregation)
+    return loss, new, logits, clipped
 
 
 # --------------------------------------------------------------------------- log
