@@ -8,7 +8,8 @@ It takes pipeline/configs/tiny.yaml's rl stage as it is (prompts per process per
 n_samples_per_prompt, max_new_tokens, temperature, top_p, micro_rollout_batch_size, micro_batch_size)
 and samples one process's share of N rollouts of digits prompts with the padded engine (before)
 and the continuous one (after, where the installed transformers has it), alternating so that both
-see the same machine load, sampling and greedy (the held-out evaluation). Tokens/s counts the
+see the same machine load, sampling and greedy (the held-out evaluation); it reports the best and
+the median rollout of each (on a shared machine the best is closest to the engine's own cost). Tokens/s counts the
 response tokens (eos included) per second of `stages.generation.generate`: what metrics.jsonl's
 generate_tokens_per_s counts. The padding numbers are the processed (padded) tokens of the scoring
 passes and training micro batches of the sampled rollouts, in sampling order (before) and length
@@ -16,8 +17,8 @@ sorted (after), computed from the sequences the padded engine sampled.
 
 --model: a trained policy (e.g. runs/tiny/sft/model after `make pipeline`): its completions have the
 lengths RL sees; without it the built-in tiny Llama's random weights (mostly max_new_tokens long).
-Writes a JSON result (default benchmarks/results/rl-generation-<device>-<date>.json) and, with
---results, its table between RESULTS.md's rl-generation markers.
+Writes a JSON result (default benchmarks/results/rl-generation-<device>-<date>[-<suffix>].json) and,
+with --results, its table between RESULTS.md's markers of that name (without the date).
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-START, END = "<!-- rl-generation:start -->", "<!-- rl-generation:end -->"
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="rl_generation.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="policy folder (default: the built-in tiny Llama, random weights)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rollouts", type=int, default=5, help="rollouts per engine and mode (median reported)")
+    parser.add_argument("--max-new-tokens", type=int, help="instead of the stage's (a longer tail of lengths)")
+    parser.add_argument("--prompts", type=int, help="prompts per process per rollout, instead of the stage's")
     parser.add_argument("--out", help="result JSON (default benchmarks/results/rl-generation-DEVICE-DATE.json)")
+    parser.add_argument("--out-suffix", help="appended to the default result file's name")
     parser.add_argument("--results", help="RESULTS.md to write the table into (between its markers)")
     args = parser.parse_args(argv)
 
@@ -55,8 +57,10 @@ def main(argv=None) -> int:
     from stages import batching, compat, data, generation, models, tiny
 
     stage = next(s for s in load_pipeline("tiny").stages if s.kind == "ppo")
+    if args.max_new_tokens:
+        stage = stage.model_copy(update={"max_new_tokens": args.max_new_tokens})
     processes = 2  # tiny.yaml's tasks_per_node: each process samples its share
-    per_process = stage.rollout_batch_size // processes
+    per_process = args.prompts or stage.rollout_batch_size // processes
     folder = args.model or str(tiny.materialize("tiny-llama", REPO / "benchmarks" / "out" / "builtin"))
     tokenizer = models.load_tokenizer(folder)
     attention = models.attention_implementation(stage.attention, on_gpu=args.device.startswith("cuda"))
@@ -102,6 +106,7 @@ def main(argv=None) -> int:
 
     result = {
         "date": datetime.date.today().isoformat(),
+        "arguments": " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"device": args.device, "cpu": platform.processor() or platform.machine(),
                     "cores": __import__("os").cpu_count(),
                     "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None},
@@ -114,7 +119,9 @@ def main(argv=None) -> int:
         "generation": {
             f"{engine}/{mode}": {
                 "tokens_per_s_median": statistics.median(m["tokens"] / m["seconds"] for m in runs),
+                "tokens_per_s_best": max(m["tokens"] / m["seconds"] for m in runs),
                 "seconds_median": statistics.median(m["seconds"] for m in runs),
+                "seconds_best": min(m["seconds"] for m in runs),
                 "response_length_mean": sum(m["tokens"] for m in runs) / len(runs) / (
                     per_process * stage.n_samples_per_prompt),
                 "runs": runs,
@@ -126,14 +133,15 @@ def main(argv=None) -> int:
                          "length_sorted": padding(stage.micro_batch_size, True)},
         },
     }
-    out = Path(args.out or REPO / "benchmarks" / "results" / f"rl-generation-{args.device}-{result['date']}.json")
+    name = f"rl-generation-{args.device}-{result['date']}" + (f"-{args.out_suffix}" if args.out_suffix else "")
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"{name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     table = markdown(result)
     print(table)
     print(f"written: {out}")
     if args.results:
-        write_between_markers(Path(args.results), table)
+        write_between_markers(Path(args.results), table, name.replace(f"-{result['date']}", ""))
     return 0
 
 
@@ -143,18 +151,19 @@ def markdown(result: dict) -> str:
     lines = [
         f"### RL generation, {m['device']} ({where}), {result['date']}",
         "",
-        f"`python3 benchmarks/rl_generation.py`: tiny.yaml's rl stage, one process's share of a rollout "
+        f"`python3 benchmarks/rl_generation.py {result['arguments']}`: tiny.yaml's rl stage, one process's share of a rollout "
         f"({s['sequences_per_rollout_per_process']} sequences, max_new_tokens {s['max_new_tokens']}, "
-        f"micro_rollout_batch_size {s['micro_rollout_batch_size']}), {result['model']}; median of "
-        f"{s['rollouts']} rollouts; torch {v['torch']}, transformers {v['transformers']}.",
+        f"micro_rollout_batch_size {s['micro_rollout_batch_size']}), {result['model']}; best and median "
+        f"of {s['rollouts']} rollouts (the machine is shared: the best is the engine's own cost); torch {v['torch']}, transformers {v['transformers']}.",
         "",
-        "| engine | mode | response tokens/s | seconds per rollout | mean response length |",
+        "| engine | mode | response tokens/s: best (median) | seconds per rollout: best (median) | "
+        "mean response length |",
         "|---|---|---:|---:|---:|",
     ]
     for name, g in result["generation"].items():
         engine, mode = name.split("/")
-        lines.append(f"| {engine} | {mode} | {g['tokens_per_s_median']:,.0f} | {g['seconds_median']:.3f} | "
-                     f"{g['response_length_mean']:.2f} |")
+        lines.append(f"| {engine} | {mode} | {g['tokens_per_s_best']:,.0f} ({g['tokens_per_s_median']:,.0f}) | "
+                     f"{g['seconds_best']:.3f} ({g['seconds_median']:.3f}) | {g['response_length_mean']:.2f} |")
     p = result["padding_share"]
     lines += [
         "",
@@ -168,15 +177,16 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_between_markers(path: Path, table: str) -> None:
-    """Put the table between the markers (added at the end the first time); the rest is kept."""
+def write_between_markers(path: Path, table: str, key: str) -> None:
+    """Put the table between the markers named `key` (added at the end the first time); the rest is kept."""
+    start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
     text = path.read_text() if path.exists() else ""
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        tail = rest.split(END, 1)[1]
-        text = f"{head}{START}\n{table}\n{END}{tail}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        tail = rest.split(end, 1)[1]
+        text = f"{head}{start}\n{table}\n{end}{tail}"
     else:
-        text = f"{text.rstrip()}\n\n{START}\n{table}\n{END}\n"
+        text = f"{text.rstrip()}\n\n{start}\n{table}\n{end}\n"
     path.write_text(text)
 
 
