@@ -151,10 +151,11 @@ def markdown(result: dict) -> str:
     lines = [
         f"### RL generation, {m['device']} ({where}), {result['date']}",
         "",
-        f"`python3 benchmarks/rl_generation.py {result['arguments']}`: tiny.yaml's rl stage, one process's share of a rollout "
-        f"({s['sequences_per_rollout_per_process']} sequences, max_new_tokens {s['max_new_tokens']}, "
-        f"micro_rollout_batch_size {s['micro_rollout_batch_size']}), {result['model']}; best and median "
-        f"of {s['rollouts']} rollouts (the machine is shared: the best is the engine's own cost); torch {v['torch']}, transformers {v['transformers']}.",
+        f"`python3 benchmarks/rl_generation.py {result['arguments']}`: tiny.yaml's rl stage, one process's "
+        f"share of a rollout ({s['sequences_per_rollout_per_process']} sequences, max_new_tokens "
+        f"{s['max_new_tokens']}, micro_rollout_batch_size {s['micro_rollout_batch_size']}), {result['model']}; "
+        f"best and median of {s['rollouts']} rollouts (the machine is shared: the best is the engine's own "
+        f"cost); torch {v['torch']}, transformers {v['transformers']}.",
         "",
         "| engine | mode | response tokens/s: best (median) | seconds per rollout: best (median) | "
         "mean response length |",

@@ -178,7 +178,8 @@ def continuous_batching_available(model, zero_stage: int) -> bool:
         from transformers import ContinuousBatchingConfig  # noqa: F401
     except ImportError:
         return False
-    return callable(getattr(model, "init_continuous_batching", None)) and (zero_stage != 3 or _unhook_helper() is not None)
+    has_method = callable(getattr(model, "init_continuous_batching", None))
+    return has_method and (zero_stage != 3 or _unhook_helper() is not None)
 
 
 def zero3_unhooked(engine):

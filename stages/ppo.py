@@ -273,7 +273,8 @@ def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, k
         }
     if critic is not None:
         values = values_of(critic, batch.tokens)
-        value_losses, value_clipped = L.value_loss(values, batch.values, batch.returns, batch.mask, stage.value_clip_eps)
+        value_losses, value_clipped = L.value_loss(values, batch.values, batch.returns, batch.mask,
+                                                   stage.value_clip_eps)
         value_loss = share(value_losses)
         critic.set_gradient_accumulation_boundary(boundary)
         critic.backward(value_loss * world, scale_wrt_gas=False)
