@@ -8,8 +8,9 @@ responses, with two engines behind it.
   each leaves the running batch at its eos and a waiting one takes its place, with no padding.
 
 `generation: auto` (the default) picks continuous where it exists and the actor is on a GPU, padded
-on a CPU: on a CPU continuous batching was several times slower for the tiny chain (its scheduler's
-per-step work and thread start/stop outweigh the padding it saves; benchmarks/RESULTS.md).
+on a CPU: on a CPU continuous batching was 3-20x slower for the tiny chain (two gc.collect() and a
+thread join per call, and per-step scheduling in Python, outweigh the padding it saves;
+benchmarks/RESULTS.md). The GPU half of the choice is the engine's design, not yet measured here.
 
 Both engines return, in prompt order, each response's token ids cut after the first eos, at most
 max_new_tokens. Greedy output is the same from both (tests/test_generation.py). Sampled output is
