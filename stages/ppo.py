@@ -4,7 +4,8 @@ or PPO with a critic.
 The loop: rollout -> update -> log -> save. A rollout (stages/rollout.py) samples completions
 for a batch of prompts, scores them (rules and/or a reward model), takes the frozen models'
 views of them and computes advantages over the whole rollout. The update makes ppo_epochs
-passes over it in optimizer steps of global_batch_size sequences; each micro batch adds its
+passes over it in optimizer steps of global_batch_size sequences, each cut into micro batches of its
+sequences shortest first (each pads only to its own longest); each micro batch adds its
 share of the step's loss (losses.aggregate_loss with the step's token and sequence counts over
 every process), so a step's gradient does not depend on how it is split over processes and
 micro batches. The four models share every GPU of the job: actor and critic are trained by
