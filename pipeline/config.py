@@ -616,11 +616,19 @@ class PPOStage(StageBase):
     )
     rollout_batch_size: int = Field(64, ge=1, description="Prompts per rollout, over all processes.")
     micro_rollout_batch_size: int = Field(
-        16, ge=1, description="Sequences per process per generation call (and per scoring pass)."
+        16, ge=1, description="Sequences per process per generation chunk (continuous: in flight at once) and "
+        "per scoring pass."
     )
     max_new_tokens: int = Field(256, ge=1, description="Longest completion sampled.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of rollouts (1 = off).")
+    generation: Literal["auto", "continuous", "padded"] = Field(
+        "auto",
+        description="How rollouts are sampled: continuous (transformers' continuous batching, 5.x only: a paged "
+        "KV cache, each completion leaves the batch at its eos), padded (generate on padded chunks of "
+        "micro_rollout_batch_size; every stack), or auto (continuous on a GPU where transformers has it, else "
+        "padded). Greedy output is the same; sampled output differs, so it is part of the spec hash.",
+    )
     ppo_epochs: int = Field(1, ge=1, le=16, description="Passes over each rollout's sequences.")
     clip_eps: Optional[float] = Field(
         None, gt=0, lt=1,

@@ -38,7 +38,8 @@ CLOCK_KEYS = ("step", "time", "total_steps")
 HEADLINE_KEYS = ("loss", "policy_loss", "reward")
 
 GROUPS = {
-    "perf": ("tokens_per_s", "token_efficiency", "step_s", "mfu", "rollout_s", "generate_tokens_per_s"),
+    "perf": ("tokens_per_s", "token_efficiency", "step_s", "mfu", "rollout_s", "generate_tokens_per_s",
+             "score_tokens_per_s", "train_tokens_per_s", "train_token_efficiency"),
     "memory": ("gpu_mem_peak_gib", "gpu_mem_reserved_gib", "host_rss_gib"),
     "time": ("generate_s", "score_s", "train_s"),  # where a PPO rollout's time goes
     "progress": ("eta_s", "epoch", "rollout"),

@@ -99,6 +99,15 @@ def round_robin(rows: list[int], micro_batch_size: int, rank: int, world_size: i
             for start in range(0, len(rows), per_round)]
 
 
+def by_length(rows: Sequence[int], lengths: Sequence[int], size: int) -> list[list[int]]:
+    """`rows` in chunks of `size`, shortest first (lengths[row]; equal lengths keep their order), so
+    a padded chunk pads only to its own longest row. RL's scoring passes and training micro batches
+    use it: each row's numbers are computed on their own, and each micro batch's loss is its share
+    of the whole step's, so how rows are grouped changes no result beyond float rounding."""
+    order = sorted(rows, key=lambda row: lengths[row])
+    return [order[start : start + size] for start in range(0, len(order), size)]
+
+
 # --------------------------------------------------------------------------- packing
 
 

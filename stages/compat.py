@@ -49,7 +49,9 @@ DeepSpeed starts).
 
 Spellings that differ (no patching): `dtype` vs `torch_dtype` in `from_pretrained`,
 HfDeepSpeedConfig's import path, what `apply_chat_template(tokenize=True)` returns, and
-which attention implementation names exist (eager, sdpa, flash_attention_2 everywhere).
+which attention implementation names exist (eager, sdpa, flash_attention_2 everywhere), and
+whether continuous batching exists (`continuous_batching_available`: 5.x; under ZeRO-3 it also needs
+DeepSpeed to lift its hooks, `zero3_unhooked`; stages/generation.py).
 
 `python -m stages.compat --self-check` reports the installed versions and which patches
 apply; which DeepSpeed ops are prebuilt (compiled in at install) or already JIT-built in
@@ -165,6 +167,40 @@ def attention_implementations() -> list[str]:
     except ImportError:  # before the attention registry (4.48): a fixed set
         return ["eager", "sdpa", "flash_attention_2"]
     return ["eager", *sorted(ALL_ATTENTION_FUNCTIONS.valid_keys())]
+
+
+def continuous_batching_available(model, zero_stage: int) -> bool:
+    """Can `model` generate with transformers' continuous batching (a paged KV cache that requests join
+    and leave as they finish: `init_continuous_batching`, transformers 5.x), under this ZeRO stage?
+    Asked of the installed classes, not the version number: the pinned stack (transformers 4.38,
+    DeepSpeed 0.13) has neither the method nor `zero3_unhooked`'s helper."""
+    try:
+        from transformers import ContinuousBatchingConfig  # noqa: F401
+    except ImportError:
+        return False
+    has_method = callable(getattr(model, "init_continuous_batching", None))
+    return has_method and (zero_stage != 3 or _unhook_helper() is not None)
+
+
+def zero3_unhooked(engine):
+    """Context: a ZeRO-3 engine's parameters gathered and its per-module forward hooks lifted until
+    exit. Inside `GatheredParameters` alone those hooks still release and fetch parameters with
+    collective calls on every forward; `generate` keeps processes in step (transformers syncs them
+    under ZeRO-3), but continuous batching runs as many forwards as its own requests need, a
+    different number on each process, and the mismatched collectives abort (gloo: "Received data
+    size doesn't match expected size"). DeepSpeed's own `unwrap_model_for_generation` does this."""
+    helper = _unhook_helper()
+    if helper is None:
+        raise RuntimeError(f"DeepSpeed {versions()['deepspeed']} cannot lift its ZeRO-3 hooks for generation")
+    return helper(engine)
+
+
+def _unhook_helper():
+    try:
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+    except ImportError:
+        return None
+    return unwrap_model_for_generation
 
 
 def hf_deepspeed_config(ds_config: dict):

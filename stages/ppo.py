@@ -4,7 +4,8 @@ or PPO with a critic.
 The loop: rollout -> update -> log -> save. A rollout (stages/rollout.py) samples completions
 for a batch of prompts, scores them (rules and/or a reward model), takes the frozen models'
 views of them and computes advantages over the whole rollout. The update makes ppo_epochs
-passes over it in optimizer steps of global_batch_size sequences; each micro batch adds its
+passes over it in optimizer steps of global_batch_size sequences, each cut into micro batches of its
+sequences shortest first (each pads only to its own longest); each micro batch adds its
 share of the step's loss (losses.aggregate_loss with the step's token and sequence counts over
 every process), so a step's gradient does not depend on how it is split over processes and
 micro batches. The four models share every GPU of the job: actor and critic are trained by
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -26,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from pipeline.config import RULES_NEEDING_LABELS
 from pipeline.errors import InvalidInput
 from pipeline.flops import rollout_sequence_flops
-from stages import batching, data, engine, models, preemption, watchdog
+from stages import batching, data, engine, generation, models, preemption, watchdog
 from stages import losses as L
 from stages.rewards import RuleReward
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, logprobs_of, values_of
@@ -41,6 +43,7 @@ def run(task, ctx) -> dict:
     ds_config = ctx.deepspeed_config(stage, model_path)
     schedule = Schedule.of(stage, ctx.world_size, ds_config, len(prompts))
     rl_models = load_models(task, ctx, model_path, tokenizer, ds_config, schedule.total_steps)
+    sampler = generation.engine_for(stage, rl_models.actor.module, ctx.device)  # before anything trains
     maker = RolloutMaker(stage, ctx, rl_models, RuleReward.from_specs(stage.reward.rules))
     flop_models = rollout_flop_models(task, model_path, rl_models)
     window = engine.Window(ctx)  # a rollout's tokens, FLOPs, time and memory
@@ -112,6 +115,7 @@ def run(task, ctx) -> dict:
         "train_prompts": len(prompts),
         "eval_prompts": len(eval_prompts),
         "truncation": truncation,
+        "generation": sampler,
     }
 
 
@@ -230,24 +234,29 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
         critic.train()
     per_step = stage.micro_batch_size * actor.gradient_accumulation_steps()
     order_generator = torch.Generator().manual_seed(stage.seed * 7919 + index)
+    lengths = [len(s) for s in rollout.sequences]
     sums: dict[str, float] = {}
-    steps = 0
+    steps = processed = 0
     for _ in range(stage.ppo_epochs):
         order = torch.randperm(len(rollout), generator=order_generator).tolist()
         for first in range(0, len(order), per_step):
             rows = order[first : first + per_step]
             tokens, sequences = engine.all_reduce_sums([float(rollout.mask[rows].sum()),
                                                         float(rollout.mask[rows].any(dim=1).sum())])
-            micro = [rows[k : k + stage.micro_batch_size] for k in range(0, len(rows), stage.micro_batch_size)]
+            # The step's rows, shortest first: each micro batch pads to its own longest (batching.by_length).
+            micro = batching.by_length(rows, lengths, stage.micro_batch_size)
             for j, part in enumerate(micro):
                 batch = rollout.train_batch(part, rl_models.tokenizer.pad_token_id, ctx.device)
+                processed += batch.tokens.processed_tokens
                 shares = train_micro_batch(rl_models, batch, stage, ctx.world_size, kl_coef, tokens, sequences,
                                            boundary=j == len(micro) - 1)
                 for key, value in shares.items():
                     sums[key] = sums.get(key, 0.0) + value
             steps += 1
-    totals = engine.all_reduce_sums(list(sums.values()))
-    return {key: total / steps for key, total in zip(sums, totals)}
+    *totals, processed_all, real_all = engine.all_reduce_sums(
+        list(sums.values()) + [float(processed), float(stage.ppo_epochs * rollout.real_tokens)])
+    means = {key: total / steps for key, total in zip(sums, totals)}
+    return {**means, "train_token_efficiency": real_all / max(processed_all, 1.0)}
 
 
 def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, kl_coef: float, tokens: float,
@@ -255,18 +264,8 @@ def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, k
     """Forward, backward and (at the step's last micro batch) step of the actor and critic; returns
     this micro batch's shares of the step's logged means."""
     actor, critic = rl_models.actor, rl_models.critic
-    mask = batch.mask
-
-    def share(per_token, mode="token_mean"):
-        return L.aggregate_loss(per_token, mask, mode, tokens=tokens, sequences=sequences,
-                                max_len=stage.max_new_tokens)
-
-    new, logits = logprobs_of(actor, batch.tokens, stage.temperature)
-    losses, clipped = L.policy_loss(new, batch.old_logprobs, batch.advantages, mask, clip_eps_low=stage.clip_eps_low,
-                                    clip_eps_high=stage.clip_eps_high, importance_sampling=stage.importance_sampling)
-    loss = share(losses, stage.loss_aggregation)
-    if not stage.kl_in_reward:
-        loss = loss + kl_coef * share(L.kl_penalty(new, batch.ref_logprobs, stage.kl_estimator), stage.loss_aggregation)
+    share = step_share(batch, stage, tokens, sequences)
+    loss, new, logits, clipped = policy_objective(actor, batch, stage, kl_coef, share)
     # DeepSpeed averages gradients over processes; the shares add up over them.
     actor.set_gradient_accumulation_boundary(boundary)
     actor.backward(loss * world, scale_wrt_gas=False)
@@ -280,13 +279,37 @@ def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, k
         }
     if critic is not None:
         values = values_of(critic, batch.tokens)
-        value_losses, value_clipped = L.value_loss(values, batch.values, batch.returns, mask, stage.value_clip_eps)
+        value_losses, value_clipped = L.value_loss(values, batch.values, batch.returns, batch.mask,
+                                                   stage.value_clip_eps)
         value_loss = share(value_losses)
         critic.set_gradient_accumulation_boundary(boundary)
         critic.backward(value_loss * world, scale_wrt_gas=False)
         critic.step()
         record.update(value_loss=value_loss.item(), value_clip_fraction=share(value_clipped.float()).item())
     return record
+
+
+def step_share(batch: TrainBatch, stage, tokens: float, sequences: float) -> Callable:
+    """per-token tensor (B, W-1), aggregation -> this micro batch's share of the step's mean."""
+
+    def share(per_token, mode="token_mean"):
+        return L.aggregate_loss(per_token, batch.mask, mode, tokens=tokens, sequences=sequences,
+                                max_len=stage.max_new_tokens)
+
+    return share
+
+
+def policy_objective(actor, batch: TrainBatch, stage, kl_coef: float, share: Callable):
+    """The policy's loss share on a micro batch (with the KL term when it is not in the reward), its
+    new log-probs, logits and which tokens were clipped."""
+    new, logits = logprobs_of(actor, batch.tokens, stage.temperature)
+    losses, clipped = L.policy_loss(new, batch.old_logprobs, batch.advantages, batch.mask,
+                                    clip_eps_low=stage.clip_eps_low, clip_eps_high=stage.clip_eps_high,
+                                    importance_sampling=stage.importance_sampling)
+    loss = share(losses, stage.loss_aggregation)
+    if not stage.kl_in_reward:
+        loss = loss + kl_coef * share(L.kl_penalty(new, batch.ref_logprobs, stage.kl_estimator), stage.loss_aggregation)
+    return loss, new, logits, clipped
 
 
 # --------------------------------------------------------------------------- log
@@ -316,7 +339,9 @@ def rollout_record(step: int, index: int, rollout: Rollout, trained: dict, kl: f
         "generate_s": stats.generate_s,
         "score_s": stats.score_s,  # rewards, the frozen models' and the critic's passes, advantages
         **timing,  # train_s, rollout_s
-        "generate_tokens_per_s": stats.response_tokens / max(stats.generate_s, 1e-9),
+        "generate_tokens_per_s": stats.response_tokens / max(stats.generate_s, 1e-9),  # tokens sampled
+        "score_tokens_per_s": stats.tokens / max(stats.score_s, 1e-9),  # prompt + response tokens scored
+        "train_tokens_per_s": stage.ppo_epochs * stats.tokens / max(timing["train_s"], 1e-9),
         "lr": lr,
     }
 

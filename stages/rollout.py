@@ -3,8 +3,8 @@
 stages/ppo.py runs the loop rollout -> update -> log -> save; this module makes the rollout and
 hands it over as a typed `Rollout`. Three phases, each timed (metrics: generate_s, score_s):
 
-1. sampling: `generate` is the one function that turns prompts into completions (padded
-   `generate` in chunks of micro_rollout_batch_size); a faster engine replaces it alone. With
+1. sampling: `generate` (stages/generation.py: padded `generate`, or transformers' continuous
+   batching) is the one function that turns prompts into completions. With
    dynamic_sampling, prompts whose samples all got the same reward are dropped and more are
    sampled, up to dynamic_sampling_max_rounds rounds.
 2. scoring: rule rewards on the decoded text (stages/rewards.py; every column of the row is
@@ -20,7 +20,6 @@ same order (ZeRO-3 gathers parameters collectively), whatever its own samples we
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -28,8 +27,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from stages import data, engine
+from stages import batching, data, engine
 from stages import losses as L
+from stages.generation import generate
 from stages.rewards import RewardError, RuleReward, RunningMoments, Samples
 
 
@@ -83,6 +83,7 @@ class RolloutStats:
     reward: float  # mean raw reward of every sample drawn, kept or dropped
     terms: dict  # each reward term's mean, the same samples
     response_tokens: float  # generated tokens, all processes
+    tokens: float  # tokens of the rollout's sequences (prompt + response), all processes
     sequences: int  # sequences that train, all processes
     generate_s: float
     score_s: float  # scoring, the frozen models' views and advantages
@@ -132,38 +133,6 @@ class Rollout:
 
 
 # --------------------------------------------------------------------------- sampling
-
-
-def generate(actor, prompts: Sequence[Prompt], *, tokenizer, stage, device, greedy: bool = False) -> list[list[int]]:
-    """Response token ids (cut after eos) for each prompt: padded `generate` in chunks of
-    micro_rollout_batch_size, with the actor's parameters gathered once under ZeRO-3 (every
-    process must call this as often as the others, with any number of prompts)."""
-    module = actor.module
-    module.eval()
-    responses = []
-    gather = (_gathered(module) if stage.zero_stage == 3 else contextlib.nullcontext())
-    sampling = {} if greedy else {"temperature": stage.temperature, "top_p": stage.top_p, "top_k": 0}
-    with torch.no_grad(), gather:
-        for start in range(0, len(prompts), stage.micro_rollout_batch_size):
-            chunk = prompts[start : start + stage.micro_rollout_batch_size]
-            width = max(len(p.ids) for p in chunk)
-            ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p.ids)) + p.ids for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in chunk])
-            out = module.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=stage.max_new_tokens,
-                do_sample=not greedy, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                use_cache=True, **sampling,
-            )
-            for row in out[:, width:].tolist():
-                cut = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
-                responses.append(row[:cut])
-    return responses
-
-
-def _gathered(module):
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(module.parameters()))
 
 
 def informative_groups(rewards: Sequence[float], group_size: int) -> list[bool]:
@@ -230,6 +199,7 @@ class RolloutMaker:
             reward=gathered_mean(every.rewards),
             terms={name: gathered_mean(values) for name, values in every.terms.items()},
             response_tokens=engine.all_reduce_sums([float(sum(len(r) for r in every.responses))])[0],
+            tokens=engine.all_reduce_sums([float(rollout.real_tokens)])[0],
             sequences=int(engine.all_reduce_sums([float(sum(kept.trains))])[0]),
             generate_s=every.generate_s, score_s=every.score_s + time.time() - started, sampling=sampling)
         return rollout
@@ -301,11 +271,12 @@ class RolloutMaker:
             ids = (data.encode_prompt(tokenizer, text, stage.data)
                    + data.encode_response(tokenizer, text, completion, stage.data))[: stage.max_len]
             rows.append({"input_ids": ids, "loss_mask": [1] * len(ids)})
-        scores = []
-        for start in range(0, len(rows), stage.micro_rollout_batch_size):
-            batch = data.padded_batch(rows[start : start + stage.micro_rollout_batch_size],
-                                      tokenizer.pad_token_id).to(self.ctx.device)
-            scores += batch.forward(self.models.reward_model).logits.squeeze(-1).float().tolist()
+        scores = [0.0] * len(rows)
+        lengths = [len(row["input_ids"]) for row in rows]
+        for part in batching.by_length(range(len(rows)), lengths, stage.micro_rollout_batch_size):
+            batch = data.padded_batch([rows[i] for i in part], tokenizer.pad_token_id).to(self.ctx.device)
+            for i, score in zip(part, batch.forward(self.models.reward_model).logits.squeeze(-1).float().tolist()):
+                scores[i] = score
         return scores
 
     def _normalized(self, rewards: list[float], drawn: list[float]) -> list[float]:
@@ -338,13 +309,13 @@ class RolloutMaker:
         if models.critic is not None:
             models.critic.eval()
         processed = 0
-        for start in range(0, len(sequences), stage.micro_rollout_batch_size):
-            rows = range(start, min(start + stage.micro_rollout_batch_size, len(sequences)))
+        lengths = [len(s) for s in sequences]
+        for rows in batching.by_length(range(len(sequences)), lengths, stage.micro_rollout_batch_size):
             batch = data.padded_batch([{"input_ids": sequences[i], "loss_mask": response_masks[i]} for i in rows],
                                       models.tokenizer.pad_token_id).to(device)
             w = batch.input_ids.shape[1] - 1
             processed += batch.processed_tokens
-            part = slice(rows.start, rows.stop)
+            part = torch.tensor(rows, device=device)
             old[part, :w] = logprobs_of(models.actor, batch, stage.temperature)[0]
             ref[part, :w] = logprobs_of(models.reference, batch, stage.temperature)[0]
             mask[part, :w] = batch.loss_mask[:, 1:].float()
