@@ -14,6 +14,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -144,6 +145,20 @@ def _refuse_after_too_many_silent_endings(task: StageTask) -> None:
             f"The earlier attempts' logs are in {task.folder.logs}")
 
 
+def _note_sigterm(folder: StageFolder) -> None:
+    """Outside the training loop (loading, evaluation, export) a SIGTERM cannot be saved at: Slurm
+    preempts the job, kills it and requeues it. Noting it keeps that start from counting as a silent
+    ending (a node failure) against cluster.max_retries. submitit's own handler runs after."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def note(signum, frame):
+        timeline.record(folder, timeline.REQUEUE, signal="SIGTERM", reason=timeline.PREEMPTED)
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, note)
+
+
 def _run_stage(task: StageTask) -> dict:
     from stages import distributed
 
@@ -166,6 +181,7 @@ def _run_stage(task: StageTask) -> dict:
         for leftover in ctx.folder.leftovers():  # of an attempt killed mid-write
             remove(leftover)
         timeline.record_start(ctx.folder)  # every attempt: the report's timeline shows requeues
+        _note_sigterm(ctx.folder)
     _refuse_after_too_many_silent_endings(task)
     _materialize_builtins(task, ctx)
     # Every rank says where it is (each task has its own log): multi-node problems show here.

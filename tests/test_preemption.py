@@ -133,6 +133,25 @@ def test_status_says_why_each_attempt_ended_and_where_the_next_resumed(tmp_path)
     assert timeline.unexplained_endings(folder, "6", 1) == 0  # an earlier job's history is its own
 
 
+def test_a_sigterm_outside_the_loop_is_noted_as_a_preemption_then_handed_on(tmp_path):
+    from pipeline import timeline
+    from stages import runner
+
+    folder = events_folder(tmp_path, started())
+    seen = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))  # submitit's, in a job
+    try:
+        runner._note_sigterm(folder)
+        os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert seen == [signal.SIGTERM]
+    with open(folder.events, "a") as f:  # Slurm requeued the job after killing it
+        f.write(json.dumps({"time": 2000.0, **started(restart=1)}) + "\n")
+    assert [a.ended for a in timeline.attempts(folder)] == [timeline.PREEMPTED, None]
+    assert timeline.unexplained_endings(folder, "7", 1) == 0  # not a node failure
+
+
 def test_usr2_is_a_time_limit_only_near_the_limit():
     from pipeline.timeline import PREEMPTED, TIME_LIMIT, signal_reason
 
