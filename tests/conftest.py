@@ -69,6 +69,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def written_metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl of a stage still running: its complete lines (none before the file exists)."""
+    path = run_dir / "metrics.jsonl"
+    found = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            found.append(json.loads(line))
+        except json.JSONDecodeError:  # a line still being written
+            continue
+    return found
+
+
 def read_result(run_dir: Path) -> dict:
     return json.loads((run_dir / "result.json").read_text())
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, tiny_pipeline
+from tests.conftest import run_cli, tiny_pipeline, written_metrics
 
 FINAL_STATES = {"finished", "failed", "cancelled"}
 NO_ACCOUNTING_SACCT = """#!/bin/sh
@@ -77,17 +77,8 @@ def sft_stage(name="sft", steps=30, **fields) -> dict:
 
 
 def last_training_step(stage_dir: Path) -> int:
-    """The newest training record's step (a line still being written is skipped)."""
-    steps = [0]
-    path = stage_dir / "metrics.jsonl"
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "loss" in record:
-            steps.append(record["step"])
-    return max(steps)
+    """The newest training record's step so far (0 before the first)."""
+    return max([0] + [record["step"] for record in written_metrics(stage_dir) if "loss" in record])
 
 
 def status(workdir: Path, config: Path) -> dict:

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from stages.preemption import MOST_STEPS_BETWEEN_CHECKS
-from tests.conftest import read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
+from tests.conftest import read_metrics, read_result, run_cli, tiny_pipeline, written_metrics, write_pipeline
 
 STEPS = 24
 # fp32 on CPU with gloo, same data order, same generators: the sums are the same operations
@@ -184,17 +184,8 @@ def stage_processes(run_pid: int) -> dict[int, int]:
 
 
 def training_records(folder: Path) -> list[dict]:
-    """metrics.jsonl's training records (a line still being written is skipped)."""
-    path = folder / "metrics.jsonl"
-    found = []
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "lr" in record:
-            found.append(record)
-    return found
+    """metrics.jsonl's training records so far."""
+    return [record for record in written_metrics(folder) if "lr" in record]
 
 
 RL_ROLLOUTS = 8
