@@ -15,7 +15,7 @@ loaded nor run, and metrics.jsonl has no `kl`.
 
 Outputs: model/ (the policy), critic/ (gae: the critic, a 1-label sequence classifier), and
 result.json with initial_reward and final_reward, the mean held-out reward of greedy completions
-before and after training.
+before and after training, and reference (where it was kept; null: none loaded).
 """
 
 from __future__ import annotations
