@@ -670,7 +670,11 @@ class PPOStage(StageBase):
     critic_learning_rate: Optional[float] = Field(
         None, gt=0, description="Peak learning rate of the critic (gae only); default learning_rate."
     )
-    kl_coef: float = Field(0.05, ge=0, description="Weight of the KL penalty to the reference model.")
+    kl_coef: float = Field(
+        0.05, ge=0,
+        description="Weight of the KL penalty to the reference model. 0 (DAPO, Dr. GRPO): no KL term, and no "
+        "reference model is loaded or run.",
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k1", description="KL estimator per token: k1 = log ratio, k2 = half squared, k3 = (r - 1) - log r."
     )
@@ -678,7 +682,9 @@ class PPOStage(StageBase):
         True, description="Subtract the KL from the per-token reward (true), or add it to the policy loss (false)."
     )
     kl_target: Optional[float] = Field(
-        None, gt=0, description="Adapt kl_coef so the KL per sequence approaches this (null = fixed kl_coef)."
+        None, gt=0,
+        description="Adapt kl_coef so the KL per sequence approaches this (null = fixed kl_coef). The controller "
+        "scales kl_coef, so it needs kl_coef > 0 to start from.",
     )
     gamma: float = Field(1.0, gt=0, le=1, description="Discount per token.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda.")
@@ -719,6 +725,20 @@ class PPOStage(StageBase):
         if self.scale_rewards != "group" and self.advantage != "grpo":
             raise ValueError(f"scale_rewards applies to advantage grpo, not {self.advantage}")
         return self
+
+    @model_validator(mode="after")
+    def _kl_target_needs_a_coefficient(self):
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise ValueError("kl_target adapts kl_coef by scaling it, so from kl_coef 0 it stays 0: set kl_coef "
+                             "> 0 to start from, or remove kl_target for no KL term")
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        """Does the stage hold the frozen reference model? Only the KL term reads it: with kl_coef 0
+        there is none (kl_target, which could change the coefficient, needs kl_coef > 0). The one
+        rule for stages/ppo.py (what it loads and runs) and pipeline/plan (what it counts)."""
+        return self.kl_coef > 0
 
     @property
     def upstream_references(self) -> list[tuple[str, str]]:

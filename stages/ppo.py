@@ -10,17 +10,19 @@ share of the step's loss (losses.aggregate_loss with the step's token and sequen
 every process), so a step's gradient does not depend on how it is split over processes and
 micro batches. The four models share every GPU of the job: actor and critic are trained by
 DeepSpeed, the reference and reward model are frozen (optionally kept in host RAM between uses).
+Without a KL term (kl_coef 0: PPOStage.needs_reference) there is no reference: it is neither
+loaded nor run, and metrics.jsonl has no `kl`.
 
 Outputs: model/ (the policy), critic/ (gae: the critic, a 1-label sequence classifier), and
 result.json with initial_reward and final_reward, the mean held-out reward of greedy completions
-before and after training.
+before and after training, and reference (where it was kept; null: none loaded).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -83,7 +85,8 @@ def run(task, ctx) -> dict:
         previous, step = step, min(schedule.total_steps, (index + 1) * schedule.steps_per_rollout)
 
         kl_per_sequence = rollout_kl(rollout)
-        kl_control.update(kl_per_sequence, stage.rollout_batch_size * stage.n_samples_per_prompt)
+        if kl_per_sequence is not None:
+            kl_control.update(kl_per_sequence, stage.rollout_batch_size * stage.n_samples_per_prompt)
         metrics.write({**rollout_record(step, index, rollout, trained, kl_per_sequence, kl_control.value, timing,
                                         rl_models.actor.get_lr()[0], stage), **window.close(step - previous)})
         last = index + 1 == schedule.total_rollouts
@@ -116,6 +119,7 @@ def run(task, ctx) -> dict:
         "eval_prompts": len(eval_prompts),
         "truncation": truncation,
         "generation": sampler,
+        "reference": None if rl_models.reference is None else stage.reference,  # null: none loaded (kl_coef 0)
     }
 
 
@@ -149,14 +153,17 @@ def critic_stage(stage):
 
 
 def load_models(task, ctx, model_path: str, tokenizer, ds_config: dict, total_steps: int) -> Models:
-    """Actor (and critic, for gae) as DeepSpeed engines; reference and reward model frozen."""
+    """Actor (and critic, for gae) as DeepSpeed engines; reference (only with a KL term) and reward
+    model frozen."""
     stage = task.stage
     actor = engine.initialize(models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu), stage, ds_config,
                               total_steps)
-    reference_offload = stage.reference == "offload"
-    reference = models.load_frozen(AutoModelForCausalLM, model_path, stage,
-                                   ctx.frozen_model_config(stage, model_path, offload=reference_offload),
-                                   ctx.device, offload=reference_offload)
+    reference = None
+    if stage.needs_reference:
+        reference_offload = stage.reference == "offload"
+        reference = models.load_frozen(AutoModelForCausalLM, model_path, stage,
+                                       ctx.frozen_model_config(stage, model_path, offload=reference_offload),
+                                       ctx.device, offload=reference_offload)
     rl_models = Models(actor=actor, reference=reference, tokenizer=tokenizer)
     if stage.advantage == "gae":
         critic = models.load_reward_model(critic_path(task, model_path), critic_stage(stage), ds_config, ctx.on_gpu,
@@ -177,7 +184,9 @@ def rollout_flop_models(task, model_path: str, rl_models: Models) -> list:
     pipeline/flops.py counts per rollout sequence, for MFU."""
     stage = task.stage
     shape = models.shape_of(model_path)
-    out = [(shape, "lm", True, models.lora_params(rl_models.actor.module)), (shape, "lm", False, None)]
+    out = [(shape, "lm", True, models.lora_params(rl_models.actor.module))]
+    if rl_models.reference is not None:
+        out.append((shape, "lm", False, None))
     if rl_models.critic is not None:
         out.append((models.shape_of(critic_path(task, model_path)), "scalar", True,
                     models.lora_params(rl_models.critic.module)))
@@ -307,7 +316,7 @@ def policy_objective(actor, batch: TrainBatch, stage, kl_coef: float, share: Cal
                                     clip_eps_low=stage.clip_eps_low, clip_eps_high=stage.clip_eps_high,
                                     importance_sampling=stage.importance_sampling)
     loss = share(losses, stage.loss_aggregation)
-    if not stage.kl_in_reward:
+    if not stage.kl_in_reward and batch.ref_logprobs is not None:
         loss = loss + kl_coef * share(L.kl_penalty(new, batch.ref_logprobs, stage.kl_estimator), stage.loss_aggregation)
     return loss, new, logits, clipped
 
@@ -315,15 +324,18 @@ def policy_objective(actor, batch: TrainBatch, stage, kl_coef: float, share: Cal
 # --------------------------------------------------------------------------- log
 
 
-def rollout_kl(rollout: Rollout) -> float:
-    """Mean KL to the reference per trained sequence, over every process."""
+def rollout_kl(rollout: Rollout) -> Optional[float]:
+    """Mean KL to the reference per trained sequence, over every process; None without a reference."""
+    if rollout.kl is None:
+        return None
     total, count = engine.all_reduce_sums([float(rollout.kl.sum()), float(rollout.mask.any(dim=1).sum())])
     return total / max(count, 1.0)
 
 
-def rollout_record(step: int, index: int, rollout: Rollout, trained: dict, kl: float, kl_coef: float,
+def rollout_record(step: int, index: int, rollout: Rollout, trained: dict, kl: Optional[float], kl_coef: float,
                    timing: dict, lr: float, stage) -> dict:
-    """One metrics.jsonl line per rollout: each number already a mean over its updates."""
+    """One metrics.jsonl line per rollout: each number already a mean over its updates. Without a
+    reference there is no KL to it: no `kl` (approx_kl, the update's KL to the sampling policy, stays)."""
     stats = rollout.stats
     sampled = stage.rollout_batch_size * stage.n_samples_per_prompt
     return {
@@ -331,7 +343,7 @@ def rollout_record(step: int, index: int, rollout: Rollout, trained: dict, kl: f
         "rollout": index + 1,
         "reward": stats.reward,
         **{f"reward_{k}": v for k, v in stats.terms.items()},
-        "kl": kl,
+        **({} if kl is None else {"kl": kl}),
         "kl_coef": kl_coef,
         **trained,
         **stats.sampling,

@@ -9,8 +9,9 @@ hands it over as a typed `Rollout`. Three phases, each timed (metrics: generate_
    sampled, up to dynamic_sampling_max_rounds rounds.
 2. scoring: rule rewards on the decoded text (stages/rewards.py; every column of the row is
    there) plus the reward model's score, normalised when the pipeline file says so.
-3. views and advantages: the actor's log-probs at sampling time, the reference's, the KL between
-   them, the critic's values (gae), and advantages from stages/losses.py over the whole rollout:
+3. views and advantages: the actor's log-probs at sampling time, the reference's and the KL between
+   them (when there is a KL term: PPOStage.needs_reference), the critic's values (gae), and
+   advantages from stages/losses.py over the whole rollout:
    every statistic that spans sequences is summed over processes, so the numbers do not depend on
    how many processes share the rollout or how it is cut into micro batches.
 
@@ -55,7 +56,7 @@ class Models:
     reference and the reward model are frozen (stages/models.py FrozenModel)."""
 
     actor: object
-    reference: object
+    reference: Optional[object]  # None without a KL term (kl_coef 0): not loaded, never run
     tokenizer: object
     critic: Optional[object] = None  # gae only
     reward_model: Optional[object] = None
@@ -70,7 +71,7 @@ class TrainBatch:
     tokens: data.Batch
     mask: torch.Tensor  # response tokens that train
     old_logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
+    ref_logprobs: Optional[torch.Tensor]  # None without a reference
     advantages: torch.Tensor
     returns: Optional[torch.Tensor]  # gae
     values: Optional[torch.Tensor]  # gae: the critic's values at sampling time
@@ -103,8 +104,10 @@ class Rollout:
     response_masks: list[list[int]]  # S lists: 1 on the response tokens of each sequence
     mask: torch.Tensor  # (S, W-1) float: response tokens that train (0 on places dynamic sampling filled)
     old_logprobs: torch.Tensor  # (S, W-1) the actor's at sampling time (temperature applied)
-    ref_logprobs: torch.Tensor  # (S, W-1) the reference's
-    kl: torch.Tensor  # (S, W-1) KL estimate per response token (kl_estimator)
+    # Without a reference (no KL term) both are None: nothing to compare with, rather than zeros
+    # that would read as "the policy has not moved".
+    ref_logprobs: Optional[torch.Tensor]  # (S, W-1) the reference's
+    kl: Optional[torch.Tensor]  # (S, W-1) KL estimate per response token (kl_estimator)
     scores: torch.Tensor  # (S,) reward of each sequence after normalisation and clipping
     advantages: torch.Tensor  # (S, W-1)
     returns: Optional[torch.Tensor]  # (S, W-1) gae: the critic's targets
@@ -302,7 +305,8 @@ class RolloutMaker:
                           for p, r in zip(drawn.prompts, drawn.responses)]
         width = max(len(s) for s in sequences) - 1
         shape = (len(sequences), width)
-        old, ref = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+        old = torch.zeros(shape, device=device)
+        ref = torch.zeros(shape, device=device) if models.reference is not None else None
         values = torch.zeros(shape, device=device) if models.critic is not None else None
         mask = torch.zeros(shape, device=device)
         models.actor.eval()
@@ -317,17 +321,19 @@ class RolloutMaker:
             processed += batch.processed_tokens
             part = torch.tensor(rows, device=device)
             old[part, :w] = logprobs_of(models.actor, batch, stage.temperature)[0]
-            ref[part, :w] = logprobs_of(models.reference, batch, stage.temperature)[0]
+            if ref is not None:
+                ref[part, :w] = logprobs_of(models.reference, batch, stage.temperature)[0]
             mask[part, :w] = batch.loss_mask[:, 1:].float()
             if values is not None:
                 values[part, :w] = values_of(models.critic, batch)
         mask *= torch.tensor(drawn.trains, dtype=mask.dtype, device=device).unsqueeze(1)
-        kl = L.kl_penalty(old, ref, stage.kl_estimator) * mask
+        kl = L.kl_penalty(old, ref, stage.kl_estimator) * mask if ref is not None else None
         score_tensor = torch.tensor(scores, dtype=torch.float32, device=device)
         if values is not None:
             values *= mask
-        inputs = L.AdvantageInputs(scores=score_tensor, kl=kl, mask=mask,
-                                   kl_coef=kl_coef if stage.kl_in_reward else 0.0, values=values)
+        # No reference means kl_coef 0: the estimators' KL term is 0 x 0.
+        inputs = L.AdvantageInputs(scores=score_tensor, kl=kl if kl is not None else torch.zeros_like(mask),
+                                   mask=mask, kl_coef=kl_coef if stage.kl_in_reward else 0.0, values=values)
         advantages, returns = L.estimate_advantages(stage.advantage, inputs, self.advantage_settings,
                                                     sum_over_processes)
         return Rollout(sequences, response_masks, mask, old, ref, kl, score_tensor, advantages, returns, values,

@@ -588,6 +588,31 @@ def test_ppo_holds_actor_critic_reference_and_reward_model():
     assert p.fits is True  # 8x 4090 is enough with ZeRO-3 and offload
 
 
+def test_ppo_without_a_kl_term_plans_no_reference_model():
+    # Llama-2-7B (6,738,415,616 parameters, 131,072,000 of them the input embedding), ZeRO-2 on
+    # 8 A100: the reference is a whole bf16 copy on every GPU, 2 bytes x 6,738,415,616 =
+    # 13,476,831,232 bytes, and one forward per rollout token: 2 FLOPs per matmul parameter
+    # (2 x 6,607,343,616) + attention 4 x 32 layers x 4096 x 1024 positions = 13,751,558,144 FLOPs.
+    def rl(**fields):
+        spec = PipelineSpec.model_validate({"name": "p", "cluster": {"gpu": "a100-80gb", "gpus_per_node": 8}, "stages": [
+            {"name": "rl", "kind": "ppo", "model": "meta-llama/Llama-2-7b-hf", "data": {"path": "builtin:digits"},
+             "reward": {"rules": [{"rule": "exact_match"}]}, "max_len": 1024, **fields}]})
+        return plan.plan_pipeline(spec)[0]
+
+    with_kl, without = rl(kl_coef=0.05), rl(kl_coef=0.0)
+    assert (with_kl.knobs.reference, without.knobs.reference) == ("live", None)
+    assert not any(i.name.startswith("reference") for i in without.memory.items)
+    assert with_kl.memory.gpu_peak - without.memory.gpu_peak == 2 * 6_738_415_616
+    assert with_kl.total_params - without.total_params == 6_738_415_616
+    flops = with_kl.time.model_flops_per_token - without.time.model_flops_per_token
+    assert flops == 2 * (6_738_415_616 - 131_072_000) + 4 * 32 * 4096 * 1024 == 13_751_558_144
+    assert without.time.step_s < with_kl.time.step_s
+    assert "reference none (kl_coef 0)" in plan.format_plan([without])
+    # Where a reference would wait is moot without one: nothing to suggest about it.
+    assert [s.description for s in rl(kl_coef=0.05, reference="offload").without] == ["reference: live"]
+    assert rl(kl_coef=0.0, reference="offload").without == []
+
+
 # --------------------------------------------------------------------------- the pipeline front door
 
 

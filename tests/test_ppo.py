@@ -59,6 +59,14 @@ def test_objective_fields_that_do_not_apply_are_refused():
         ppo_spec(loss_aggregation="mean")
 
 
+def test_only_a_kl_term_needs_the_reference_model():
+    assert ppo_spec().needs_reference and ppo_spec(kl_coef=0.01, kl_target=0.1).needs_reference
+    assert not ppo_spec(kl_coef=0).needs_reference
+    # The adaptive controller scales kl_coef: from 0 it could never start.
+    with pytest.raises(ValueError, match="kl_target adapts kl_coef by scaling it, so from kl_coef 0 it stays 0"):
+        ppo_spec(kl_coef=0, kl_target=0.1)
+
+
 # --------------------------------------------------------------------------- 1 vs 2 processes
 
 
@@ -124,14 +132,15 @@ def test_sft_rm_ppo_with_the_reward_model_as_the_reward_runs_logs_and_exports_it
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationMixin
 
     # The ZeRO-3 stage samples with continuous batching where transformers has it; the other with
-    # auto, which on a CPU is padded.
+    # auto, which on a CPU is padded. The ZeRO-3 stage is DAPO in full, without a KL term: it loads
+    # no reference model.
     sampler = "continuous" if compat.continuous_batching_available(GenerationMixin, zero_stage=3) else "padded"
     spec = tiny_pipeline(stages=[
         {"name": "sft", "kind": "sft", "model": "builtin:tiny-llama", "data": DIGITS, "max_steps": 30},
         {"name": "rm", "kind": "rm", "from": "sft", "data": DIGITS, "max_steps": 20},
         rl_stage("ppo", advantage="gae", reward={"model": "rm"}),
         rl_stage("grpo_zero3", advantage="grpo", zero_stage=3, dynamic_sampling=True, dynamic_sampling_max_rounds=2,
-                 generation=sampler,
+                 generation=sampler, kl_coef=0,
                  importance_sampling="sequence",
                  loss_aggregation="sequence_mean",
                  # rules decide (discrete rewards: some groups all alike); the RM still scores, weight 0
@@ -142,13 +151,16 @@ def test_sft_rm_ppo_with_the_reward_model_as_the_reward_runs_logs_and_exports_it
     result = run_cli("run", write_pipeline(workdir, spec), cwd=workdir)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     runs = workdir / "runs" / "t"
-    for name, engine in (("ppo", "padded"), ("grpo_zero3", sampler)):
+    for name, engine, reference in (("ppo", "padded", "live"), ("grpo_zero3", sampler, None)):
         outcome = read_result(runs / name)
         assert {"initial_reward", "final_reward"} <= set(outcome) and outcome["generation"] == engine
+        assert outcome["reference"] == reference, name  # null: no reference model was loaded
         rollouts = [m for m in read_metrics(runs / name) if "rollout" in m]
         assert rollouts, name
-        for key in ("reward", "kl", "entropy", "clip_fraction", "response_length", "generate_s", "score_s", "train_s"):
+        for key in ("reward", "approx_kl", "entropy", "clip_fraction", "response_length", "generate_s", "score_s",
+                    "train_s"):
             assert key in rollouts[-1], (name, key)
+        assert ("kl" in rollouts[-1]) == (reference is not None), name  # KL to a reference only with one
         for phase in ("generate", "score", "train"):
             assert rollouts[-1][f"{phase}_tokens_per_s"] > 0, (name, phase)
         assert 0 < rollouts[-1]["train_token_efficiency"] <= 1
@@ -160,6 +172,9 @@ def test_sft_rm_ppo_with_the_reward_model_as_the_reward_runs_logs_and_exports_it
     assert all(m["groups_kept"] + m["groups_filled"] == 8 and 1 <= m["sampling_rounds"] <= 2 for m in sampling)
     assert sum(m["groups_dropped"] for m in sampling) > 0  # groups whose samples all got the same reward
     assert not (runs / "grpo_zero3" / "critic").exists()
+    # Without a reference it still trains: the policy moved away from the SFT model it started from.
+    trained, start = (AutoModelForCausalLM.from_pretrained(runs / n / "model") for n in ("grpo_zero3", "sft"))
+    assert any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), start.state_dict().values()))
 
     # The critic of the gae run reloads as a 1-label classifier and scores like the trained one.
     critic = AutoModelForSequenceClassification.from_pretrained(runs / "ppo" / "critic")

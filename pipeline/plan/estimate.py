@@ -85,12 +85,14 @@ def stage_models(knobs: Knobs, shape: ModelShape, ppo: Optional[PPOWorkload] = N
 
 
 def ppo_models(actor: ModelShape, critic: Optional[ModelShape], reward: Optional[ModelShape],
-               reference: str = "live", reward_placement: str = "live") -> list[ModelUse]:
-    """PPO's models: actor and (for gae) critic trained; reference and reward model frozen."""
+               reference: Optional[str] = "live", reward_placement: str = "live") -> list[ModelUse]:
+    """PPO's models: actor and (for gae) critic trained; reference (None: none, no KL term) and
+    reward model frozen."""
     models = [ModelUse("actor", actor, "lm", trained=True)]
     if critic is not None:
         models.append(ModelUse("critic", critic, "scalar", trained=True))
-    models.append(ModelUse("reference", actor, "lm", trained=False, placement=reference))
+    if reference is not None:
+        models.append(ModelUse("reference", actor, "lm", trained=False, placement=reference))
     if reward is not None:
         models.append(ModelUse("reward model", reward, "scalar", trained=False, placement=reward_placement))
     return models

@@ -46,7 +46,7 @@ def _candidate_changes(knobs: Knobs, hw: Hardware) -> list[tuple[str, dict, str,
             change["zero_stage"] = 2
             text += " (with zero_stage: 2)"
         out.append(("offload", change, text, False))
-    if knobs.kind in ("dpo", "ppo"):
+    if knobs.kind in ("dpo", "ppo") and knobs.reference is not None:
         # PPO's reference must score fresh samples: it cannot be precomputed.
         for placement in ("offload", "precompute") if knobs.kind == "dpo" else ("offload",):
             if REFERENCE_PLACEMENTS.index(placement) > REFERENCE_PLACEMENTS.index(knobs.reference):
@@ -148,9 +148,10 @@ def settings_relaxed(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Option
     options: list[tuple[dict, str]] = []
     if knobs.optimizer_offload:
         options.append(({"optimizer_offload": False}, "optimizer_offload: false"))
-    if knobs.reference != "live":
+    reference_off_gpu = knobs.reference not in ("live", None)
+    if reference_off_gpu:
         options.append(({"reference": "live"}, "reference: live"))
-    if knobs.optimizer_offload and knobs.reference != "live":
+    if knobs.optimizer_offload and reference_off_gpu:
         options.append(({"optimizer_offload": False, "reference": "live"},
                          f"no offload at all (ZeRO-{knobs.zero_stage} alone)"))
     if knobs.gradient_checkpointing:

@@ -36,7 +36,7 @@ class Knobs:
     epochs: int = 1
     max_steps: Optional[int] = None
     nodes: int = 1
-    reference: str = "live"
+    reference: Optional[str] = "live"  # dpo, ppo: where the frozen reference waits; None: ppo holds none
 
     @classmethod
     def from_stage(cls, stage) -> "Knobs":
@@ -58,7 +58,7 @@ class Knobs:
             epochs=stage.epochs,
             max_steps=stage.max_steps,
             nodes=stage.nodes,
-            reference=getattr(stage, "reference", "live") or "live",
+            reference=reference_placement(stage),
         )
 
     @property
@@ -74,6 +74,14 @@ class Knobs:
     def packs(self) -> bool:
         """sft, rm and dpo pack micro batches by a token budget unless packing is off; PPO pads."""
         return self.packing and self.kind in ("sft", "rm", "dpo")
+
+
+def reference_placement(stage) -> Optional[str]:
+    """Where a stage's frozen reference waits (dpo, ppo; "live" for the others, which hold none),
+    or None for a ppo stage without one (PPOStage.needs_reference: no KL term)."""
+    if not getattr(stage, "needs_reference", True):
+        return None
+    return getattr(stage, "reference", "live") or "live"
 
 
 def attention_kernel(attention: str, on_gpu: bool) -> str:

@@ -80,7 +80,7 @@ def format_plan(plans: list[StagePlan]) -> str:
                    f"{hw.processes_per_node} {gpu_name} = {plan.world} processes")
         out.append(f"   model {plan.model}: {plan.shape.describe()}")
         lora = f", LoRA r={k.lora_rank}" if k.lora_rank else ""
-        ref = f", reference {k.reference}" if k.kind in ("dpo", "ppo") else ""
+        ref = f", reference {k.reference or 'none (kl_coef 0)'}" if k.kind in ("dpo", "ppo") else ""
         out.append(f"   {k.precision}, ZeRO-{k.zero_stage}{' + optimizer offload' if k.offloads else ''}"
                    f"{', gradient checkpointing' if k.gradient_checkpointing else ''}, attention {k.attention}{lora}"
                    f"{ref}, max_len {k.max_len}, micro batch {k.micro_batch_size}")
