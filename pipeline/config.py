@@ -672,7 +672,7 @@ class PPOStage(StageBase):
     )
     kl_coef: float = Field(
         0.05, ge=0,
-        description="Weight of the KL penalty to the reference model. 0 (DAPO, Dr. GRPO): no KL term, and no "
+        description="Weight of the KL penalty to the reference model. 0 (as in DAPO): no KL term, and no "
         "reference model is loaded or run.",
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(

@@ -25,7 +25,7 @@ from pipeline.runfolder import StageFolder
 QUEUED, RUNNING, REQUEUED, DONE = "queued", "running", "requeued", "done"
 # Events a stage's rank 0 records besides "started": the loop saved at a signal (signal, step,
 # reason), a resume (step), a hang (step: stages/watchdog.py), a requeue asked for by submitit's
-# USR2 handler (reason; stages/runner.py: after the first two it adds nothing).
+# USR2 handler (reason; stages/runner.py: after a save at the signal or a hang it adds nothing).
 STARTED, SAVED_AT_SIGNAL, RESUMED, HANG, REQUEUE = "started", "saved at signal", "resumed", "hang", "requeue"
 # Why an attempt of a stage's job ended and the job started again.
 TIME_LIMIT, PREEMPTED, HUNG, UNEXPLAINED = "time limit", "preempted", "hang", "ended without a word (node failure?)"
