@@ -476,6 +476,7 @@ def test_plan_pipeline_reports_the_34b_case_and_refuses_it(tmp_path):
     json.dumps(payload)
     assert payload["fits"] is False
     assert payload["stages"][0]["gpu"]["peak_bytes"] == plans[0].memory.gpu_peak
+    assert payload["stages"][0]["gpu_name"] == plans[0].hardware.gpu.name  # not overwritten by the memory
     assert payload["stages"][0]["suggestions"][0]["fits"] is True
 
 

@@ -192,7 +192,7 @@ def plan_to_json(plans: list[StagePlan]) -> dict:
             "shape": {k: v for k, v in asdict(plan.shape).items() if k != "source"} | {"n_params": plan.shape.n_params,
                                                                                         "source": plan.shape.source},
             "settings": asdict(plan.knobs),
-            "gpu": plan.hardware.gpu.name if plan.hardware.gpu else None,
+            "gpu_name": plan.hardware.gpu.name if plan.hardware.gpu else None,  # "gpu": the memory, below
             "processes": plan.world, "trained_params": plan.trained_params, "total_params": plan.total_params,
             **_estimate_json(plan.estimate),
             "warnings": plan.warnings,
