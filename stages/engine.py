@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from pipeline import timeline
 from pipeline.deepspeed_settings import bucket_elements, persistence_threshold
+from pipeline.errors import InvalidInput
 from pipeline.failure import saving
 from pipeline.runfolder import temporary
 from stages import batching, compat, preemption, tracking, watchdog
@@ -106,11 +107,17 @@ def frozen_model_config(stage, world_size: int, hidden_size: int, on_gpu: bool, 
 
 
 def step_counts(n_rows: int, ds_config: dict, stage) -> tuple[int, int]:
-    """(optimizer steps per epoch, total optimizer steps) for n_rows training rows."""
+    """(optimizer steps per epoch, total optimizer steps) for n_rows training rows (after
+    tokenising: rows left with nothing to learn within max_len are gone). Preflight counted the
+    rows before that; fewer than one step is refused here, never trained on."""
     rows_per_step = ds_config["train_batch_size"]
     steps_per_epoch = batching.steps_per_epoch(n_rows, rows_per_step)
     if steps_per_epoch == 0:
-        raise ValueError(f"{n_rows} training rows are fewer than one optimizer step needs ({rows_per_step} rows)")
+        raise InvalidInput(
+            f"stage '{stage.name}': {stage.data.path}: {n_rows} training rows are left after tokenising (rows with "
+            f"nothing to learn within max_len {stage.max_len} are dropped), fewer than one optimizer step needs "
+            f"({rows_per_step}: micro_batch_size x gradient accumulation x processes). Give more rows, raise max_len, "
+            f"or lower micro_batch_size or global_batch_size")
     return steps_per_epoch, stage.max_steps or stage.epochs * steps_per_epoch
 
 

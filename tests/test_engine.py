@@ -27,6 +27,17 @@ def test_accumulation_is_derived_from_the_global_batch_and_world_size():
     assert config["train_batch_size"] == 32
 
 
+def test_fewer_rows_than_one_step_after_tokenising_are_refused_naming_the_file_and_the_fix():
+    from pipeline.errors import InvalidInput
+
+    sft = stage(micro_batch_size=4, global_batch_size=16)
+    assert engine.step_counts(33, {"train_batch_size": 16}, sft) == (2, 2)  # the ragged tail is left out
+    with pytest.raises(InvalidInput) as err:
+        engine.step_counts(15, {"train_batch_size": 16}, sft)
+    assert "builtin:digits: 15 training rows are left after tokenising" in err.value.message
+    assert "fewer than one optimizer step needs (16" in err.value.message and "raise max_len" in err.value.message
+
+
 def test_zero3_partitions_matrices_but_keeps_vectors_whole():
     config = engine.deepspeed_config(stage(zero_stage=3), 2, hidden_size=4096, on_gpu=True)
     threshold = config["zero_optimization"]["stage3_param_persistence_threshold"]
