@@ -612,6 +612,9 @@ def test_ppo_without_a_kl_term_plans_no_reference_model():
     # Where a reference would wait is moot without one: nothing to suggest about it.
     assert [s.description for s in rl(kl_coef=0.05, reference="offload").without] == ["reference: live"]
     assert rl(kl_coef=0.0, reference="offload").without == []
+    # Dynamic sampling's extra rounds depend on the rewards: the plan says its time is for one.
+    assert not any("dynamic_sampling" in w for w in with_kl.warnings)
+    assert any("at most 5 rounds" in w for w in rl(dynamic_sampling=True, dynamic_sampling_max_rounds=5).warnings)
 
 
 # --------------------------------------------------------------------------- the pipeline front door

@@ -73,6 +73,11 @@ def plan_stage(stage, shape: ModelShape, hw: Hardware, rows: Optional[int] = Non
         warnings.append(f"{hw.processes_per_node} processes per node on {hw.gpus_per_node} GPUs")
     if estimate.time is not None:
         warnings += estimate.time.notes
+    if getattr(stage, "dynamic_sampling", False):
+        # How many groups come out uniform depends on the rewards, unknown before the run.
+        warnings.append(f"dynamic_sampling: the time is for one sampling round per rollout; each round that "
+                        f"refills dropped groups adds its generation and scoring again (at most "
+                        f"{stage.dynamic_sampling_max_rounds} rounds; metrics.jsonl's sampling_rounds shows them)")
     suggestions = suggest(knobs, shape, hw, rows, ppo, lengths) if estimate.fits is False else []
     without = settings_relaxed(knobs, shape, hw, rows, ppo, lengths) if estimate.fits else []
     trained = sum(sum(trainable_tensors(m, knobs)[0]) for m in models if m.trained)
