@@ -76,7 +76,7 @@ test: setup
 # transformers 4.38.2, DeepSpeed 0.13.2, peft 0.10, on torch 2.13 CPU) in its own venv and
 # extensions folder, with the test-only shims DeepSpeed 0.13.2 needs on that torch
 # (tests/pinned_shims; an absolute path, as stage jobs run in other folders). All of it, not
-# a subset: it takes ~3.5 min on an idle 2-core machine (the current stack's ~8).
+# a subset: it takes ~8 min on an idle 2-core machine (the current stack's ~9.5; CI, 2026-11-22).
 test-pinned:
 	$(MAKE) --no-print-directory setup VENV=$(PINNED_VENV) STACK=pinned-ci
 	PYTHONPATH=$(abspath tests/pinned_shims) TORCH_EXTENSIONS_DIR=$(abspath $(PINNED_VENV))/torch_extensions \
