@@ -139,13 +139,19 @@ class Signals:
         sys.stdout.flush()
         sys.stderr.flush()
         if rank == 0:
-            try:
-                _call(self.previous.get(signal.SIGUSR2), signal.SIGUSR2)
-            except SystemExit as done:  # submitit's own exit after requeueing
-                code = done.code if isinstance(done.code, int) else 1
-                _leave(code & 0xFF)
-            _leave(1)  # no submitit handler: not a submitit job
+            requeue_through(self.previous.get(signal.SIGUSR2))
         _leave(0)
+
+
+def requeue_through(handler) -> None:
+    """Rank 0 hands the job to submitit's USR2 handler, which requeues it (`scontrol requeue`;
+    locally, exit code 144) and exits; leaves at once with that exit code. Never returns (no
+    handler: not a submitit job, exit 1). The hang watchdog requeues through it too."""
+    try:
+        _call(handler, signal.SIGUSR2)
+    except SystemExit as done:  # submitit's own exit after requeueing
+        _leave((done.code if isinstance(done.code, int) else 1) & 0xFF)
+    _leave(1)
 
 
 def _call(handler, signum) -> None:

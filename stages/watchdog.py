@@ -21,7 +21,6 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import signal
 import statistics
 import sys
 import threading
@@ -29,6 +28,7 @@ import time
 from typing import Optional
 
 from pipeline import failure, timeline
+from stages import preemption
 
 log = logging.getLogger("stages")
 
@@ -105,12 +105,7 @@ class Watchdog:
             os._exit(1)
         print(f"hang at step {step}: requeueing ({hangs + 1} of cluster.max_retries {self.max_retries})",
               file=sys.stderr, flush=True)
-        try:
-            if callable(self.requeue_handler):
-                self.requeue_handler(signal.SIGUSR2, None)
-        except SystemExit as done:  # submitit's exit after requeueing (local: 144)
-            os._exit(done.code & 0xFF if isinstance(done.code, int) else 1)
-        os._exit(1)
+        preemption.requeue_through(self.requeue_handler)
 
 
 def _test_hang(rank: int) -> Optional[tuple[int, float]]:
