@@ -198,12 +198,12 @@ class RolloutMaker:
         started = time.time()
         scores = self._normalized(kept.rewards, every.rewards)
         rollout = self._views(kept, scores, kl_coef)
+        response_tokens, tokens, sequences = engine.all_reduce_sums(  # one collective for the three counts
+            [float(sum(len(r) for r in every.responses)), float(rollout.real_tokens), float(sum(kept.trains))])
         rollout.stats = RolloutStats(
             reward=gathered_mean(every.rewards),
             terms={name: gathered_mean(values) for name, values in every.terms.items()},
-            response_tokens=engine.all_reduce_sums([float(sum(len(r) for r in every.responses))])[0],
-            tokens=engine.all_reduce_sums([float(rollout.real_tokens)])[0],
-            sequences=int(engine.all_reduce_sums([float(sum(kept.trains))])[0]),
+            response_tokens=response_tokens, tokens=tokens, sequences=int(sequences),
             generate_s=every.generate_s, score_s=every.score_s + time.time() - started, sampling=sampling)
         return rollout
 
