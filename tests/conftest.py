@@ -69,6 +69,22 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def processes_with(variable: str, value) -> dict[int, dict[str, str]]:
+    """{pid: environment} of this machine's processes whose environment sets `variable` to `value`."""
+    marker = f"{variable}={value}".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if marker in environ:
+            found[int(entry.name)] = dict(v.decode(errors="replace").split("=", 1) for v in environ if b"=" in v)
+    return found
+
+
 def written_metrics(run_dir: Path) -> list[dict]:
     """metrics.jsonl of a stage still running: its complete lines (none before the file exists)."""
     path = run_dir / "metrics.jsonl"

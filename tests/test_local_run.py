@@ -13,22 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, tiny_pipeline, write_pipeline
+from tests.conftest import processes_with, run_cli, tiny_pipeline, write_pipeline
 
 
 def processes_started_by(run_pid: int) -> list[int]:
     """Processes of this machine whose environment names `run_pid` as their local `run`."""
-    marker = f"PIPELINE_RUN_PID={run_pid}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
+    return list(processes_with("PIPELINE_RUN_PID", run_pid))
 
 
 def wait_until(condition, timeout_s: float, what: str) -> None:

@@ -25,7 +25,15 @@ import pytest
 import torch
 
 from stages.preemption import MOST_STEPS_BETWEEN_CHECKS
-from tests.conftest import read_metrics, read_result, run_cli, tiny_pipeline, written_metrics, write_pipeline
+from tests.conftest import (
+    processes_with,
+    read_metrics,
+    read_result,
+    run_cli,
+    tiny_pipeline,
+    write_pipeline,
+    written_metrics,
+)
 
 STEPS = 24
 # fp32 on CPU with gloo, same data order, same generators: the sums are the same operations
@@ -167,19 +175,14 @@ def test_usr2_is_a_time_limit_only_near_the_limit():
 
 def stage_processes(run_pid: int) -> dict[int, int]:
     """{global rank: pid} of the stage job's task processes started by the local `run`."""
-    marker = f"PIPELINE_RUN_PID={run_pid}".encode()
     found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid, environ in processes_with("PIPELINE_RUN_PID", run_pid).items():
         try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
+            task = b"_submit" in Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if marker in environ:
-            ranks = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"SUBMITIT_LOCAL_GLOBALID=")]
-            if ranks and b"_submit" in (entry / "cmdline").read_bytes():
-                found[int(ranks[0])] = int(entry.name)
+        if task and "SUBMITIT_LOCAL_GLOBALID" in environ:
+            found[int(environ["SUBMITIT_LOCAL_GLOBALID"])] = pid
     return found
 
 

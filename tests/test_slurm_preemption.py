@@ -17,11 +17,10 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_metrics, read_result, run_cli, write_pipeline
+from tests.conftest import processes_with, read_metrics, read_result, run_cli, write_pipeline
 from tests.slurm_support import (
     job_ids,
     last_training_step,
@@ -81,14 +80,7 @@ def preempted(slurm_cluster, tmp_path_factory):
 
 def processes_of_job(job: str) -> list[int]:
     """The pids of the job's processes on this machine (the batch script, srun, the ranks)."""
-    marker = f"SLURM_JOB_ID={job}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
+    found = list(processes_with("SLURM_JOB_ID", job))
     assert found, f"no process of job {job}"
     return found
 
