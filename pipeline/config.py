@@ -389,7 +389,8 @@ class TrainingKnobs(Strict):
         0, ge=0, description="Evaluate every N optimizer steps (0 = only before and after training)."
     )
     save_interval: int = Field(
-        100, ge=0, description="Write a resumable checkpoint every N optimizer steps (0 = never)."
+        100, ge=0, description="Write a resumable checkpoint every N optimizer steps and after the last one "
+        "(0 = never)."
     )
     keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
     log_interval: int = Field(10, ge=1, description="Write a metrics.jsonl line every N optimizer steps.")

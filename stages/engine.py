@@ -343,7 +343,9 @@ def _steps(engine, loop, stage, ctx, checkpoints, metrics, signals, initial, sta
             if stage.eval_interval and step % stage.eval_interval == 0 and step < loop.total_steps:
                 metrics.write({"step": step, **{f"eval_{k}": v for k, v in loop.evaluate().items()}})
                 engine.train()
-            if stage.save_interval and step % stage.save_interval == 0 and step < loop.total_steps:
+            # The last step is saved too: a job stopped in the final evaluation or the export
+            # resumes there, not save_interval steps back, and the export can be checked against it.
+            if stage.save_interval and (step % stage.save_interval == 0 or step == loop.total_steps):
                 checkpoints.save(engine, step, {"step": step, "initial_eval": initial})
                 saved = step
             signal_name = signals.requested(step, step_s, last=step >= loop.total_steps)

@@ -94,7 +94,9 @@ def run(task, ctx) -> dict:
             metrics.write({"step": step, "eval_reward": maker.held_out_reward(eval_prompts)})
         resume_state = {"rollout": index + 1, "step": step, "initial_reward": initial_reward,
                         "moments": maker.moments.state_dict(), "kl_coef": kl_control.value}
-        periodic = crossed(stage.save_interval, previous, step) and not last
+        # The last rollout is saved too (as in stages/engine.py): a stop in the final evaluation
+        # or the export resumes there.
+        periodic = bool(stage.save_interval) and (crossed(stage.save_interval, previous, step) or last)
         if periodic:
             checkpoints.save(rl_models.actor, step, resume_state, others)
         signal_name = signals.requested(index + 1, time.time() - started, last=last)

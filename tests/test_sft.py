@@ -57,18 +57,21 @@ def test_resuming_from_a_checkpoint_continues_the_same_loss_curve(workdir):
     spec = tiny_pipeline(defaults={"save_interval": 20, "log_interval": 5})
     run_pipeline(workdir, spec)
     whole = workdir / "runs" / "t" / "sft"
+    # Every save_interval steps, and after the last one (40).
+    assert sorted(p.name for p in (whole / "checkpoints").glob("step-*")) == ["step-00000020", "step-00000040"]
+    assert (whole / "checkpoints" / "latest").read_text() == "step-00000040"
 
     # A second run folder that holds what an interrupted run would have left at step 20.
     other = workdir / "resumed"
     other.mkdir()
     cut = other / "runs" / "t" / "sft"
-    cut.mkdir(parents=True)
-    shutil.copytree(whole / "checkpoints", cut / "checkpoints")
+    (cut / "checkpoints").mkdir(parents=True)
+    shutil.copytree(whole / "checkpoints" / "step-00000020", cut / "checkpoints" / "step-00000020")
+    (cut / "checkpoints" / "latest").write_text("step-00000020")
     shutil.copy(whole / "spec.json", cut / "spec.json")
     (cut / "metrics.jsonl").write_text(
         "".join(line + "\n" for line in (whole / "metrics.jsonl").read_text().splitlines()[:5])
     )
-    assert (cut / "checkpoints" / "latest").read_text() == "step-00000020"
 
     result = run_pipeline(other, spec)
     assert "resuming sft" in result.stdout
