@@ -436,15 +436,16 @@ def padded_batch(rows: list[dict], pad_id: int) -> Batch:
     return Batch(ids, positions, mask, sequence, False, [len(s) for s, _ in seqs])
 
 
-def packed_batch(rows: list[dict], pad_id: int, line_tokens: int) -> Batch:
+def packed_batch(rows: list[dict], pad_id: int, flat: bool) -> Batch:
     """The rows' sequences packed on lines (stages/batching.py pack_lines), with no
-    padding but what evens the lines out; line_tokens 0 puts them on one line."""
+    padding but what evens the lines out; `flat` puts them on one line (varlen kernels)."""
     import torch
 
-    from stages.batching import pack_lines
+    from stages.batching import line_tokens, pack_lines
 
     seqs = [s for row in rows for s in sequences_of(row)]
-    lines = pack_lines([len(ids) for ids, _ in seqs], line_tokens)
+    lengths = [len(ids) for ids, _ in seqs]
+    lines = pack_lines(lengths, line_tokens(lengths, flat))
     width = max(sum(len(seqs[k][0]) for k in line) for line in lines)
     shape = (len(lines), width)
     ids = torch.full(shape, pad_id, dtype=torch.long)
@@ -476,8 +477,7 @@ class TokenRows:
         self.lengths = [row_tokens(r) for r in rows]
         self.trained = [trained_tokens(r) for r in rows]
         self.budget = token_budget(stage, sequences_per_row) if stage.packing else None
-        # Varlen kernels take every sequence on one line; masks want lines about max_len long.
-        self.line_tokens = 0 if compat.flat_packing(attention) else stage.max_len
+        self.flat = compat.flat_packing(attention)  # varlen kernels: every sequence on one line
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -499,7 +499,7 @@ class TokenRows:
 
     def batch(self, micro) -> Batch:
         rows = [self.rows[i] for i in micro.rows]
-        built = packed_batch(rows, self.pad_id, self.line_tokens) if self.budget else padded_batch(rows, self.pad_id)
+        built = packed_batch(rows, self.pad_id, self.flat) if self.budget else padded_batch(rows, self.pad_id)
         return built.to(self.ctx.device)
 
     def trained_in(self, rows) -> int:

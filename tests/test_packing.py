@@ -114,12 +114,12 @@ def sequence_logps(model, batch):
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-@pytest.mark.parametrize("line_tokens", [48, 0], ids=["lines", "one-line"])
-def test_packed_and_padded_give_the_same_log_probs_and_gradients(tiny_model_dir, attention, line_tokens):
+@pytest.mark.parametrize("flat", [False, True], ids=["lines", "one-line"])
+def test_packed_and_padded_give_the_same_log_probs_and_gradients(tiny_model_dir, attention, flat):
     tokenizer = models.load_tokenizer(str(tiny_model_dir))
     rows = sft_rows(tokenizer)
     padded = data.padded_batch(rows, tokenizer.pad_token_id)
-    packed = data.packed_batch(rows, tokenizer.pad_token_id, line_tokens)
+    packed = data.packed_batch(rows, tokenizer.pad_token_id, flat)
     assert packed.input_ids.shape[0] < padded.input_ids.shape[0]  # several sequences share a line
 
     results = []
@@ -164,8 +164,10 @@ def test_gradient_checkpointing_recomputes_packed_attention_on_autograd_s_own_th
     if layout == "a-line-each":
         rows = [{k: v[:16] for k, v in r.items()} for r in rows if len(r["input_ids"]) >= 16]
     grads = []
-    line = 16 if layout == "a-line-each" else 48
-    for batch in (data.padded_batch(rows, tokenizer.pad_token_id), data.packed_batch(rows, tokenizer.pad_token_id, line)):
+    packed = data.packed_batch(rows, tokenizer.pad_token_id, False)
+    # Rows of equal length get a line each; rows of different lengths share lines.
+    assert (packed.input_ids.shape[0] == len(rows)) == (layout == "a-line-each")
+    for batch in (data.padded_batch(rows, tokenizer.pad_token_id), packed):
         model = load(tiny_model_dir, "sdpa")
         model.train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -195,7 +197,7 @@ def test_packed_and_padded_pairs_give_the_same_loss_and_gradients(tiny_model_dir
     tokenizer = models.load_tokenizer(str(tiny_model_dir))
     rows = pair_rows(tokenizer, n=6)
     results = []
-    for batch in (data.padded_batch(rows, tokenizer.pad_token_id), data.packed_batch(rows, tokenizer.pad_token_id, 48)):
+    for batch in (data.padded_batch(rows, tokenizer.pad_token_id), data.packed_batch(rows, tokenizer.pad_token_id, False)):
         if kind == "rm":
             model = load(tiny_model_dir, "sdpa", AutoModelForSequenceClassification, num_labels=1)
             model.config.pad_token_id = tokenizer.pad_token_id
@@ -219,10 +221,10 @@ def test_one_packed_sequence_cannot_see_another(tiny_model_dir, attention):
     tokenizer = models.load_tokenizer(str(tiny_model_dir))
     rows = sft_rows(tokenizer, n=4)
     model = load(tiny_model_dir, attention)
-    before = sequence_logps(model, data.packed_batch(rows, tokenizer.pad_token_id, 0))
+    before = sequence_logps(model, data.packed_batch(rows, tokenizer.pad_token_id, True))
     changed = [dict(r) for r in rows]
     changed[0]["input_ids"] = [(t + 7) % 40 + 4 for t in changed[0]["input_ids"]]  # another first sequence
-    after = sequence_logps(model, data.packed_batch(changed, tokenizer.pad_token_id, 0))
+    after = sequence_logps(model, data.packed_batch(changed, tokenizer.pad_token_id, True))
     assert not torch.allclose(before[0], after[0])
     torch.testing.assert_close(after[1:], before[1:], **TOL)
 
@@ -232,7 +234,7 @@ def test_without_the_mask_packed_sequences_would_see_each_other(tiny_model_dir):
     tokenizer = models.load_tokenizer(str(tiny_model_dir))
     rows = sft_rows(tokenizer, n=4)
     model = load(tiny_model_dir, "sdpa")
-    batch = data.packed_batch(rows, tokenizer.pad_token_id, 0)
+    batch = data.packed_batch(rows, tokenizer.pad_token_id, True)
     apart = sequence_logps(model, batch)
     inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
     with compat.sequences_apart(None):
@@ -250,7 +252,7 @@ def test_packed_rewards_are_what_the_exported_classifier_reads(tiny_model_dir):
     model.config.pad_token_id = tokenizer.pad_token_id
     with torch.no_grad():
         torch.nn.init.normal_(model.score.weight)
-    packed = data.packed_batch(rows, tokenizer.pad_token_id, 48)
+    packed = data.packed_batch(rows, tokenizer.pad_token_id, False)
     with models.output_of(models.score_head(model)) as scores:
         packed.forward(model)
     rewards = scores.value.squeeze(-1).reshape(-1)[packed.last_tokens(skip_id=tokenizer.pad_token_id)]
@@ -265,7 +267,7 @@ def test_packed_pairs_keep_chosen_and_rejected_matched(tiny_model_dir):
     rows = pair_rows(tokenizer, n=6)
     model = load(tiny_model_dir, "eager")
     with torch.no_grad():
-        packed = sequence_logps(model, data.packed_batch(rows, tokenizer.pad_token_id, 48))
+        packed = sequence_logps(model, data.packed_batch(rows, tokenizer.pad_token_id, False))
         one_by_one = torch.cat([sequence_logps(model, data.padded_batch([r], tokenizer.pad_token_id)) for r in rows])
     torch.testing.assert_close(packed, one_by_one, **TOL)  # [c0, r0, c1, r1, ...]
 

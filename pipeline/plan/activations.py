@@ -14,7 +14,8 @@ the training precision.
   (stages/compat.py PackedSequences): packed lines for sdpa and eager get an
   additive (lines, 1, width, width) mask in the model dtype, built from a bool
   (lines, width, width) and a bool (width, width) causal temporary; lines are about
-  max_len wide, up to twice that (see inputs.masked_line_width). Padded micro
+  as wide as the longest sequence, so at most about max_len, up to twice that where
+  sequences do not share lines evenly (see inputs.masked_line_width). Padded micro
   batches get transformers' own (rows, 1, max_len, max_len) mask: bool for sdpa,
   the model dtype for eager. Flash attention takes no mask.
 - logits (stages/losses.py): a trained LM's logits stay in the model dtype and so

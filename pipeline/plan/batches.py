@@ -5,8 +5,8 @@ lines of each micro batch's (lines x width) tensor, simulated with stages/batchi
 
 Packed (sft, rm, dpo by default): pack_rows gives each process about the same
 tokens in micro batches of at most the token budget; pack_lines lays each micro
-batch's sequences on lines about max_len long for sdpa and eager (their mask then
-covers whole lines), on one flat line for flash attention. Padded: each process
+batch's sequences on lines about as long as its longest sequence for sdpa and eager
+(their mask then covers whole lines), on one flat line for flash attention. Padded: each process
 takes micro_batch_size rows in turn, every sequence padded to the micro batch's
 longest. Real tokens are the sequences' own; processed tokens are lines x width.
 """
@@ -21,7 +21,7 @@ from typing import Optional
 
 from pipeline.lengths import RowLengths
 from pipeline.plan.inputs import Knobs
-from stages.batching import pack_lines, pack_rows, round_robin
+from stages.batching import line_tokens, pack_lines, pack_rows, round_robin
 from stages.data import token_budget
 
 SIMULATED_STEPS = 8  # global batches drawn from the sample
@@ -128,7 +128,7 @@ def _simulate(sampled: tuple, max_len: int, sequences_per_row: int, rows_per_ste
         totals = [sum(r) for r in step_rows]
         if budget is not None:
             per_process = pack_rows(list(range(len(step_rows))), totals, world, budget)
-            step = tuple(tuple(_packed(step_rows, m.rows, m.weight > 0, 0 if flat else max_len) for m in mine)
+            step = tuple(tuple(_packed(step_rows, m.rows, m.weight > 0, flat) for m in mine)
                          for mine in per_process)
         else:
             step = tuple(tuple(_padded(step_rows, m.rows) for m in round_robin(list(range(len(step_rows))),
@@ -139,9 +139,9 @@ def _simulate(sampled: tuple, max_len: int, sequences_per_row: int, rows_per_ste
                    tuple(sum(r) for r in rows))
 
 
-def _packed(rows: list[tuple[int, ...]], picked: tuple[int, ...], counts: bool, line_tokens: int) -> MicroBatchLayout:
+def _packed(rows: list[tuple[int, ...]], picked: tuple[int, ...], counts: bool, flat: bool) -> MicroBatchLayout:
     sequences = [n for i in picked for n in rows[i]]
-    lines = pack_lines(sequences, line_tokens)
+    lines = pack_lines(sequences, line_tokens(sequences, flat))
     width = max(sum(sequences[k] for k in line) for line in lines)
     return MicroBatchLayout(tuple(Line(width, tuple(sequences[k] for k in line)) for line in lines), counts)
 

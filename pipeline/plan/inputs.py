@@ -93,9 +93,10 @@ def attention_kernel(attention: str, on_gpu: bool) -> str:
 
 
 def masked_line_width(tokens: int, max_len: int) -> int:
-    """The widest line a packed micro batch of `tokens` tokens is laid out in for sdpa and
-    eager attention (stages/batching.py pack_lines): lines about max_len long, wider
-    when a few long sequences will not share lines evenly, up to about twice that."""
+    """The widest line a packed micro batch of `tokens` tokens can be laid out in for sdpa and
+    eager attention (stages/batching.py line_tokens, pack_lines): lines about as long as the
+    longest sequence, at most max_len, wider when a few long sequences will not share lines
+    evenly, up to about twice that. Memory is planned for rows of max_len: this bound."""
     return min(tokens, 2 * max_len)
 
 
