@@ -10,6 +10,8 @@ TORCH ?= torch==2.13.0
 STACK ?= current
 REQUIREMENTS := containers/requirements-$(STACK).txt
 CONFIG ?= tiny
+# Extra arguments for the pipeline commands, e.g. ARGS=--scale-model (a scale model of CONFIG first).
+ARGS ?=
 PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
@@ -28,6 +30,7 @@ IMAGE ?= pinned current
 
 help:
 	@echo "make pipeline [CONFIG=tiny]   run a pipeline (default: the tiny chain, locally on CPU)"
+	@echo "make pipeline CONFIG=... ARGS=--scale-model   the same pipeline on a narrow random-init copy of its models"
 	@echo "make test                     run the test suite"
 	@echo "make test-pinned              run the tests on the pinned stack (transformers 4.38.2, DeepSpeed 0.13.2)"
 	@echo "make test-437                 run the compat tests on transformers 4.37.2"
@@ -54,19 +57,19 @@ $(VENV)/.installed-$(STACK): $(REQUIREMENTS) pyproject.toml
 	touch $@
 
 pipeline: setup
-	$(BIN)/python -m pipeline run $(CONFIG)
+	$(BIN)/python -m pipeline run $(CONFIG) $(ARGS)
 
 validate: setup
-	$(BIN)/python -m pipeline validate $(CONFIG)
+	$(BIN)/python -m pipeline validate $(CONFIG) $(ARGS)
 
 plan: setup
-	$(BIN)/python -m pipeline plan $(CONFIG)
+	$(BIN)/python -m pipeline plan $(CONFIG) $(ARGS)
 
 status: setup
-	$(BIN)/python -m pipeline status $(CONFIG)
+	$(BIN)/python -m pipeline status $(CONFIG) $(ARGS)
 
 report: setup
-	$(BIN)/python -m pipeline report $(CONFIG)
+	$(BIN)/python -m pipeline report $(CONFIG) $(ARGS)
 
 test: setup
 	$(BIN)/python tests/prebuild_deepspeed_ops.py

@@ -14,15 +14,34 @@ import sys
 from pathlib import Path
 
 from pipeline import config as config_module
-from pipeline import failure, graph, launch, metrics, plan, preflight, prepare, runfolder, slurm, state
+from pipeline import failure, graph, launch, metrics, plan, preflight, prepare, runfolder, scale, slurm, state
 from pipeline.errors import InvalidInput, PipelineError
 from pipeline.hfcache import hf_cache
 
 CANCEL_WAIT_S = 120
 
 
-def cmd_validate(args) -> int:
+def load(args, build: bool = True):
+    """The pipeline file, validated; with --scale-model its scale model (pipeline/scale.py),
+    whose models are written first when `build` (commands that only read the run folder do not)."""
+    if args.scale_head_dim != scale.DEFAULT_HEAD_DIM and not args.scale_model:
+        raise InvalidInput("--scale-head-dim sets the width of a scale model: give it with --scale-model")
     spec = config_module.load_pipeline(args.config)
+    if args.scale_model:
+        spec = scale.scaled(spec, hf_cache(spec), args.scale_head_dim, build=build)
+    return spec
+
+
+def target(args) -> str:
+    """The pipeline as the other commands name it: the file, and the scale-model flags if given."""
+    if not args.scale_model:
+        return args.config
+    return f"{args.config} --scale-model" + (
+        f" --scale-head-dim {args.scale_head_dim}" if args.scale_head_dim != scale.DEFAULT_HEAD_DIM else "")
+
+
+def cmd_validate(args) -> int:
+    spec = load(args)
     preflight.check(spec)
     metrics.check_trackers(spec)
     if spec.cluster.executor == "local":
@@ -38,7 +57,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    spec = config_module.load_pipeline(args.config)
+    spec = load(args)
     plans = plan.plan_pipeline(spec, plan.known_rows(spec))
     if args.json:
         print(json.dumps(plan.plan_to_json(plans), indent=2))
@@ -48,11 +67,11 @@ def cmd_plan(args) -> int:
 
 
 def cmd_run(args) -> int:
-    spec = config_module.load_pipeline(args.config)
+    spec = load(args)
     preflight.check(spec)
     metrics.check_trackers(spec)
     rerun = frozenset(name.strip() for value in args.rerun for name in value.split(",") if name.strip())
-    outcome = launch.run(spec, args.config, executor=args.executor, force=args.force, rerun=rerun)
+    outcome = launch.run(spec, target(args), executor=args.executor, force=args.force, rerun=rerun)
     pipeline_dir = spec.run_dir.resolve()
     if outcome.executor == "local":
         print(f"\npipeline '{spec.name}' finished; outputs under {pipeline_dir}:")
@@ -68,12 +87,12 @@ def cmd_run(args) -> int:
         count = len(outcome.jobs)
         print(f"\npipeline '{spec.name}': submitted {count} Slurm job{'s' if count > 1 else ''} ({listed}); "
               f"run folder: {pipeline_dir}")
-        print(f"  follow: python -m pipeline status {args.config}    stop: python -m pipeline cancel {args.config}")
+        print(f"  follow: python -m pipeline status {target(args)}    stop: python -m pipeline cancel {target(args)}")
     return 0
 
 
 def cmd_status(args) -> int:
-    spec = config_module.load_pipeline(args.config)
+    spec = load(args, build=False)
     pipeline_dir = spec.run_dir.resolve()
     run_state = state.load(pipeline_dir)
     running = state.holder(pipeline_dir)
@@ -99,7 +118,7 @@ def cmd_status(args) -> int:
                     print(f"      | {line}")
         if superseded:
             total = sum(n for _, n in superseded)
-            print(f"  superseded outputs, kept ({_gib(total)}; `python -m pipeline clean {args.config}` removes them):")
+            print(f"  superseded outputs, kept ({_gib(total)}; `python -m pipeline clean {target(args)}` removes them):")
             for path, n in superseded:
                 print(f"    {path.name:<40} {_gib(n)}")
     return 1 if any(s.failed for s in statuses) else 0
@@ -108,14 +127,14 @@ def cmd_status(args) -> int:
 def cmd_report(args) -> int:
     from pipeline import report
 
-    spec = config_module.load_pipeline(args.config)
+    spec = load(args, build=False)
     path = report.write_report(spec, Path(args.plots) if args.plots else None)
     print(f"pipeline '{spec.name}': report written to {path}")
     return 0
 
 
 def cmd_cancel(args) -> int:
-    spec = config_module.load_pipeline(args.config)
+    spec = load(args, build=False)
     pipeline_dir = spec.run_dir.resolve()
     running = state.holder(pipeline_dir)
     if running is not None and running.doing == launch.RUNNING_LOCALLY:
@@ -140,7 +159,7 @@ def cmd_cancel(args) -> int:
 
 def cmd_clean(args) -> int:
     """Remove the stage folders `run` moved aside (superseded outputs); nothing else."""
-    spec = config_module.load_pipeline(args.config)
+    spec = load(args, build=False)
     folders = runfolder.superseded_folders(spec.run_dir.resolve())
     if not folders:
         print(f"pipeline '{spec.name}': no superseded outputs under {spec.run_dir.resolve()}")
@@ -165,7 +184,7 @@ def _gib(n: int) -> str:
 
 
 def cmd_prepare(args) -> int:
-    spec = config_module.load_pipeline(args.config)
+    spec = load(args)
     preflight.check(spec, fetching=True)
     prepare.fetch(spec, hf_cache(spec), echo=launch.default_echo)
     return 0
@@ -173,7 +192,7 @@ def cmd_prepare(args) -> int:
 
 def cmd_run_stage(args) -> int:
     """One stage in this process, as one task of a job (slurm/stage.sbatch runs it under srun)."""
-    spec = config_module.load_pipeline(args.config)
+    spec = load(args)
     tasks = {t.name: t for t in graph.build_tasks(spec)}
     if args.stage not in tasks:
         raise InvalidInput(f"{args.config}: no stage named '{args.stage}'; stages: {', '.join(tasks)}")
@@ -217,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (func, help_text) in COMMANDS.items():
         commands[name] = p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="pipeline file, or a name under pipeline/configs/")
+        p.add_argument("--scale-model", action="store_true",
+                       help="the same pipeline on a scale model of each model it starts from: the real layers, "
+                       "heads, vocabulary and positions, random weights, a narrow head dimension; outputs under "
+                       "runs/<name>-scale/")
+        p.add_argument("--scale-head-dim", type=int, default=scale.DEFAULT_HEAD_DIM, metavar="D",
+                       help=f"with --scale-model: the head dimension (hidden size = heads x D; default "
+                       f"{scale.DEFAULT_HEAD_DIM})")
         p.set_defaults(func=func)
     commands["run"].add_argument("--executor", choices=["local", "slurm"], help="override cluster.executor")
     commands["run"].add_argument("--force", action="store_true", help="run even where the plan says a stage does not fit")

@@ -6,6 +6,7 @@
       .pipeline.lock                held by the `run` that is running or submitting (pipeline/state.py)
       .input-digests.json           content digests of the files stages read (pipeline/identity.py)
       builtin/                      the built-in model and data, written once (stages/tiny.py)
+      scale-models/<model>-hd<D>/   a scale model's pipeline (<name>-scale): the narrowed models (pipeline/scale.py)
       <stage>/                      one folder per stage: StageFolder
         model/                      the exported model, Hugging Face format
         critic/                     PPO with a critic (advantage: gae): the critic, a 1-label sequence classifier
@@ -29,6 +30,7 @@ Torch-free: the login node reads it to submit and to show status.
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ STATE_FILE = "pipeline.json"
 LOCK_FILE = ".pipeline.lock"
 DIGESTS_FILE = ".input-digests.json"
 BUILTIN_FOLDER = "builtin"
+SCALE_MODELS_FOLDER = "scale-models"
 SUPERSEDED = ".superseded-"
 REPORT_FILE = "report.html"
 TEMPORARY_SUFFIX = ".tmp"
@@ -58,6 +61,12 @@ def digests_file(pipeline_dir: Path) -> Path:
 
 def builtin_folder(pipeline_dir: Path) -> Path:
     return Path(pipeline_dir) / BUILTIN_FOLDER
+
+
+def scale_model_folder(pipeline_dir: Path, source: str, head_dim: int) -> Path:
+    """Where the scale model of `source` (a hub id or a folder) with head dimension head_dim is written."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "--", source.strip("/"))
+    return Path(pipeline_dir) / SCALE_MODELS_FOLDER / f"{slug}-hd{head_dim}"
 
 
 def superseded_folders(pipeline_dir: Path) -> list[Path]:

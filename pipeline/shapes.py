@@ -48,6 +48,7 @@ class ModelShape:
     qkv_bias: bool = False
     model_type: str = "llama"
     head_dim_override: Optional[int] = None
+    rope_theta: Optional[float] = None  # not a size: kept so a scale model (pipeline/scale.py) has the real one
     source: str = field(default="", compare=False)
 
     # ------------------------------------------------------------ dimensions
@@ -200,14 +201,47 @@ def from_config_json(config: dict, source: str = "") -> ModelShape:
         qkv_bias=bool(config.get("attention_bias", model_type in QKV_BIAS_TYPES)),
         model_type=model_type,
         head_dim_override=_head_dim_override(config, int(hidden), int(heads)),
+        rope_theta=_rope_theta(config),
         source=source,
     )
+
+
+# The class each model type of the built-in table is built as.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def to_config_json(shape: ModelShape) -> dict:
+    """The config.json of a shape from the built-in table (the inverse of from_config_json),
+    so a model of that architecture can be built where its own config.json is not at hand."""
+    if shape.model_type not in ARCHITECTURES:
+        raise ValueError(f"no config.json can be written for model type {shape.model_type}")
+    config = {
+        "architectures": [ARCHITECTURES[shape.model_type]], "model_type": shape.model_type,
+        "hidden_size": shape.hidden, "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab,
+        "max_position_embeddings": shape.max_positions, "tie_word_embeddings": shape.tied_embeddings,
+    }
+    if shape.model_type == "llama":
+        config["attention_bias"] = shape.qkv_bias  # qwen2 has its q/k/v biases built in
+    if shape.head_dim_override:
+        config["head_dim"] = shape.head_dim_override
+    if shape.rope_theta is not None:
+        config["rope_theta"] = shape.rope_theta
+    return config
 
 
 def _head_dim_override(config: dict, hidden: int, heads: int) -> Optional[int]:
     """config.json's head_dim when it differs from hidden / heads (e.g. Gemma), else None."""
     head_dim = config.get("head_dim")
     return int(head_dim) if head_dim and int(head_dim) != hidden // heads else None
+
+
+def _rope_theta(config: dict) -> Optional[float]:
+    """rope_theta at the top (transformers 4.x) or under rope_parameters (5.x)."""
+    theta = config.get("rope_theta")
+    if theta is None and isinstance(config.get("rope_parameters"), dict):
+        theta = config["rope_parameters"].get("rope_theta")
+    return float(theta) if theta is not None else None
 
 
 def read_config_json(path: Path) -> ModelShape:
@@ -224,17 +258,17 @@ def read_config_json(path: Path) -> ModelShape:
 
 # From the models' published config.json files (MODELS.md).
 _TABLE = {
-    "meta-llama/Llama-2-7b-hf": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=32000, max_positions=4096),
-    "meta-llama/Llama-2-13b-hf": dict(hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40, vocab=32000, max_positions=4096),
-    "meta-llama/Llama-2-70b-hf": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=32000, max_positions=4096),
-    "codellama/CodeLlama-34b-hf": dict(hidden=8192, intermediate=22016, layers=48, heads=64, kv_heads=8, vocab=32000, max_positions=16384),
-    "01-ai/Yi-34B": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000, max_positions=4096),
-    "01-ai/Yi-34B-200K": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000, max_positions=200000),
-    "meta-llama/Meta-Llama-3-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, max_positions=8192),
-    "meta-llama/Meta-Llama-3-70B": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256, max_positions=8192),
-    "mistralai/Mistral-7B-v0.1": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=32000, max_positions=32768, model_type="mistral"),
-    "Qwen/Qwen1.5-7B": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=151936, max_positions=32768, model_type="qwen2", qkv_bias=True),
-    "Qwen/Qwen1.5-1.8B": dict(hidden=2048, intermediate=5504, layers=24, heads=16, kv_heads=16, vocab=151936, max_positions=32768, model_type="qwen2", qkv_bias=True),
+    "meta-llama/Llama-2-7b-hf": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=32000, max_positions=4096, rope_theta=1e4),
+    "meta-llama/Llama-2-13b-hf": dict(hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40, vocab=32000, max_positions=4096, rope_theta=1e4),
+    "meta-llama/Llama-2-70b-hf": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=32000, max_positions=4096, rope_theta=1e4),
+    "codellama/CodeLlama-34b-hf": dict(hidden=8192, intermediate=22016, layers=48, heads=64, kv_heads=8, vocab=32000, max_positions=16384, rope_theta=1e6),
+    "01-ai/Yi-34B": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000, max_positions=4096, rope_theta=5e6),
+    "01-ai/Yi-34B-200K": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000, max_positions=200000, rope_theta=1e7),
+    "meta-llama/Meta-Llama-3-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, max_positions=8192, rope_theta=5e5),
+    "meta-llama/Meta-Llama-3-70B": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256, max_positions=8192, rope_theta=5e5),
+    "mistralai/Mistral-7B-v0.1": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=32000, max_positions=32768, model_type="mistral", rope_theta=1e4),
+    "Qwen/Qwen1.5-7B": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=151936, max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),
+    "Qwen/Qwen1.5-1.8B": dict(hidden=2048, intermediate=5504, layers=24, heads=16, kv_heads=16, vocab=151936, max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),
 }
 BUILTIN_SHAPES: dict[str, ModelShape] = {
     hub_id: ModelShape(**dims, source=f"built-in table ({hub_id})") for hub_id, dims in _TABLE.items()

@@ -90,7 +90,7 @@ def write_digits(dest: Path, seed: int = 1234) -> None:
                 for row in rows:
                     f.write(json.dumps(row) + "\n")
 
-    _write_atomically(dest, write)
+    write_atomically(dest, write)
 
 
 # --------------------------------------------------------------------------- model
@@ -151,7 +151,7 @@ def write_tiny_llama(dest: Path, seed: int = 0) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
-    _write_atomically(dest, write)
+    write_atomically(dest, write)
 
 
 # --------------------------------------------------------------------------- placing
@@ -165,7 +165,7 @@ def materialize(name: str, root: Path) -> Path:
     return dest
 
 
-def _write_atomically(dest: Path, write) -> None:
+def write_atomically(dest: Path, write) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
