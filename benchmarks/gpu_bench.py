@@ -1,7 +1,7 @@
 """GPU benchmark: the project's SFT and DPO stages against TRL's trainers on one GPU,
 and the planner's memory estimate against what the stages really use.
 
-    python3 benchmarks/gpu_bench.py run [--cases throughput|memory|all|NAME,...] [--out DIR] [--budget-s S]
+    python3 benchmarks/gpu_bench.py run [--cases throughput|memory|slice|all|NAME,...] [--out DIR] [--budget-s S]
     python3 benchmarks/gpu_bench.py report DIR [DIR ...] [--results benchmarks/RESULTS.md]
     python3 benchmarks/gpu_bench.py run --device cpu --shape tiny      # the dry run, on a CPU, in minutes
 
@@ -43,9 +43,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run cases, each in its own subprocess; results to OUT/<case>.json")
-    run.add_argument("--cases", default="throughput,memory",
-                     help="comma-separated case or group names: throughput, memory, all, or e.g. "
-                          "project-sft,trl-sft-packed,project-sft+packing (default: throughput,memory)")
+    run.add_argument("--cases", default="throughput,memory,slice",
+                     help="comma-separated case or group names: throughput, memory, slice (the 34B slice), all, "
+                          "or e.g. project-sft,trl-sft-packed,project-sft+packing (default: throughput,memory,slice)")
     run.add_argument("--out", help="small results (case JSONs, log tails, RESULTS.md); "
                                    "default benchmarks/out/gpu-DATE (cpu-dry-DATE on a CPU)")
     run.add_argument("--work", help="model, data and run folders (large); default benchmarks/out/work-SHAPE")
@@ -155,6 +155,10 @@ def inner_command(args) -> int:
             cases.run_env(folder, settings)
         elif case.kind == "matmul":
             cases.run_matmul(folder, settings)
+        elif case.kind == "slice":  # builds its own workload
+            from benchmarks.gpu import slice as slice_34b
+
+            slice_34b.run(case, folder, settings)
         else:
             info = workload.load(work / "workload")
             if case.kind == "project":

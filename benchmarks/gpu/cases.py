@@ -11,7 +11,10 @@ Groups (what `--cases` accepts besides case names):
                (a budget that runs out drops the tail)
   memory       env, then the planner-vs-measured matrix (project SFT/DPO, 3 steps of 2 micro
                batches each, rows of exactly max_len tokens)
-  all          both
+  slice        env, matmul, then a slice of the real 34B (its width, heads and vocabulary, as many
+               of its 48 layers as fit) through the project's SFT and DPO at two layer counts
+               (benchmarks/gpu/slice.py)
+  all          all three
 A project case name may carry extra stage knobs: `project-sft+packing` adds
 `packing: true` to the stage, `project-sft+zero_stage=3` sets a value; a knob the
 schema does not know makes the case fail with validate's message.
@@ -34,7 +37,7 @@ GiB = 1024**3
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # env | matmul | project | trl
+    kind: str  # env | matmul | project | trl | slice
     params: dict = field(default_factory=dict)
     estimate_s: float = 60.0  # on the 1B shape and an H100, for the budget
     timeout_s: float = 300.0
@@ -83,11 +86,22 @@ MEMORY = [
     _memory("mem-sft-mb2", 50, micro_batch_size=2),
 ]
 
-KNOWN = {c.name: c for c in THROUGHPUT + MEMORY}
+# The 34B slice (benchmarks/gpu/slice.py): each stage at the largest layer count that fits
+# ("max") and at half of it. SFT's pair first: if the budget runs out, one stage's per-layer
+# figures are whole. On an H100 a case builds (or reuses) a model of ~7 layers (~5B
+# parameters), loads it under ZeRO-3 and runs 4 steps with the optimizer on the host; 570 s
+# stays inside a 10-minute call.
+SLICE = [Case("env", "env", {}, 10, 120), Case("matmul", "matmul", {}, 20, 180)] + [
+    Case(f"slice-34b-{kind}{suffix}", "slice", {"kind": kind, "layers": role}, 300, 570)
+    for kind in ("sft", "dpo") for role, suffix in (("max", ""), ("half", "-half"))
+]
+
+KNOWN = {c.name: c for c in THROUGHPUT + MEMORY + SLICE}
 GROUPS = {
     "throughput": [c.name for c in THROUGHPUT],
     "memory": [c.name for c in MEMORY],
-    "all": list(dict.fromkeys([c.name for c in THROUGHPUT + MEMORY])),
+    "slice": [c.name for c in SLICE],
+    "all": list(dict.fromkeys([c.name for c in THROUGHPUT + MEMORY + SLICE])),
 }
 
 

@@ -51,6 +51,8 @@ def stage_settings(case, settings: dict) -> dict:
     checkpointing = p.get("gradient_checkpointing", settings["gradient_checkpointing"])
     checkpointing = gradient_checkpointing(p["kind"], checkpointing)
     micro_batch = p.get("micro_batch_size", settings["micro_batch_size"])
+    # A case may fix its batch, steps and length itself (the 34B slice takes the shipped file's).
+    default_batch = 2 * micro_batch if p.get("memory") else settings["global_batch_size"]
     return {
         "kind": p["kind"],
         "zero_stage": p.get("zero_stage", settings["zero_stage"]),
@@ -58,8 +60,9 @@ def stage_settings(case, settings: dict) -> dict:
         "micro_batch_size": micro_batch,
         # Memory does not grow with accumulation (gradients accumulate in place): the matrix
         # accumulates 2 micro batches, enough to include that, and stays short.
-        "global_batch_size": 2 * micro_batch if p.get("memory") else settings["global_batch_size"],
-        "max_steps": settings["memory_steps"] if p.get("memory") else settings["steps"],
+        "global_batch_size": p.get("global_batch_size", default_batch),
+        "max_steps": p.get("max_steps", settings["memory_steps"] if p.get("memory") else settings["steps"]),
+        "max_len": p.get("max_len", settings["max_len"]),
         "reference": p.get("reference") if p["kind"] == "dpo" else None,
         "lora_rank": (p.get("lora") or {}).get("rank"),
         "data": p["data"],
@@ -96,7 +99,7 @@ def pipeline_spec(case, settings: dict, info: dict, gpu, runs_dir: Path) -> dict
         "defaults": {
             "precision": settings["precision"],
             "attention": "sdpa",  # flash-attn is not installed on the benchmark machine
-            "max_len": settings["max_len"],
+            "max_len": knobs["max_len"],
             "micro_batch_size": knobs["micro_batch_size"],
             "global_batch_size": knobs["global_batch_size"],
             "zero_stage": knobs["zero_stage"],
@@ -205,7 +208,7 @@ def collect(case, work: Path, settings: dict, info: dict) -> dict:
     stage = StageFolder.of(work / "runs" / PIPELINE_NAME, knobs["kind"])
     records = read_jsonl(stage.metrics)
     training = [r for r in records if "tokens_per_s" in r]
-    warmup = 0 if case.params.get("memory") else settings["warmup_steps"]
+    warmup = case.params.get("warmup_steps", 0 if case.params.get("memory") else settings["warmup_steps"])
     measured = [r for r in training if r.get("step", 0) > warmup]
     out = {
         "stack": "project",
@@ -221,6 +224,7 @@ def collect(case, work: Path, settings: dict, info: dict) -> dict:
     out["sequences_per_step"] = knobs["global_batch_size"] * (2 if knobs["kind"] == "dpo" else 1)
     out["gpu_mem_peak_gib"] = _max(training, "gpu_mem_peak_gib")
     out["gpu_mem_reserved_gib"] = _max(training, "gpu_mem_reserved_gib")
+    out["host_rss_gib"] = _max(training, "host_rss_gib")
     out.update(_planner(work / "plan.json"))
     data = knobs["data"]
     live_reference = knobs["kind"] == "dpo" and knobs.get("reference") in ("live", "offload")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from benchmarks.gpu import cases as case_list
 from benchmarks.gpu import hf_trl, project, workload
+from benchmarks.gpu import slice as slice_34b
 from benchmarks.gpu.cases import Case, read_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,6 +116,8 @@ def _collect(case: Case, work: Path, settings: dict, info) -> dict:
         return case_list.collect_matmul(work, settings)
     if case.kind == "project":
         return project.collect(case, work, settings, info)
+    if case.kind == "slice":  # its own workload, not the shared one
+        return slice_34b.collect(case, work, settings)
     return hf_trl.collect(case, work, settings, info)
 
 

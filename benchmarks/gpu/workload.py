@@ -171,16 +171,22 @@ def load(folder: Path) -> dict | None:
 
 
 def prepare(folder: Path, shape: str, max_len: int, rows: int, dtype: str, device: str) -> dict:
-    """Write model/, the data files and workload.json (last: it marks the folder complete).
-    The model is kept when only the number of rows changed."""
-    wanted = describe(shape, max_len, rows, dtype)
+    """The workload of a named shape (SHAPES) in `folder`; see build."""
+    median = min(SHAPES[shape]["median_tokens"], max_len // 4)
+    return build(folder, describe(shape, max_len, rows, dtype), shape_config(shape, max_len), median, device)
+
+
+def build(folder: Path, wanted: dict, config_fields: dict, median: int, device: str) -> dict:
+    """Write model/ (config_fields: its config.json fields), the data files and workload.json
+    (last: it marks the folder complete). `wanted` is describe()'s; a folder with the same
+    description is reused, and the model is kept when only the number of rows changed."""
     existing = load(folder)
     if existing is not None and existing["described"] == wanted:
         return existing
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "workload.json").unlink(missing_ok=True)
-    spec = SHAPES[shape]
-    vocab, median = spec["vocab_size"], min(spec["median_tokens"], max_len // 4)
+    max_len, rows, dtype = wanted["max_len"], wanted["rows"], wanted["dtype"]
+    vocab = config_fields["vocab_size"]
     files = {
         "sft": sft_rows(rows, vocab, median, max_len, SEED),
         "sft-eval": sft_rows(EVAL_ROWS, vocab, median, max_len, SEED + 1),
@@ -195,7 +201,7 @@ def prepare(folder: Path, shape: str, max_len: int, rows: int, dtype: str, devic
     model_described = {k: wanted[k] for k in ("shape", "max_len", "dtype", "seed")}
     if not model_marker.is_file() or json.loads(model_marker.read_text()) != model_described:
         shutil.rmtree(folder / "model", ignore_errors=True)
-        build_model_and_tokenizer(folder / "model", shape_config(shape, max_len), dtype, device)
+        build_model_and_tokenizer(folder / "model", config_fields, dtype, device)
         model_marker.write_text(json.dumps(model_described) + "\n")
     model_shape = read_config_json(folder / "model" / "config.json")
     info = {
@@ -242,9 +248,11 @@ def build_model_and_tokenizer(folder: Path, config_fields: dict, dtype: str, dev
     if len(tokenizer) != vocab_size:
         raise RuntimeError(f"tokenizer has {len(tokenizer)} entries, the model {vocab_size}")
 
-    config = LlamaConfig(**config_fields, bos_token_id=ids["<s>"], eos_token_id=ids["</s>"],
-                         pad_token_id=ids["<pad>"], rms_norm_eps=1e-5, hidden_act="silu",
-                         initializer_range=0.02, attention_bias=False, mlp_bias=False)
+    # config.json's own fields (e.g. attention_bias from pipeline/shapes.py) win over these defaults
+    defaults = dict(rms_norm_eps=1e-5, hidden_act="silu", initializer_range=0.02, attention_bias=False, mlp_bias=False)
+    fields = {k: v for k, v in config_fields.items() if k not in ("architectures", "model_type")}
+    config = LlamaConfig(**{**defaults, **fields}, bos_token_id=ids["<s>"], eos_token_id=ids["</s>"],
+                         pad_token_id=ids["<pad>"])
     torch.manual_seed(SEED)
     # Initialised on the GPU when there is one: seconds instead of a minute for 1B on CPU.
     with torch.device(device):
