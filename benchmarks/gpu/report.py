@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.gpu.cases import GROUPS, read_json
+from benchmarks.gpu import slice as slice_34b
+from benchmarks.gpu.cases import GROUPS, SLICE, read_json
 
 START, END = "<!-- gpu-bench:start -->", "<!-- gpu-bench:end -->"
 PREAMBLE = """# Benchmark results
@@ -75,6 +76,7 @@ def render(results: dict) -> str:
     lines += _header(results)
     lines += _throughput(cases, results)
     lines += _memory(cases)
+    lines += _slice(cases, dry)
     lines += _goals(cases, results, dry)
     lines += _notes(cases)
     return "\n".join(lines).rstrip("\n")
@@ -264,6 +266,108 @@ def _memory(cases: dict) -> list[str]:
         ])
     lines = ["### Memory: the planner's GPU peak vs the measured peak", ""]
     return lines + _table(MEMORY_COLUMNS, rows, "(no memory case run)") + [""]
+
+
+SLICE_COLUMNS = [
+    ("case", "---"), ("layers", "---:"), ("parameters", "---:"), ("settings", "---"), ("steps", "---:"),
+    ("step s", "---:"), ("real tok/s", "---:"), ("MFU datasheet", "---:"), ("peak alloc GiB", "---:"),
+    ("peak reserved GiB", "---:"), ("host RSS GiB", "---:"), ("planner GiB", "---:"), ("planner step s", "---:"),
+    ("status", "---"),
+]
+PER_LAYER_COLUMNS = [
+    ("stage", "---"), ("layers", "---"), ("s/layer/step", "---:"), ("fixed s/step", "---:"),
+    ("planner s/layer/step", "---:"), ("reserved GiB/layer", "---:"), ("fixed reserved GiB", "---:"),
+    ("planner GiB/layer", "---:"), ("allocated GiB/layer", "---:"), ("host RSS GiB/layer", "---:"),
+]
+REDERIVED_COLUMNS = [
+    ("stage", "---"), ("step s (GPU + host + comm.)", "---:"), ("real tok/s", "---:"), ("MFU", "---:"),
+    ("GPU peak GiB", "---:"), ("planner step s", "---:"), ("planner tok/s", "---:"), ("planner MFU", "---:"),
+    ("planner GPU peak GiB", "---:"), ("not derived", "---"),
+]
+
+
+def _slice(cases: dict, dry: bool) -> list[str]:
+    """The 34B slice's cases, its per-layer figures and the full 34B re-derived from them."""
+    names = [c.name for c in SLICE if c.kind == "slice"]
+    results = [cases[n] for n in names if n in cases]
+    lines = ["### 34B slice on one GPU: per layer, and the full 34B re-derived from it", ""]
+    known = next((r["slice"] for r in results if (r.get("slice") or {}).get("target")), None)
+    if dry:
+        lines += ["> **CPU dry run: measures nothing.** The slice is a narrow stand-in (the 34B config narrowed "
+                  f"to head dimension {slice_34b.CPU_HEAD_DIM}, {slice_34b.CPU_LAYERS['max']} and "
+                  f"{slice_34b.CPU_LAYERS['half']} layers, fp32); the re-derivation below scales CPU seconds as if "
+                  f"they were {slice_34b.DRY_GPU}'s, only to exercise the path.", ""]
+    if known:
+        choice = known.get("choice") or {}
+        planned = "; ".join(f"{kind.upper()} GPU {v['gpu_peak_gib']:.1f} GiB, host {v['host_peak_gib']:.1f} GiB"
+                            for kind, v in (choice.get("planned_at_max") or {}).items())
+        lines.append(f"- Layers: {choice.get('max')} and {choice.get('half')} of 48, the most the planner fits on "
+                     f"{choice.get('gpu')} ({choice.get('gpu_gib')} GiB) with {100 * choice.get('host_margin', 0):.0f}% "
+                     f"of {choice.get('host_gib', 0):.0f} GiB host RAM (planned at {choice.get('max')}: {planned})"
+                     + (f". {choice['dry_run']}" if choice.get("dry_run") else "") + ".")
+    lines.append(f"- Model: {slice_34b.SOURCE}'s shape from pipeline/shapes.py with fewer layers, random init; "
+                 f"settings per GPU from {slice_34b.SHIPPED} (its global batch over its GPUs), sdpa; rows of exactly "
+                 f"max_len tokens; {slice_34b.STEPS} steps, the first {slice_34b.WARMUP_STEPS} left out.")
+    lines.append("")
+    rows = []
+    for name in names:
+        r = cases.get(name)
+        if r is None:
+            rows.append([name] + [""] * (len(SLICE_COLUMNS) - 2) + ["not measured: not run"])
+            continue
+        info = r.get("slice") or {}
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r.get('reason') or '')[:80]}"
+        if r["status"] != "ok" and r.get("step_s") is None:
+            status = "not measured: " + status
+        rows.append([
+            name, str(info.get("layers") or "—"), _count(info["n_params"]) if info.get("n_params") else "—",
+            _settings(r), str(r.get("steps_measured", 0)), _num(r.get("step_s"), ".3f"),
+            _num(r.get("tokens_per_s"), ",.0f"), _pct(r.get("mfu")), _num(r.get("gpu_mem_peak_gib"), ".1f"),
+            _num(r.get("gpu_mem_reserved_gib"), ".1f"), _num(r.get("host_rss_gib"), ".1f"),
+            _num(r.get("planner_peak_gib"), ".1f"), _num(r.get("planner_step_s"), ".3g"), status,
+        ])
+    lines += _table(SLICE_COLUMNS, rows, "") + [""]
+
+    fits = slice_34b.per_layer(results)
+    per_layer_rows = []
+    for kind, fit in fits.items():
+        def cell(figure, fmt, part=1):
+            return "—" if fit.get(figure) is None else format(fit[figure][part], fmt)
+        per_layer_rows.append([
+            kind.upper(), " and ".join(str(n) for n in fit["layers"]) or "—", cell("step_s", ".3f"),
+            cell("step_s", ".3f", 0), cell("planner_step_s", ".3f"), cell("gpu_mem_reserved_gib", ".2f"),
+            cell("gpu_mem_reserved_gib", ".1f", 0), cell("planner_peak_gib", ".2f"),
+            cell("gpu_mem_peak_gib", ".2f"), cell("host_rss_gib", ".2f"),
+        ])
+    lines += ["Per layer: the difference between the two layer counts, (y(L) - y(L/2)) / (L - L/2); fixed: "
+              "what is left at 0 layers (embeddings, LM head, loss, workspace).", ""]
+    lines += _table(PER_LAYER_COLUMNS, per_layer_rows, "") + [""]
+
+    if not known:
+        return lines + ["The full 34B is not re-derived: no slice case ran.", ""]
+    measured_tflops = next((r.get("datasheet_tflops") for r in results if r.get("datasheet_tflops")), None)
+    if dry:
+        from pipeline import hardware
+
+        measured_tflops = hardware.gpu(slice_34b.DRY_GPU).peak_tflops("bf16")
+    derived = slice_34b.rederive(fits, known["target"], measured_tflops)
+    plan = next(iter(known["target"].values()))
+    rederived_rows = []
+    for kind, row in derived["stages"].items():
+        p = row["planner"]
+        parts = (f"{row['step_s']:.1f} ({row['gpu_s']:.1f} + {row['host_s']:.1f} + "
+                 f"{p['exposed_communication_s']:.1f})" if row.get("step_s") is not None else "—")
+        rederived_rows.append([
+            kind.upper(), parts, _num(row.get("tokens_per_s"), ",.0f"), _pct(row.get("mfu")),
+            _num(row.get("gpu_peak_gib"), ".1f"), _num(p.get("step_s"), ".1f"), _num(p.get("tokens_per_s"), ",.0f"),
+            _pct(p.get("mfu")), _num(p.get("gpu_peak_gib"), ".1f"), "; ".join(row["notes"]) or "",
+        ])
+    lines += [f"The full {_count(plan['n_params'])} model ({plan['layers']} layers) on {plan['processes']}x "
+              f"{plan['gpu']} as {plan['file']} runs it, re-derived from the figures above (method: "
+              "benchmarks/gpu/slice.py `rederive`, and RESULTS.md's \"34B slice\" section), beside the planner's "
+              f"own plan of that file (`python -m pipeline plan {plan['file']} --json`):", ""]
+    lines += _table(REDERIVED_COLUMNS, rederived_rows, "") + [""]
+    return lines
 
 
 def _goals(cases: dict, results: dict, dry: bool) -> list[str]:

@@ -173,7 +173,8 @@ def run(case: Case, work: Path, settings: dict) -> None:
         layers, head_dim = facts["choice"][role], None
     else:
         facts["choice"] = choose_layers(DRY_GPU, DRY_HOST_GIB * GiB, knobs.max_len)
-        facts["choice"]["dry_run"] = f"planned for {DRY_GPU} and {DRY_HOST_GIB} GiB; this CPU runs {CPU_LAYERS}"
+        facts["choice"]["dry_run"] = (f"The dry run only plans that choice; its stand-in runs {CPU_LAYERS['max']} "
+                                      f"and {CPU_LAYERS['half']} layers")
         layers, head_dim = CPU_LAYERS[role], CPU_HEAD_DIM
     facts.update(layers=layers, stand_in=f"head dim {head_dim}" if head_dim else None)
     print(f"slice: {layers} layers ({role}); choice {json.dumps(facts['choice'])}", flush=True)
@@ -308,13 +309,15 @@ def rederive(fits: dict, target: dict, measured_tflops: Optional[float]) -> dict
             h0, h1 = split["host_s"]
             gpu_s = (g0 + g1 * full) * plan["tokens_per_step"] / world * measured_tflops / plan["peak_tflops"]
             host_s = (h0 + h1 * full) / world
-            step = gpu_s + host_s + plan["exposed_communication_s"]
-            row.update(gpu_s=gpu_s, host_s=host_s, step_s=step, tokens_per_s=plan["tokens_per_step"] / step)
-            if plan.get("model_flops_per_token"):
-                row["mfu"] = row["tokens_per_s"] * plan["model_flops_per_token"] / (world * plan["peak_tflops"] * 1e12)
-            if min(g0 + g1 * full, h0 + h1 * full) < 0:
-                row["notes"].append("step time: a negative GPU or host part: the measured differences are "
-                                    "within the noise, the split does not hold")
+            if min(gpu_s, host_s) < 0:
+                row["notes"].append(f"step time: the split gives a negative part (GPU {gpu_s:.3g} s, host "
+                                    f"{host_s:.3g} s): the measured differences are within the noise")
+            else:
+                step = gpu_s + host_s + plan["exposed_communication_s"]
+                row.update(gpu_s=gpu_s, host_s=host_s, step_s=step, tokens_per_s=plan["tokens_per_step"] / step)
+                if plan.get("model_flops_per_token"):
+                    row["mfu"] = (row["tokens_per_s"] * plan["model_flops_per_token"]
+                                  / (world * plan["peak_tflops"] * 1e12))
         rest = (fits.get(kind) or {}).get("rest_gib")
         if rest is None:
             row["notes"].append("GPU peak: needs the reserved peak at both layer counts (none on a CPU)")
