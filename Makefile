@@ -42,7 +42,7 @@ help:
 	@echo "make status CONFIG=...        show each stage's state"
 	@echo "make report CONFIG=...        write runs/<pipeline>/report.html (curves, throughput, memory, plan vs measured)"
 	@echo "make setup                    create $(VENV) with the pinned stack ($(STACK))"
-	@echo "make bench-gpu [BENCH_ARGS=]  the GPU benchmark (project vs TRL, planner vs memory) -> benchmarks/RESULTS.md"
+	@echo "make bench-gpu [BENCH_ARGS=]  the GPU benchmark (project vs TRL, planner vs memory, 34B slice) -> benchmarks/RESULTS.md"
 	@echo "make bench-gpu-dry            the same cases on this CPU, tiny shape: checks the harness, measures nothing"
 
 setup: $(VENV)/.installed-$(STACK)
@@ -122,7 +122,8 @@ docs: setup
 # benchmarks/RESULTS.md. Not tied to `setup` (a GPU machine may have the project's packages in an
 # image instead): it uses .venv's python when there is one, else python3. TRL's rows need
 # trl==1.16.0 importable (e.g. `.venv/bin/pip install --no-deps trl==1.16.0`); without it they
-# are skipped, saying so. BENCH_ARGS goes to `run`, e.g. BENCH_ARGS="--cases throughput --budget-s 480".
+# are skipped, saying so. BENCH_ARGS goes to `run`, e.g. BENCH_ARGS="--cases throughput --budget-s 480";
+# the default runs throughput, memory, then the 34B slice (--cases slice; benchmarks/gpu/slice.py).
 BENCH_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 BENCH_ARGS ?=
 BENCH_OUT ?= benchmarks/out/gpu-$(shell date +%Y%m%d)
@@ -131,8 +132,8 @@ bench-gpu:
 	$(BENCH_PYTHON) benchmarks/gpu_bench.py run --out $(BENCH_OUT) $(BENCH_ARGS)
 	$(BENCH_PYTHON) benchmarks/gpu_bench.py report $(BENCH_OUT) --results benchmarks/RESULTS.md
 
-# The same cases on this machine's CPU with the tiny shape (~10 min on 2 cores): proves the harness
-# end to end, measures nothing. Its tables go to benchmarks/out/cpu-dry/RESULTS.md, not to
-# benchmarks/RESULTS.md. TRL cases run when trl is importable, and are skipped (with the reason) if not.
+# The same cases on this machine's CPU with the tiny shape, the 34B slice as a narrow stand-in
+# (~13 min on 2 cores): proves the harness end to end, measures nothing. Its tables go to
+# benchmarks/out/cpu-dry/RESULTS.md, not to benchmarks/RESULTS.md. TRL cases run when trl is importable, and are skipped (with the reason) if not.
 bench-gpu-dry: setup
 	$(BIN)/python benchmarks/gpu_bench.py run --device cpu --out benchmarks/out/cpu-dry $(BENCH_ARGS)

@@ -301,9 +301,11 @@ def _slice(cases: dict, dry: bool) -> list[str]:
         choice = known.get("choice") or {}
         planned = "; ".join(f"{kind.upper()} GPU {v['gpu_peak_gib']:.1f} GiB, host {v['host_peak_gib']:.1f} GiB"
                             for kind, v in (choice.get("planned_at_max") or {}).items())
-        lines.append(f"- Layers: {choice.get('max')} and {choice.get('half')} of 48, the most the planner fits on "
-                     f"{choice.get('gpu')} ({choice.get('gpu_gib')} GiB) with {100 * choice.get('host_margin', 0):.0f}% "
-                     f"of {choice.get('host_gib', 0):.0f} GiB host RAM (planned at {choice.get('max')}: {planned})"
+        full = next(iter(known["target"].values()))["layers"]
+        lines.append(f"- Layers: {choice.get('max')} and {choice.get('half')} of {full}, the most the planner fits "
+                     f"on {choice.get('gpu')} ({choice.get('gpu_gib')} GiB) with "
+                     f"{100 * choice.get('host_margin', 0):.0f}% of {choice.get('host_gib', 0):.0f} GiB host RAM "
+                     f"(planned at {choice.get('max')}: {planned})"
                      + (f". {choice['dry_run']}" if choice.get("dry_run") else "") + ".")
     lines.append(f"- Model: {slice_34b.SOURCE}'s shape from pipeline/shapes.py with fewer layers, random init; "
                  f"settings per GPU from {slice_34b.SHIPPED} (its global batch over its GPUs), sdpa; rows of exactly "
