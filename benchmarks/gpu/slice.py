@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -157,7 +159,7 @@ def model_states_gib(stage_plan: dict) -> float:
 def run(case: Case, work: Path, settings: dict) -> None:
     """Choose L, build (or reuse) the slice's workload, run the project's stage on it
     (benchmarks/gpu/project.py), leaving slice.json beside the stage's facts."""
-    from benchmarks.gpu import project, workload
+    from benchmarks.gpu import project
 
     on_gpu = settings["device"] == "cuda"
     kind, role = case.params["kind"], case.params["layers"]
@@ -185,8 +187,13 @@ def run(case: Case, work: Path, settings: dict) -> None:
     config = slice_config(layers, max_len, head_dim)
     facts["workload"] = str(folder)
     _write(work, facts)
-    info = workload.build(folder, workload.describe(name, max_len, rows, settings["precision"]), config,
-                          max_len // 4, settings["device"])
+    # In a child process: this one waits beside the stage, and must hold neither the model's host
+    # memory nor a CUDA context (~0.5 GiB of the GPU the stage is measured on) meanwhile.
+    request = {"folder": str(folder), "name": name, "max_len": max_len, "rows": rows, "config": config,
+               "dtype": settings["precision"], "device": settings["device"]}
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu.slice", json.dumps(request)], check=True,
+                   cwd=Path(__file__).resolve().parents[2])
+    info = read_json(folder / "workload.json")
     facts["params"] = {
         "kind": kind, "data": f"{kind}-full", "zero_stage": knobs.zero_stage,
         "gradient_checkpointing": knobs.gradient_checkpointing, "micro_batch_size": knobs.micro_batch_size,
@@ -326,3 +333,15 @@ def rederive(fits: dict, target: dict, measured_tflops: Optional[float]) -> dict
             row["gpu_peak_gib"] = plan["model_states_gib"] + row["rest_gib"]
         out[kind] = row
     return {"split": split, "stages": out}
+
+
+def _build(request: dict) -> None:
+    """The slice's workload (model, tokenizer, rows), as `run` asks for it in a child process."""
+    from benchmarks.gpu import workload
+
+    wanted = workload.describe(request["name"], request["max_len"], request["rows"], request["dtype"])
+    workload.build(Path(request["folder"]), wanted, request["config"], request["max_len"] // 4, request["device"])
+
+
+if __name__ == "__main__":
+    _build(json.loads(sys.argv[1]))
