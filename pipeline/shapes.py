@@ -48,7 +48,8 @@ class ModelShape:
     qkv_bias: bool = False
     model_type: str = "llama"
     head_dim_override: Optional[int] = None
-    rope_theta: Optional[float] = None  # not a size: kept so a scale model (pipeline/scale.py) has the real one
+    # Not a size (so not part of a shape's equality): kept so a scale model (pipeline/scale.py) has the real one.
+    rope_theta: Optional[float] = field(default=None, compare=False)
     source: str = field(default="", compare=False)
 
     # ------------------------------------------------------------ dimensions
