@@ -12,7 +12,7 @@
     step        while the optimizer steps, the fp32 copy of the gradients:
                 ZeRO-0 bf16 4*N; ZeRO-1/2 4*N/W (with LoRA's single parameter
                 group the b*N/W partition is freed as it is made); ZeRO-3 4*N/W per
-                sub-group of at most 1e9 elements, and it releases the persistent
+                sub-group of about 1e9 elements, and it releases the persistent
                 whole copies first; fp32 ZeRO-0 needs none.
   So mixed-precision Adam under ZeRO-3 costs 2+2+12 = 16 B/param at rest and
   20 B/param while stepping (DeepSpeed's own estimator says 18).
@@ -157,6 +157,20 @@ def trainable_tensors(use: ModelUse, knobs: Knobs) -> tuple[list[int], list[int]
             adapters = adapters + [use.shape.hidden]  # peft trains the score head in full (modules_to_save)
         return adapters, base
     return base, []
+
+
+def largest_sub_group(partitions: list[int]) -> int:
+    """Elements of ZeRO-3's largest optimizer sub-group, whose fp32 gradients exist while it
+    steps: DeepSpeed (stage3.py _create_fp16_sub_groups) adds tensors' partitions in model
+    order and closes a sub-group once it holds sub_group_size elements or more, so one can
+    exceed it by almost a whole partition (CodeLlama-34B on 8 GPUs: 1.019e9 elements).
+    The project's no-decay group (norms) shifts the boundaries by a few thousand elements."""
+    largest = current = 0
+    for n in partitions:
+        current += n
+        if current >= SUB_GROUP_SIZE:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
 
 
 def _gathered_params(shape: ModelShape, head: str, bucket: int) -> int:
@@ -305,7 +319,7 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
                 add(f"{role} gradient transfer buffer (host, largest tensor)", "buffers", "host", "always", largest * b)
         elif z == 3:
             add(f"{role} fp32 gradients for the step (per sub-group)", "gradients", device, "optimizer step",
-                4 * min(per_rank, SUB_GROUP_SIZE))
+                4 * largest_sub_group([_ceil_div(n, world) for n in trained]))
         elif knobs.lora_rank:
             # One parameter group (adapters are all matrices): its low-precision partition is
             # freed as the fp32 copy is made. Full models keep it, viewed by the norms' group.
