@@ -38,7 +38,7 @@ def test_model_states_are_the_zero_papers_16_bytes_per_param_over_8_gpus(plans, 
     assert shipped["bf16 weights"] == pytest.approx(2 * N / 8, rel=TIGHT)
     assert shipped["bf16 gradients"] == pytest.approx(paper["bf16 gradients"], rel=TIGHT)
     assert shipped["fp32 master + Adam m, v"] == pytest.approx(12 * N / 8, rel=TIGHT)
-    assert on_gpu["on the GPU at rest"] == pytest.approx(16 * N / 8, rel=TIGHT)  # 67.5 GB
+    assert on_gpu["on the GPU at rest"] == pytest.approx(16 * N / 8, rel=1e-4)  # 67.5 GB; README: within 0.01%
     assert 8 * on_gpu["on the GPU at rest"] == pytest.approx(539.9e9, rel=1e-3)  # CONTEXT: 544 GB at 34B
 
 
