@@ -52,11 +52,14 @@ pytestmark = pytest.mark.slow
 SHIPPED = REPO / "pipeline" / "configs" / "llama34b_dpo_8xa100.yaml"
 PIPELINE = "llama34b-dpo-1n8g-scale"
 HEAD_DIM = 2  # hidden 128: a 48-layer, 16M-parameter model, as fast as a CPU allows
-# Rows of the digits task: SFT 133 train / 7 eval rows = 2 steps of 64 rows per epoch (2 epochs,
-# as shipped); DPO 399 / 21 pairs = 6 steps.
-SFT_ROWS, DPO_ROWS = 140, 420
-SIGNAL_AFTER = 2  # DPO steps before USR2
-KILL_AFTER = 2  # steps after the resumed one before the SIGKILL
+# Rows of the digits task, as few as the story needs (an 8-process step costs ~15-45 s here):
+# SFT 76 train / 4 eval rows = 1 step of 64 rows per epoch (2 epochs, as shipped); DPO 323 / 17
+# pairs = 5 steps: USR2 during step 2 (saved and resumed there), SIGKILL during step 4, the rerun
+# resumes from step 2 and runs 3..5.
+SFT_ROWS, DPO_ROWS = 80, 340
+SFT_STEPS, DPO_STEPS = 2, 5
+SIGNAL_AFTER = 1  # DPO steps before USR2
+KILL_AFTER = 1  # steps after the resumed one before the SIGKILL
 KILLED_RANK = 5  # on the second node, not its first task
 LOSS_RTOL = 1e-4
 SETTLE_S = 900
@@ -67,7 +70,7 @@ def shipped_as_the_test_cluster_runs_it(processes_per_node: int, nodes: int) -> 
     processes instead of 8 A100s (4 per node on 2 nodes, or 2 on one for the reference run);
     fp32 and sdpa (bf16 rounding would hide a 1e-4 difference, and flash attention needs a GPU);
     a log line every step (the curves compared); and DPO's learning rate 100x the shipped 5e-7,
-    which moves a random model's DPO loss by ~1e-4 in 6 steps, too little for a curve at rel
+    which moves a random model's DPO loss by ~1e-4 in a few steps, too little for a curve at rel
     1e-4 to tell a right update from a wrong one."""
     spec = yaml.safe_load(SHIPPED.read_text())
     spec.pop("container")
@@ -201,7 +204,7 @@ def test_both_stages_train_with_the_shipped_memory_settings(scale_runs):
                 spec["save_interval"], spec["global_batch_size"]) == (3, True, True, 50, 64), stage
     assert json.loads((run["dir"] / "dpo" / "spec.json").read_text())["task"]["stage"]["reference"] == "precompute"
     sft, dpo = read_result(run["dir"] / "sft"), read_result(run["dir"] / "dpo")
-    assert sft["steps"] == 4 and dpo["steps"] == 6
+    assert (sft["steps"], dpo["steps"]) == (SFT_STEPS, DPO_STEPS)
     assert sft["final_eval_loss"] < sft["initial_eval_loss"] - 0.02
     assert dpo["eval_loss"] < dpo["initial_eval_loss"]
     assert dpo["initial_eval_reward_accuracy"] == 0  # policy = reference: every margin is 0
@@ -251,7 +254,7 @@ def test_running_again_resumes_the_killed_stage_from_its_last_checkpoint(scale_r
     resumed = [e["step"] for e in events(run["dir"] / "dpo") if e["event"] == "resumed"]
     assert len(resumed) == 2 and f"step-{resumed[1]:08d}" == run["checkpoint_at_kill"]
     metrics = read_metrics(run["dir"] / "dpo")
-    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 7))  # every step once, in order
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, DPO_STEPS + 1))  # each once, in order
 
 
 # --------------------------------------------------------------------------- 2 processes or 8
