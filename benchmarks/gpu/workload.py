@@ -156,6 +156,19 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def data_files(rows: int, vocab: int, median: int, max_len: int) -> dict[str, list[dict]]:
+    """The rows of every data file a workload folder holds, by name: the same rows for the same
+    arguments (fixed seeds), so a recorded case's data can be made again without its folder."""
+    return {
+        "sft": sft_rows(rows, vocab, median, max_len, SEED),
+        "sft-eval": sft_rows(EVAL_ROWS, vocab, median, max_len, SEED + 1),
+        "dpo": dpo_rows(rows, vocab, median, max_len, SEED + 2),
+        "dpo-eval": dpo_rows(EVAL_ROWS, vocab, median, max_len, SEED + 3),
+        "sft-full": sft_rows(min(rows, FULL_ROWS), vocab, median, max_len, SEED + 4, full=True),
+        "dpo-full": dpo_rows(min(rows, FULL_ROWS), vocab, median, max_len, SEED + 5, full=True),
+    }
+
+
 # --------------------------------------------------------------------------- the workload folder
 
 
@@ -186,15 +199,7 @@ def build(folder: Path, wanted: dict, config_fields: dict, median: int, device: 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "workload.json").unlink(missing_ok=True)
     max_len, rows, dtype = wanted["max_len"], wanted["rows"], wanted["dtype"]
-    vocab = config_fields["vocab_size"]
-    files = {
-        "sft": sft_rows(rows, vocab, median, max_len, SEED),
-        "sft-eval": sft_rows(EVAL_ROWS, vocab, median, max_len, SEED + 1),
-        "dpo": dpo_rows(rows, vocab, median, max_len, SEED + 2),
-        "dpo-eval": dpo_rows(EVAL_ROWS, vocab, median, max_len, SEED + 3),
-        "sft-full": sft_rows(min(rows, FULL_ROWS), vocab, median, max_len, SEED + 4, full=True),
-        "dpo-full": dpo_rows(min(rows, FULL_ROWS), vocab, median, max_len, SEED + 5, full=True),
-    }
+    files = data_files(rows, config_fields["vocab_size"], median, max_len)
     for name, content in files.items():
         _write_jsonl(folder / f"{name}.jsonl", content)
     model_marker = folder / "model" / "benchmark-model.json"
