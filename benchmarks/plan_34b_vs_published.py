@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.config import load_pipeline  # noqa: E402
 from pipeline.plan import estimate_stage, plan_pipeline  # noqa: E402
+from pipeline.plan.memory import layers_phase, loss_phase  # noqa: E402
 
 CONFIG = "llama34b_dpo.yaml"
 DATE = "2026-11-25"
@@ -137,6 +138,9 @@ def shipped_plans() -> dict:
     }
 
 
+AT_LOSS, IN_LAYERS = loss_phase("policy"), layers_phase("policy")  # the backward's two largest moments
+
+
 def term(memory, category: str, where: str, phase: str = "always", role: str = "policy", contains: str = "") -> int:
     """Bytes per process of the planner's items of one kind (host items too: per process)."""
     return sum(i.bytes for i in memory.items if i.name.startswith(role) and i.category == category
@@ -157,6 +161,12 @@ def states(memory) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- the report
+
+
+def _terms(t) -> str:
+    parts = {**t.compute_terms, "optimizer": t.optimizer_s, "exposed communication": t.exposed_communication_s,
+             "offload": t.offload_s}
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in parts.items() if seconds) + f" = {t.step_s:.1f} s"
 
 
 def _gb(n: float) -> str:
@@ -216,8 +226,8 @@ def report() -> str:
     step_peak = no_off["on the GPU at rest"] + no_off["fp32 gradients while stepping"] - (
         off["bf16 weights"] - paper["bf16 weights"])
     two = states(p["dpo 2 nodes"].memory)
-    gathered = term(p["dpo"].memory, "buffers", "gpu", "policy forward+backward", contains="gathered")
-    layer_grads = term(p["dpo"].memory, "buffers", "gpu", "policy forward+backward", contains="full gradients")
+    gathered = term(p["dpo"].memory, "buffers", "gpu", IN_LAYERS, contains="gathered")
+    layer_grads = term(p["dpo"].memory, "buffers", "gpu", IN_LAYERS, contains="full gradients")
     bucket = term(p["dpo"].memory, "buffers", "gpu", contains="bucket")
     out += ["", "## 2. DeepSpeed's estimator, called", "",
             "`deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs(N, largest, "
@@ -297,12 +307,12 @@ def report() -> str:
     out += ["## 5. Activations and working memory (per GPU, checkpointing, flash attention)", "",
             "| term | tokens | planner | published | difference | why |", "|---|---:|---:|---:|---:|---|"]
     for name, memory, tokens in (("SFT", sft_mem, 2048), ("DPO", dpo_mem, 4096)):
-        stored = term(memory, "activations", "gpu", "policy forward+backward", contains="checkpointed")
+        stored = term(memory, "activations", "gpu", IN_LAYERS, contains="checkpointed")
         inputs = korthikanti_layer_inputs(tokens)
         recompute = stored - inputs
         layer = korthikanti_layer(tokens)
-        logits = term(memory, "logits", "gpu", "policy forward+backward")
-        grads = term(memory, "activations", "gpu", "policy forward+backward", contains="gradients")
+        logits = term(memory, "logits", "gpu", AT_LOSS)
+        grads = term(memory, "activations", "gpu", IN_LAYERS, contains="gradients")
         out += [f"| {name}: layer inputs kept (48 layers) | {tokens:,} | {_gb(inputs if stored else 0)} "
                 f"| {_gb(inputs)} | Korthikanti 2022 4.3: 2sbh per layer | {_pct(inputs, inputs)} | the same formula |",
                 f"| {name}: one layer recomputed | {tokens:,} | {_gb(recompute)} | {_gb(layer)} | Korthikanti "
@@ -339,14 +349,18 @@ def report() -> str:
             f"token); with the exact N, {tokens_per_gpu_s_at_full_mfu(n):,.0f}. The plan's MFU counts attention "
             f"FLOPs too ({p['sft'].time.model_flops_per_token / n:.2f} N per token at 2,048), hence slightly above "
             f"the 6N ratio.",
-            "- The plan assumes HFU 30% x 0.9 for ZeRO-3's fetch hooks = 27% of peak on executed FLOPs (with "
-            "checkpointing 8N + attention per token), measured on an H100 for a 1B model (pipeline/plan/timing.py), "
-            "below the 40-55% MFU of well-tuned stacks (LLM Foundry 30B on 8 A100: 55%; Megatron GPT-3 175B: 44%).",
-            "- 'Fine-tuning stacks with offload often run at a few %' (CONTEXT.md): the plan gives 15-17% for the "
-            "shipped global batch 64 (8 micro batches per GPU per step hide a CPU Adam step over all 33.7B "
-            "parameters) and a few % when each step has one micro batch per GPU (global batch 8, row above), "
-            "where the CPU step and the PCIe copies dominate. OpenRLHF's 0.009 samples/GPU/s for 34B PPO "
-            "(ZeRO-2 + Adam offload) includes generation: not comparable with a DPO step.",
+            f"- The plan's step is the sum of its terms, each work x a rate (pipeline/plan/rates.py): matmuls at "
+            f"72% of the A100's datasheet (what H100 and H200 records measured at 8192^3; no A100 record), flash "
+            f"attention at 50% (FlashAttention-2's published figures; no record ran it), ZeRO-3's fetch and "
+            f"release hooks at 5.9 ms per layer pass and the host's Adam at 8.2e7 parameters/s per core x 16 cores "
+            f"per process (both fitted to the one-GPU records), PCIe and NVLink at their datasheet rates. The "
+            f"shipped SFT step: {_terms(p['sft'].time)}.",
+            f"- 'Fine-tuning stacks with offload often run at a few %' (CONTEXT.md): the plan gives "
+            f"{p['sft'].time.mfu:.0%}-{p['dpo'].time.mfu:.0%} for the shipped global batch 64 (8 micro batches per "
+            f"GPU per step hide a CPU Adam step over each process's 1/8 of the parameters) and "
+            f"{p['sft global batch 8'].time.mfu:.0%} when each step has one micro batch per GPU (global batch 8, "
+            f"row above), where the CPU step and the PCIe copies weigh more. OpenRLHF's 0.009 samples/GPU/s for "
+            f"34B PPO (ZeRO-2 + Adam offload) includes generation: not comparable with a DPO step.",
             f"- Two nodes without offload: per GPU, SFT is slower than on one node with offload "
             f"({p['sft 2 nodes'].time.exposed_communication_s:.0f} s of a {p['sft 2 nodes'].time.step_s:.0f} s step "
             f"is exposed communication: ZeRO-3 moves 3 x 2N bytes per micro batch and across nodes each GPU gets "
@@ -372,9 +386,10 @@ def report() -> str:
             "logits add the loss's bounded fp32 chunks.",
             "- Host RAM: 633 GB for the shipped file, 701 GB with the reference offloaded as in the seeds' "
             "report: 'hundreds of GB', within the ~1 TB recommended; DeepSpeed's 810 GB is 16 N x 1.5.",
-            "- Left open (not checked against a published figure): the planner's CPU Adam rate (2e9 "
-            "parameters/s per node) and host-link rate, which set the offload time; and the ZeRO-3 buffers' "
-            "size at this scale (a convention, measured only on a small model).", ""]
+            "- Left open (not checked against a published figure or a record at this scale): the host-link "
+            "rate and the CPU Adam rate of 8 processes sharing a node's memory bandwidth (the record had one "
+            "process), which set the offload time; and the ZeRO-3 buffers' size at 8 ranks (the records ran "
+            "one process).", ""]
     return "\n".join(out)
 
 

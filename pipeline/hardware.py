@@ -28,6 +28,11 @@ Where the numbers come from
 - host_memory_gib / network_gbs: a typical node of that GPU (DGX A100 1 TB,
   DGX H100/H200 2 TB, 8x200 Gb/s InfiniBand; PCIe servers 256-512 GB, one
   100 Gb/s port). Real clusters differ: Slurm's `cluster.mem` overrides the RAM.
+- measured_matmul_tflops: the median bf16 rate of 8192^3 matmuls where a GPU run on
+  record measured it (benchmarks/results: H100 708 on 2026-11-22, H200 785 on
+  2026-11-26); other GPUs are planned at MATMUL_FRACTION of their datasheet peak, the
+  lower of those two measurements' fractions, until a record or `python -m pipeline
+  calibrate` says better.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 GiB = 1024**3
+MATMUL_FRACTION = 0.72
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class GPU:
     memory_bandwidth_gbs: float
     host_memory_gib: float
     network_gbs: float  # per node, inter-node
+    measured_matmul_tflops: Optional[float] = None
 
     @property
     def memory_bytes(self) -> int:
@@ -69,9 +76,11 @@ class GPU:
 _CATALOGUE = [
     GPU("a100-40gb", "NVIDIA A100 SXM4 40 GB", 39.4, 312.0, 312.0, 19.5, "nvlink", 200.0, 20.0, 1555.0, 1024, 200.0),
     GPU("a100-80gb", "NVIDIA A100 SXM4 80 GB", 79.3, 312.0, 312.0, 19.5, "nvlink", 200.0, 20.0, 2039.0, 1024, 200.0),
-    GPU("h100-80gb", "NVIDIA H100 SXM5 80 GB", 79.2, 989.0, 989.0, 67.0, "nvlink", 350.0, 40.0, 3350.0, 2048, 400.0),
+    GPU("h100-80gb", "NVIDIA H100 SXM5 80 GB", 79.2, 989.0, 989.0, 67.0, "nvlink", 350.0, 40.0, 3350.0, 2048, 400.0,
+        measured_matmul_tflops=708.0),
     GPU("h100-pcie", "NVIDIA H100 PCIe 80 GB", 79.2, 756.0, 756.0, 51.0, "pcie", 25.0, 40.0, 2000.0, 1024, 50.0),
-    GPU("h200", "NVIDIA H200 SXM 141 GB", 139.8, 989.0, 989.0, 67.0, "nvlink", 350.0, 40.0, 4800.0, 2048, 400.0),
+    GPU("h200", "NVIDIA H200 SXM 141 GB", 139.8, 989.0, 989.0, 67.0, "nvlink", 350.0, 40.0, 4800.0, 2048, 400.0,
+        measured_matmul_tflops=785.0),
     GPU("l40s", "NVIDIA L40S 48 GB", 44.4, 362.0, 362.0, 91.6, "pcie", 20.0, 20.0, 864.0, 512, 25.0),
     GPU("rtx4090", "NVIDIA GeForce RTX 4090 24 GB", 23.6, 165.2, 165.2, 82.6, "pcie", 10.0, 12.0, 1008.0, 256, 12.5),
     GPU("rtx3090", "NVIDIA GeForce RTX 3090 24 GB", 23.7, 71.0, 71.0, 35.6, "pcie", 10.0, 12.0, 936.0, 256, 12.5),

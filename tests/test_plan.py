@@ -41,9 +41,10 @@ def node(gpu="a100-80gb", gpus=8, **fields):
 
 
 def item(memory, text, phase=None):
-    """Bytes of the one item whose name contains `text` (and is in `phase`, if given)."""
+    """Bytes of the one item whose name contains `text` (and is in `phase`, if given); a tensor held
+    at several moments of the backward (pipeline/plan/memory.py) is listed in each, with the same bytes."""
     found = [i for i in memory.items if text in i.name and (phase is None or i.phase == phase)]
-    assert len(found) == 1, [i.name for i in memory.items]
+    assert found and len({(i.name, i.bytes) for i in found}) == 1, [i.name for i in memory.items]
     return found[0].bytes
 
 
@@ -303,7 +304,17 @@ def test_activations_without_checkpointing_keep_every_layer():
 
 def test_checkpointing_keeps_layer_inputs_and_one_layer():
     memory = plan.plan_stage(stage(gradient_checkpointing=True), LLAMA2_7B, node()).memory
-    assert item(memory, "policy activations") == 2048 * (32 * 2 * 4096 + LAYER_7B)
+    assert item(memory, "policy activations", "policy backward through the loss") == 2048 * 32 * 2 * 4096
+    assert item(memory, "policy activations", "policy backward through the layers") == 2048 * (32 * 2 * 4096 + LAYER_7B)
+
+
+def test_the_logits_are_gone_before_the_layers_backward_and_the_buckets_come():
+    memory = plan.plan_stage(stage(gradient_checkpointing=True), LLAMA2_7B, node()).memory
+    phases = {i.phase for i in memory.items if "logits" in i.name}
+    assert phases == {"policy backward through the loss"}
+    # ZeRO-2's reduce buckets are made at the first gradient's hook and released when the backward ends
+    assert {i.phase for i in memory.items if "buckets" in i.name} == {"policy backward through the layers"}
+    assert {i.phase for i in memory.items if "activation gradients" in i.name} == {"policy backward through the layers"}
 
 
 def test_eager_attention_materialises_the_scores():
@@ -453,7 +464,7 @@ def test_34b_dpo_speed_is_below_the_a100_peak_rate():
     t = dpo_34b().time
     tokens_per_gpu_s = t.tokens_per_step / t.step_s / 8
     assert tokens_per_gpu_s < 312e12 / (8 * 33.7e9)  # 100% MFU at ~8N: ~1,160 tokens/s/GPU
-    assert 0.2 < t.mfu < 0.45
+    assert 0.2 < t.mfu < 0.55  # no better than the best-tuned stacks (LLM Foundry 30B on A100: 55%)
 
 
 def test_plan_pipeline_reports_the_34b_case_and_refuses_it(tmp_path):
@@ -702,11 +713,11 @@ def test_planner_mirrors_deepspeeds_defaults():
 
 
 def test_a_smaller_micro_batch_keeps_the_global_batch_by_accumulation():
-    p = plan.plan_stage(stage(zero_stage=3, gradient_checkpointing=True, micro_batch_size=16, max_len=4096),
+    p = plan.plan_stage(stage(zero_stage=3, gradient_checkpointing=True, micro_batch_size=32, max_len=4096),
                         shapes.BUILTIN_SHAPES["meta-llama/Meta-Llama-3-8B"], node())
-    assert p.fits is False  # 16 x 4096 tokens x 128256 vocab: bf16 logits and their gradient alone are 31 GiB
+    assert p.fits is False  # 32 x 4096 tokens x 128256 vocab: bf16 logits and their gradient alone are 62 GiB
     first = p.suggestions[0]
-    assert first.changes == {"micro_batch_size": 8, "global_batch_size": 128} and not first.changes_training
+    assert first.changes == {"micro_batch_size": 16, "global_batch_size": 256} and not first.changes_training
 
 
 def test_ppo_references_are_never_precomputed():

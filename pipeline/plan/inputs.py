@@ -112,6 +112,8 @@ class Hardware:
     gpu_memory_bytes: Optional[int]
     host_memory_bytes: Optional[int]
     host_memory_source: str = ""
+    cores_per_process: Optional[int] = None  # cluster.cpus_per_task; None: not said (rates.py assumes)
+    calibration: Optional[object] = None  # pipeline/calibration.py's measurements of this node, if any
 
     @property
     def on_gpu(self) -> bool:
@@ -127,7 +129,8 @@ class Hardware:
             host_bytes, source = _slurm_mem_bytes(cluster.mem), f"cluster.mem ({cluster.mem})"
         elif gpu is not None:
             host_bytes, source = int(gpu.host_memory_gib * GiB), f"typical {gpu.name} node"
-        return cls(gpu, gpus_per_node, processes, gpu.memory_bytes if gpu else None, host_bytes, source)
+        return cls(gpu, gpus_per_node, processes, gpu.memory_bytes if gpu else None, host_bytes, source,
+                   getattr(cluster, "cpus_per_task", None))
 
 
 def _slurm_mem_bytes(mem: Optional[str]) -> Optional[int]:

@@ -63,8 +63,9 @@ from pipeline.plan.activations import frozen_forward, held_while_reference_runs,
 from pipeline.plan.inputs import GiB, Hardware, Knobs, ModelUse, Workload, attention_kernel
 from pipeline.shapes import ModelShape
 
-CUDA_WORKSPACE_BYTES = 1 * GiB
-FRAGMENTATION = 0.10
+# nvidia-smi's peak minus torch's reserved peak on the records (H100 and H200, CUDA 13): 1.3-1.7 GiB.
+CUDA_CONTEXT_BYTES = 1.5 * GiB
+FRAGMENTATION = 0.08
 PROCESS_HOST_BYTES = 3 * GiB  # a GPU training process's own resident memory
 CPU_PROCESS_HOST_BYTES = 1 * GiB  # the same without CUDA libraries
 CHECKPOINT_SHARD_BYTES = 10 * GiB  # host memory a ZeRO-3 process holds while loading (one shard file)
@@ -281,7 +282,6 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
     n_trained, n_frozen = sum(trained), sum(frozen)
     threshold = persistence_threshold(shape.hidden)
     shard_note = ledger.shard_note
-    train_phase = f"{role} forward+backward"
     lora_note = f", LoRA r={knobs.lora_rank}" if knobs.lora_rank else ""
     # weights
     if z == 3:
@@ -333,20 +333,33 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
     bucket = bucket_elements(ledger.on_gpu)
     if z == 3:
         add(f"{role} gradient bucket", "buffers", device, "always", bucket * b)
-        add(f"{role} gathered layers", "buffers", device, train_phase, _gathered_params(shape, use.head, bucket) * b)
+        gathered = _gathered_params(shape, use.head, bucket) * b
+        add(f"{role} gathered layers", "buffers", device, loss_phase(role), gathered)
+        add(f"{role} gathered layers", "buffers", device, layers_phase(role), gathered)
         dims = shape.linear_dims()
         trained_layer = (knobs.lora_rank * sum(a + o for a, o in (dims[t] for t in knobs.lora_targets if t in dims))
                          if knobs.lora_rank else shape.layer_params)
-        add(f"{role} one layer's full gradients", "buffers", device, train_phase, trained_layer * b)
+        add(f"{role} one layer's full gradients", "buffers", device, layers_phase(role), trained_layer * b)
     elif z in (1, 2):
-        overlap_buckets = 2 if ledger.on_gpu else 1  # overlap_comm double-buffers on GPUs (stages/engine.py)
-        add(f"{role} gradient buckets", "buffers", device, train_phase, bucket * b * overlap_buckets)
+        # Allocated at the first gradient's hook, after the loss's backward freed the logits, and
+        # released when the backward ends; overlap_comm double-buffers on GPUs (stages/engine.py).
+        add(f"{role} gradient buckets", "buffers", device, layers_phase(role), bucket * b * (2 if ledger.on_gpu else 1))
+
+
+def loss_phase(role: str) -> str:
+    return f"{role} backward through the loss"
+
+
+def layers_phase(role: str) -> str:
+    return f"{role} backward through the layers"
 
 
 def _trained_model_passes(ledger: _Ledger, use: ModelUse) -> None:
-    """What a trained model's forward and backward hold: activations, mask and logits."""
-    for name, category, amount in trained_pass(use, ledger.knobs, ledger.workload, ledger.kernel):
-        ledger.add(name, category, ledger.device, f"{use.role} forward+backward", amount)
+    """What a trained model's forward and backward hold at their two largest moments."""
+    at_loss, in_layers = trained_pass(use, ledger.knobs, ledger.workload, ledger.kernel)
+    for phase, items in ((loss_phase(use.role), at_loss), (layers_phase(use.role), in_layers)):
+        for name, category, amount in items:
+            ledger.add(name, category, ledger.device, phase, amount)
 
 
 def _generation(ledger: _Ledger, models: list[ModelUse]) -> None:
@@ -364,13 +377,13 @@ def _generation(ledger: _Ledger, models: list[ModelUse]) -> None:
 
 
 def _workspace_and_host(ledger: _Ledger, models: list[ModelUse]) -> None:
-    """CUDA workspace and fragmentation, each process's own host memory, and loading."""
-    z, b = ledger.knobs.zero_stage, ledger.knobs.weight_bytes
+    """CUDA context and the caching allocator's fragmentation, each process's own host memory, and loading."""
+    knobs = ledger.knobs
+    z, b = knobs.zero_stage, knobs.weight_bytes
     if ledger.on_gpu:
-        largest_phase = max(ledger.phase_bytes.values(), default=0)
-        ledger.add(f"workspace: CUDA context, cuBLAS/NCCL ({CUDA_WORKSPACE_BYTES / GiB:.0f} GiB) + "
-                   f"{FRAGMENTATION:.0%} fragmentation of the largest phase", "workspace", "gpu", "always",
-                   CUDA_WORKSPACE_BYTES + FRAGMENTATION * largest_phase)
+        ledger.add(f"CUDA context and libraries, outside PyTorch's allocator ({CUDA_CONTEXT_BYTES / GiB:.1f} GiB)",
+                   "context", "gpu", "always", CUDA_CONTEXT_BYTES)
+        _fragmentation(ledger, models)
     ledger.add("process runtime (Python, torch, CUDA libraries)", "runtime", "host", "always",
                PROCESS_HOST_BYTES if ledger.on_gpu else CPU_PROCESS_HOST_BYTES)
     loading = 0
@@ -381,3 +394,40 @@ def _workspace_and_host(ledger: _Ledger, models: list[ModelUse]) -> None:
     if ledger.on_gpu:
         ledger.add("model weights while loading" + (" (one checkpoint shard, ZeRO-3)" if z == 3 else " (whole model)"),
                    "loading", "host", "loading", loading)
+
+
+def _fragmentation(ledger: _Ledger, models: list[ModelUse]) -> None:
+    """What PyTorch's caching allocator reserves beyond what is allocated (its reserved peak).
+
+    - FRAGMENTATION of the largest phase's allocations: blocks split and cached as a micro
+      batch's tensors come and go.
+    - The optimizer step allocates new segments while the forward and backward's freed blocks
+      stay cached, so the step phase reserves the largest forward/backward phase besides them:
+      a full fine-tune's flat fp32 gradient partition (ZeRO-1/2/3 stepping on the GPU: one
+      tensor larger than any block freed before; per-tensor buffers (ZeRO-0) and LoRA's small
+      ones reuse the cache), and under ZeRO-3 with optimizer offload a copy of the trained
+      layers' weight partitions (the 34B slice's reserved peak grew by 2x a layer's bf16 weights
+      per layer, its allocated peak by 1x: one process, 1 and 2 layers; why is not known, and at
+      several processes it is planned as the 1/W partition, which no record has checked).
+    Fitted to the GPU records (benchmarks/gpu/records.py)."""
+    knobs, phases = ledger.knobs, ledger.phase_bytes
+    largest = max(phases.values(), default=0)
+    step = "optimizer step"
+    new_segments = 0
+    if knobs.zero_stage >= 1 and not knobs.offloads and not knobs.lora_rank and step in phases:
+        new_segments = sum(i.bytes for i in ledger.items if i.phase == step and i.category == "gradients")
+    if knobs.zero_stage == 3 and knobs.offloads:
+        trained = [use for use in models if use.trained]
+        layers = sum(use.shape.layers * (use.shape.layer_params if not knobs.lora_rank else
+                                         use.shape.lora_params(knobs.lora_rank, knobs.lora_targets) // use.shape.layers)
+                     for use in trained)
+        copy = _ceil_div(layers, ledger.world) * knobs.weight_bytes
+        ledger.add("ZeRO-3 with offload: the trained layers' weight partitions, copied in by the step", "workspace",
+                   "gpu", step, copy)
+        new_segments += copy
+    if new_segments:
+        passes = max((v for p, v in phases.items() if p not in (step, "generation")), default=0)
+        cached = passes - (phases.get(step, 0) - new_segments)
+        ledger.add("forward/backward blocks still cached while the step allocates", "workspace", "gpu", step, cached)
+    ledger.add(f"allocator fragmentation: {FRAGMENTATION:.0%} of the largest phase", "workspace", "gpu",
+               "always", FRAGMENTATION * largest)

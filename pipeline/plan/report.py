@@ -104,8 +104,9 @@ def format_plan(plans: list[StagePlan]) -> str:
         t = plan.time
         if t is not None:
             out.append(f"   time: {t.rows_per_step} rows = {t.tokens_per_step:,.0f} tokens per {t.unit}, "
-                       f"{t.flops_per_token / 1e9:.1f} GFLOP/token executed, assumed HFU {t.hfu:.0%}")
-            out.append(f"         {t.unit} {_duration(t.step_s)} (compute {_duration(t.compute_s)}, optimizer "
+                       f"{t.flops_per_token / 1e9:.1f} GFLOP/token executed, GPU busy {t.hfu:.0%} of peak in compute")
+            terms = ", ".join(f"{name} {_duration(seconds)}" for name, seconds in t.compute_terms.items() if seconds)
+            out.append(f"         {t.unit} {_duration(t.step_s)} (compute {_duration(t.compute_s)}: {terms}; optimizer "
                        f"{_duration(t.optimizer_s)}, communication {_duration(t.communication_s)} of which exposed "
                        f"{_duration(t.exposed_communication_s)}, offload {_duration(t.offload_s)}): "
                        f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%}")
@@ -114,6 +115,9 @@ def format_plan(plans: list[StagePlan]) -> str:
             pre = f" (incl. {_duration(t.precompute_s_per_1000_rows)} reference precompute)" \
                 if t.precompute_s_per_1000_rows else ""
             out.append(f"         {_duration(t.seconds_per_1000_rows)} per 1000 rows{pre}; {total}")
+            out.append(f"         rates: {t.calibration or 'built in (no calibration file for this GPU: python -m pipeline calibrate)'}")
+            for source in t.sources:
+                out.append(f"           {source}")
         for warning in plan.warnings:
             out.append(f"   warning: {warning}")
         if plan.without:

@@ -1,39 +1,40 @@
 """Time per optimizer step (or PPO rollout) and in total of one stage.
 
-step = compute + optimizer step + exposed communication + offload (+ PPO generation)
+step = GPU compute + optimizer step + exposed communication + offload (+ PPO generation)
 
-- compute: the FLOPs the step executes / (dense peak x HFU), micro batch by micro
-  batch on the process with the most work (processes step in lockstep). FLOPs from
-  pipeline/flops.py pass_flops over the micro batches pipeline/plan/batches.py
-  simulates from the data's sampled lengths: matmuls on every position of a batch
-  tensor, padding included; attention by each sequence's own length with flash
-  kernels, by whole lines under sdpa/eager masks; backward twice the forward (LoRA:
-  once, plus the adapters' gradients); gradient checkpointing a second forward; a
-  live or offloaded DPO reference one forward.
-- HFU_BASE = 0.30 of dense peak on those executed FLOPs, measured: on an H100 the
-  project's packed SFT of a Llama-3.2-1B shape (bf16, sdpa, ZeRO-2, 8192-token micro
-  batches) ran a step in 0.49 s where these FLOPs take 0.14 s at 100%, once the
-  batch shapes repeat (benchmarks/RESULTS.md, 2026-11-22). Well-tuned stacks reach
-  40-55% MFU on large models (LLM Foundry 30B on A100 55%, Megatron-Core up to 47% on
-  H100; CONTEXT.md), so for 7B-70B models this is on the slow side. x0.65 with eager
-  attention, x0.9 with ZeRO-3's per-layer fetch hooks. metrics.jsonl reports step_s,
-  mfu, tokens_per_s and token_efficiency under the names the plan's --json uses, so
-  every run checks it.
-- optimizer step: memory-bound. Adam reads the fp32 master weights, gradients, m
-  and v and writes master, m and v (28 B per parameter), the gradient-norm pass
-  reads the gradients once more (4 B) and, where a master copy exists, the
-  training copy is written back (b B): parameters each process steps x those bytes
-  / GPU memory bandwidth. With optimizer offload: the PCIe copies and a CPU Adam at
-  2e9 parameters/s per node instead, not overlapped.
-- communication (ring: (W-1)/W of the bytes per GPU) over NVLink/PCIe or the
-  inter-node network, hidden behind at most half the compute.
-- PPO: every sequence max_len long (prompt + max_new_tokens); decoding is
-  memory-bound (every weight read once per new token per generation call).
+Each term is work x a rate (pipeline/plan/rates.py says where each rate comes from: the
+user's calibration file, a fit to the GPU runs on record, the datasheet, or a published
+default), so a term that is wrong can be found and measured on its own:
 
-MFU, tokens_per_s, token_efficiency and step_s mean what the running stage logs
-under those names (stages/engine.py Window): model FLOPs (flops.sequence_flops of
-the real sequences: no recompute, no padding) / (step_s x processes x peak); real
-tokens / step_s over all processes; real / processed tokens.
+- GPU compute, micro batch by micro batch on the process with the most work (processes step
+  in lockstep), over the micro batches pipeline/plan/batches.py simulates from the data's
+  sampled lengths (PPO: every sequence max_len long):
+    matmuls     2 FLOPs per matmul parameter per position of the batch tensor (padding
+                included), x1 forward, x2 backward (LoRA: x1, the frozen weights need no
+                gradient), x1 more for gradient checkpointing's recompute; at the matmul rate
+    attention   4 x layers x q_width per query-key pair the kernel computes (whole lines under
+                sdpa/eager masks, each sequence's own with flash), same pass multiples; at the
+                kernel's share of the datasheet peak
+    the loss    logits (positions x vocabulary) through the loss forward and backward, at
+                bytes per logit through GPU memory
+    ZeRO-3      its fetch and release hooks: a fixed cost per layer and pass (forward,
+                recompute, backward x2)
+    LoRA        the adapters' element-wise work per adapted feature and pass
+  A frozen model (live or offloaded reference, reward model) adds one forward.
+- optimizer step on the GPU (ZeRO-0/1/2 without offload): bytes per trained parameter each
+  process steps, at GPU memory bandwidth.
+- optimizer offload: the host's Adam on each process's partition at the process's rate (its
+  share of the node's cores), and the PCIe copies (gradients down each micro batch, weights up
+  each step).
+- communication (ring: (W-1)/W of the bytes per GPU) over the GPU links or the inter-node
+  network, hidden behind at most half the compute.
+- PPO generation: memory-bound decoding (every weight read once per new token per call).
+
+MFU, tokens_per_s, token_efficiency and step_s mean what the running stage logs under those
+names (stages/engine.py Window): model FLOPs (flops.sequence_flops of the real sequences: no
+recompute, no padding) / (step_s x processes x peak); real tokens / step_s over all processes;
+real / processed tokens. `hfu` is the executed FLOPs over compute_s x peak: the GPU's busy
+share the model implies.
 """
 
 from __future__ import annotations
@@ -43,16 +44,31 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeline.flops import forward_flops_per_token, pass_flops, sequence_flops
+from pipeline.plan import rates as rate_table
 from pipeline.plan.batches import Batches
-from pipeline.plan.inputs import Hardware, Knobs, ModelUse, Workload
+from pipeline.plan.inputs import Hardware, Knobs, ModelUse, Workload, attention_kernel
 from pipeline.plan.memory import trainable_tensors
+from pipeline.shapes import ModelShape
 
-HFU_BASE = 0.30
-EAGER_EFFICIENCY = 0.65
-ZERO3_EFFICIENCY = 0.9
 COMM_OVERLAP = 0.5
-CPU_ADAM_PARAMS_PER_S = 2e9
-ADAM_BYTES_PER_PARAM = 32  # master, gradient, m, v read; master, m, v written; the gradients read for their norm
+# Passes a trained layer makes per micro batch, in units of one forward: the backward launches
+# about twice the forward's kernels.
+BACKWARD_PASSES = 2
+
+
+@dataclass
+class GPUWork:
+    """What one process computes per unit of work, in the units the rates apply to."""
+
+    matmul_flops: float = 0.0
+    attention_flops: float = 0.0
+    logits: float = 0.0  # logit elements x passes through the loss
+    layer_passes: float = 0.0
+    lora_elements: float = 0.0  # positions x layer passes x the adapted layers' in + out features
+
+    def add(self, other: "GPUWork", times: float = 1.0) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + times * getattr(other, name))
 
 
 @dataclass
@@ -81,6 +97,13 @@ class TimeEstimate:
     rows: Optional[int] = None
     steps: Optional[int] = None
     total_s: Optional[float] = None
+    # compute_s by term (matmul, attention, loss, ZeRO-3 hooks, LoRA), and where each rate came from
+    compute_terms: dict = field(default_factory=dict)
+    calibration: Optional[str] = None  # "calibrated on <node>, <date>" when a calibration file gave rates
+    # the work the rates were applied to (the busiest process's GPUWork, the parameters its
+    # optimizer steps on the GPU or the host, the host copies' seconds): what a fit regresses on
+    work: dict = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -95,9 +118,24 @@ class _Work:
     optimizer_steps: float
     scoring_micro: float  # frozen models' passes per process
     executed: float
-    slowest: float  # executed FLOPs of the busiest process, micro batch by micro batch
+    busiest: GPUWork  # the busiest process, micro batch by micro batch
     model: float
-    precompute: float = 0.0  # a precomputed reference's forward FLOPs (run once, before training)
+    precompute: GPUWork = field(default_factory=GPUWork)  # a precomputed reference's forwards, all processes
+
+
+def rates_for(knobs: Knobs, hw: Hardware) -> rate_table.Rates:
+    return rate_table.built_in(hw.gpu, knobs.precision, hw.cores_per_process, hw.calibration)
+
+
+def compute_seconds(work: GPUWork, rates: rate_table.Rates, kernel: str, zero_stage: int) -> dict:
+    """Seconds of each compute term of `work`."""
+    return {
+        "matmul": work.matmul_flops / rates.matmul.value,
+        "attention": work.attention_flops / (rates.peak_flops * rates.attention(kernel).value),
+        "loss": work.logits * rates.loss_bytes_per_logit.value / rates.hbm_bytes_per_s.value,
+        "ZeRO-3 hooks": work.layer_passes * rates.zero3_layer_pass_s.value if zero_stage == 3 else 0.0,
+        "LoRA": work.lora_elements * rate_table.LORA_BYTES_PER_ELEMENT / rates.hbm_bytes_per_s.value,
+    }
 
 
 def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: Hardware,
@@ -111,18 +149,21 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
     if not hw.on_gpu or hw.gpu is None:
         return None
     gpu, b = hw.gpu, knobs.weight_bytes
+    rates = rates_for(knobs, hw)
+    kernel = attention_kernel(knobs.attention, hw.on_gpu)
     world = knobs.nodes * hw.processes_per_node
-    peak = gpu.peak_tflops(knobs.precision) * 1e12
+    peak = rates.peak_flops
     notes: list[str] = []
     if knobs.precision == "bf16" and gpu.bf16_tflops is None:
         notes.append(f"{gpu.name} has no bf16 tensor cores: bf16 runs at its fp32 rate; use precision fp16")
     ring = (world - 1) / world if world > 1 else 0.0
-    bandwidth = gpu.link_gbs if knobs.nodes == 1 else min(gpu.link_gbs, gpu.network_gbs / max(hw.gpus_per_node, 1))
-    bandwidth *= 1e9
+    bandwidth = (rates.link_bytes_per_s.value if knobs.nodes == 1 else
+                 min(rates.link_bytes_per_s.value, rates.network_bytes_per_s.value / max(hw.gpus_per_node, 1)))
     rollout = workload.rows_per_rollout is not None
-    work = _rollout_work(models, workload, knobs, world) if rollout else _step_work(models, knobs, batches)
+    work = (_rollout_work(models, workload, knobs, world) if rollout
+            else _step_work(models, knobs, batches, rates, kernel))
 
-    comm_bytes = offload_bytes = cpu_adam_params = optimizer_bytes = 0.0
+    comm_bytes = offload_bytes = host_adam_params = gpu_stepped = 0.0
     for use in models:
         n_all = use.shape.params_with_head(use.head)
         if use.trained:
@@ -135,11 +176,10 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
                 comm_bytes += (2 * b * n_all + b * n_trained) * ring * work.train_micro
             if knobs.offloads:
                 offload_bytes += b * n_trained / world * (work.train_micro + work.optimizer_steps)
-                cpu_adam_params += n_trained / world * hw.processes_per_node * work.optimizer_steps
+                host_adam_params += n_trained / world * work.optimizer_steps
             else:
                 stepped = n_trained / world if knobs.zero_stage >= 1 else n_trained
-                master = knobs.zero_stage >= 1 or knobs.precision != "fp32"
-                optimizer_bytes += stepped * (ADAM_BYTES_PER_PARAM + (b if master else 0)) * work.optimizer_steps
+                gpu_stepped += stepped * work.optimizer_steps
         elif use.placement != "precompute":
             if knobs.zero_stage == 3:
                 comm_bytes += b * n_all * ring * work.scoring_micro
@@ -147,20 +187,22 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
                 share = n_all / world if knobs.zero_stage == 3 else n_all
                 offload_bytes += b * share * work.scoring_micro
 
-    hfu = HFU_BASE * (EAGER_EFFICIENCY if knobs.attention == "eager" else 1.0)
-    hfu *= ZERO3_EFFICIENCY if knobs.zero_stage == 3 else 1.0
-    compute_s = work.slowest / (peak * hfu)
-    optimizer_s = optimizer_bytes / (gpu.memory_bandwidth_gbs * 1e9)
+    terms = compute_seconds(work.busiest, rates, kernel, knobs.zero_stage)
+    compute_s = sum(terms.values())
+    step_bytes = rates.step_bytes_per_param[min(knobs.zero_stage, 2)].value
+    optimizer_s = gpu_stepped * step_bytes / rates.hbm_bytes_per_s.value
     comm_s = comm_bytes / bandwidth if world > 1 else 0.0
     exposed = max(0.0, comm_s - COMM_OVERLAP * compute_s)
-    offload_s = offload_bytes / (gpu.host_link_gbs * 1e9) + cpu_adam_params / CPU_ADAM_PARAMS_PER_S
+    copies_s = offload_bytes / rates.host_link_bytes_per_s.value
+    offload_s = copies_s + host_adam_params / rates.host_adam_params_per_s.value
     unit_s = compute_s + optimizer_s + exposed + offload_s
     if rollout:
-        unit_s += _generation_s(models, workload, knobs, hw, world, ring, bandwidth)
+        unit_s += _generation_s(models, workload, knobs, rates, world, ring, bandwidth)
         notes.append("generation time assumes memory-bound decoding (weights read once per new token)")
 
     per_1000 = unit_s * 1000 / work.rows
-    pre_per_1000 = work.precompute / work.rows * 1000 / (world * peak * HFU_BASE)
+    precompute_s = sum(compute_seconds(work.precompute, rates, kernel, knobs.zero_stage).values()) / world
+    pre_per_1000 = precompute_s / work.rows * 1000
     steps = total = None
     if rows is not None:
         units = max(1, knobs.epochs * rows // work.rows)
@@ -169,16 +211,22 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
     if knobs.max_steps:
         steps = knobs.max_steps
         total = knobs.max_steps / work.optimizer_steps * unit_s + (pre_per_1000 * rows / 1000 if rows else 0.0)
+    busiest_flops = work.busiest.matmul_flops + work.busiest.attention_flops
     return TimeEstimate(
         unit="rollout" if rollout else "optimizer step", rows_per_step=work.rows, tokens_per_step=work.real_tokens,
         processed_tokens_per_step=work.processed_tokens, micro_batches_per_step=work.train_micro,
         flops_per_token=work.executed / work.real_tokens, model_flops_per_token=work.model / work.real_tokens,
-        hfu=hfu, compute_s=compute_s, optimizer_s=optimizer_s, communication_s=comm_s, exposed_communication_s=exposed,
+        hfu=busiest_flops / (compute_s * peak) if compute_s else 0.0, compute_s=compute_s, optimizer_s=optimizer_s,
+        communication_s=comm_s, exposed_communication_s=exposed,
         offload_s=offload_s, step_s=unit_s, mfu=work.model / (unit_s * world * peak),
         tokens_per_s=work.real_tokens / unit_s,
         token_efficiency=None if rollout else work.real_tokens / work.processed_tokens,
         seconds_per_1000_rows=per_1000 + pre_per_1000, precompute_s_per_1000_rows=pre_per_1000, rows=rows,
-        steps=steps, total_s=total, notes=notes,
+        steps=steps, total_s=total, compute_terms=terms,
+        work={**vars(work.busiest), "gpu_stepped_params": gpu_stepped, "host_adam_params": host_adam_params,
+              "host_copies_s": copies_s},
+        sources=rates.sources(kernel, knobs.zero_stage, knobs.offloads, world), calibration=rates.calibration,
+        notes=notes,
     )
 
 
@@ -186,74 +234,112 @@ def _lora_params(use: ModelUse, knobs: Knobs) -> Optional[int]:
     return sum(trainable_tensors(use, knobs)[0]) if use.trained and knobs.lora_rank else None
 
 
-def _step_work(models: list[ModelUse], knobs: Knobs, batches: Batches) -> _Work:
+def pass_work(shape: ModelShape, head: str, positions: float, attended: float, *, trained: bool,
+              knobs: Knobs) -> GPUWork:
+    """One model's pass over a micro batch of `positions` positions whose attention scores
+    `attended` query-key pairs: a forward, and for a trained model its backward (and recompute)."""
+    lora = knobs.lora_rank is not None and trained
+    matmul = 2 * (shape.params_with_head(head) - shape.embedding_params
+                  + (shape.embedding_params if head == "lm" and shape.tied_embeddings else 0)) * positions
+    attention = 4 * shape.layers * shape.q_width * attended
+    logits = positions * shape.vocab if head == "lm" else 0.0
+    if not trained:
+        return GPUWork(matmul, attention, logits, shape.layers)
+    recompute = 1 if knobs.gradient_checkpointing else 0
+    layer_passes = shape.layers * (1 + recompute + BACKWARD_PASSES)
+    work = GPUWork(
+        matmul_flops=matmul * (1 + recompute + (1 if lora else 2)),
+        attention_flops=attention * (1 + recompute + 2),
+        logits=2 * logits,
+        layer_passes=layer_passes,
+    )
+    if lora:
+        dims = shape.linear_dims()
+        adapted = sum(a + o for a, o in (dims[t] for t in knobs.lora_targets if t in dims))
+        work.lora_elements = positions * layer_passes * adapted
+        work.matmul_flops += 4 * sum(shape.lora_tensors(knobs.lora_rank, knobs.lora_targets)) * positions
+    return work
+
+
+def _step_work(models: list[ModelUse], knobs: Knobs, batches: Batches, rates: rate_table.Rates,
+               kernel: str) -> _Work:
     """An optimizer step of sft/rm/dpo over the simulated micro batches."""
     lora = {use.role: _lora_params(use, knobs) for use in models}
-    slowest = total = model = precompute = 0.0
+    total = model = 0.0
+    busiest, precompute = GPUWork(), GPUWork()
     for step in batches.steps:
         for j in range(max(len(mine) for mine in step)):
-            busiest = 0.0
+            slowest, slowest_s = GPUWork(), -1.0
             for micro in (mine[j] for mine in step if j < len(mine)):
                 positions, attended = micro.processed_tokens, micro.attended(batches.masked)
-                executed = 0.0
+                mine = GPUWork()
                 for use in models:
-                    flops = pass_flops(use.shape, use.head, positions, attended, trained=use.trained,
-                                       lora_params=lora[use.role],
-                                       recompute=use.trained and knobs.gradient_checkpointing)
+                    work = pass_work(use.shape, use.head, positions, attended, trained=use.trained, knobs=knobs)
                     if use.placement == "precompute":
-                        precompute += flops
+                        precompute.add(work)
                         continue
-                    executed += flops
+                    mine.add(work)
+                    total += pass_flops(use.shape, use.head, positions, attended, trained=use.trained,
+                                        lora_params=lora[use.role],
+                                        recompute=use.trained and knobs.gradient_checkpointing)
                     if micro.counts:
                         model += sum(sequence_flops(use.shape, use.head, n, use.trained, lora[use.role])
                                      for n in micro.sequences)
-                busiest = max(busiest, executed)
-                total += executed
-            slowest += busiest
+                seconds = sum(compute_seconds(mine, rates, kernel, knobs.zero_stage).values())
+                if seconds > slowest_s:
+                    slowest, slowest_s = mine, seconds
+            busiest.add(slowest)
     count = len(batches.steps)
+    per_step, precompute_per_step = GPUWork(), GPUWork()
+    per_step.add(busiest, 1 / count)
+    precompute_per_step.add(precompute, 1 / count)
     return _Work(rows=batches.rows_per_step, real_tokens=batches.real_tokens_per_step,
                  processed_tokens=batches.processed_tokens_per_step, train_micro=batches.micro_batches_per_step,
                  optimizer_steps=1.0, scoring_micro=batches.micro_batches_per_step, executed=total / count,
-                 slowest=slowest / count,
-                 model=model / count, precompute=precompute / count)
+                 busiest=per_step, model=model / count, precompute=precompute_per_step)
 
 
 def _rollout_work(models: list[ModelUse], workload: Workload, knobs: Knobs, world: int) -> _Work:
-    """A PPO rollout: experience (a forward of every model over every sequence), then
-    train_passes passes of the trained models; every sequence max_len long."""
-    seq = workload.seq_len
-    per_pass_rows = knobs.global_batch_size or knobs.micro_batch_size * world
-    accumulation = max(1, per_pass_rows // (knobs.micro_batch_size * world))
+    """A PPO rollout: experience (a forward of every model over every sequence, scoring_batch
+    sequences at a time), then train_passes passes of the trained models in micro batches;
+    every sequence max_len long."""
+    seq, mb = workload.seq_len, knobs.micro_batch_size
+    per_pass_rows = knobs.global_batch_size or mb * world
+    accumulation = max(1, per_pass_rows // (mb * world))
     sequences = workload.rows_per_rollout * workload.sequences_per_row
-    train_micro = workload.train_passes * sequences / (knobs.micro_batch_size * world)
+    train_micro = workload.train_passes * sequences / (mb * world)
+    scoring = workload.scoring_batch or mb
     tokens = sequences * seq
     executed = model = 0.0
+    busiest = GPUWork()
     for use in models:
         fwd = forward_flops_per_token(use.shape, use.head, seq)
+        busiest.add(pass_work(use.shape, use.head, scoring * seq, scoring * seq * seq, trained=False, knobs=knobs),
+                    sequences / world / scoring)
+        executed += fwd * tokens
+        model += fwd * tokens
         if use.trained:
             trained_flops = pass_flops(use.shape, use.head, seq, seq * seq, trained=True,
                                        lora_params=_lora_params(use, knobs))
             recompute = fwd * seq if knobs.gradient_checkpointing else 0.0
-            executed += (trained_flops + recompute) / seq * tokens * workload.train_passes + fwd * tokens
-            model += trained_flops / seq * tokens * workload.train_passes + fwd * tokens
-        else:
-            executed += fwd * tokens
-            model += fwd * tokens
+            executed += (trained_flops + recompute) / seq * tokens * workload.train_passes
+            model += trained_flops / seq * tokens * workload.train_passes
+            busiest.add(pass_work(use.shape, use.head, mb * seq, mb * seq * seq, trained=True, knobs=knobs),
+                        train_micro)
     return _Work(rows=workload.rows_per_rollout, real_tokens=tokens, processed_tokens=tokens, train_micro=train_micro,
-                 optimizer_steps=max(1.0, train_micro / accumulation),
-                 scoring_micro=sequences / (world * (workload.scoring_batch or knobs.micro_batch_size)),
-                 executed=executed, slowest=executed / world, model=model)
+                 optimizer_steps=max(1.0, train_micro / accumulation), scoring_micro=sequences / (world * scoring),
+                 executed=executed, busiest=busiest, model=model)
 
 
-def _generation_s(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: Hardware, world: int, ring: float,
-                  bandwidth: float) -> float:
+def _generation_s(models: list[ModelUse], workload: Workload, knobs: Knobs, rates: rate_table.Rates, world: int,
+                  ring: float, bandwidth: float) -> float:
     """Decoding a rollout: memory-bound, every weight read once per new token per call."""
     gen, actor = workload.generation, next((m for m in models if m.trained and m.head == "lm"), None)
     if gen is None or actor is None:
         return 0.0
     weights = actor.shape.n_params * knobs.weight_bytes
     calls = math.ceil(workload.rows_per_rollout * workload.sequences_per_row / world / gen.batch)
-    seconds = calls * gen.new_tokens * weights / (hw.gpu.memory_bandwidth_gbs * 1e9)
+    seconds = calls * gen.new_tokens * weights / rates.hbm_bytes_per_s.value
     if knobs.zero_stage == 3 and world > 1:  # one gather of the whole actor per rollout
         seconds += weights * ring / bandwidth
     return seconds

@@ -1,0 +1,154 @@
+"""The rates the time model turns a step's work into seconds with, each with where it comes from.
+
+A step's time (pipeline/plan/timing.py) is a sum of work x rate:
+
+  matmuls          FLOPs / the GPU's matmul rate at the shapes the model multiplies
+  attention        FLOPs / (datasheet peak x the kernel's efficiency)
+  the loss         logits x bytes moved per logit / GPU memory bandwidth
+  ZeRO-3 hooks     a fixed cost per layer and pass: its fetch and release hooks cost the same
+                   whatever the layer's size
+  optimizer step   bytes per parameter / GPU memory bandwidth (ZeRO-0/1/2 on the GPU), or the
+                   host's Adam rate and the PCIe copies (optimizer offload)
+  communication    bytes / link bandwidth (pipeline/plan/timing.py)
+
+Where each number comes from, most trusted first:
+  calibrated  measured on the user's own node by `python -m pipeline calibrate`
+  records     fitted to the GPU runs on record (benchmarks/results; `python -m
+              benchmarks.gpu.records fit` prints the fit, and tests/test_plan_records.py
+              holds every record to the plan)
+  datasheet   pipeline/hardware.py's catalogue
+  default     a published figure no record has checked yet
+
+The fit (2026-11-26) is over 13 cases on two GPUs and two shapes: the 1B-shaped SFT/DPO cases
+of 2026-11-22 on an H100 (ZeRO-0/2/3, with and without checkpointing, LoRA, sdpa) and the 34B
+slice of 2026-11-26 on an H200 (ZeRO-3, optimizer offload, 1 and 2 layers). What no record has
+run is a default: flash attention's efficiency, eager attention, multi-GPU communication.
+
+Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pipeline import hardware
+
+# ---- fitted to the records (python -m benchmarks.gpu.records fit)
+
+# sdpa with the packed lines' additive mask runs PyTorch's memory-efficient kernel, far below
+# the matmuls: ~9% of the datasheet on H100/H200 (the 1B cases, where attention is 14% of the
+# FLOPs, pin it).
+SDPA_MASKED_EFFICIENCY = 0.085
+# The loss path (stages/losses.py: bf16 logits, fp32 log-sum-exp chunks, their backward) moves
+# about this many bytes per logit and pass through GPU memory.
+LOSS_BYTES_PER_LOGIT = 128.0
+# ZeRO-3's per-module fetch and release hooks: a fixed cost per layer and pass, the same for
+# the 1B's 60M-parameter layers and the 34B's 692M ones (so hooks, not bandwidth).
+ZERO3_LAYER_PASS_S = 5.9e-3
+# The optimizer step on the GPU, as bytes of GPU memory traffic per trained parameter: torch's
+# fused AdamW reads and writes ~36 B/param, but DeepSpeed's gradient buckets, fp32 copies,
+# norms and overflow checks around it make the measured step cost far more.
+STEP_BYTES_PER_PARAM = {0: 320.0, 1: 510.0, 2: 510.0}
+# DeepSpeed's CPU Adam, per core of the process: one process on 16 cores stepped ~1.3e9
+# parameters/s besides the PCIe copies (the 34B slice, H200 machine).
+HOST_ADAM_PARAMS_PER_S_PER_CORE = 8.2e7
+# peft's adapters (dropout, the two thin matmuls, scaling, the add) move about this many bytes
+# per token, layer pass and adapted in + out feature: LoRA SFT stepped no faster than the full
+# fine-tune though a third of the matmuls go (one record pins it: mem-sft-lora).
+LORA_BYTES_PER_ELEMENT = 21.0
+
+# ---- published figures not yet checked against a record
+
+# FlashAttention-2 reaches 50-73% of an A100's peak forward and ~35-63% forward + backward
+# (Dao, 2023); half the datasheet for the kernels' share.
+FLASH_EFFICIENCY = 0.50
+EAGER_EFFICIENCY = SDPA_MASKED_EFFICIENCY * 0.65  # materialised scores: slower than sdpa's kernel
+# Cores a GPU process has when the pipeline file does not say (cluster.cpus_per_task): a DGX
+# A100 has 128 cores for 8 GPUs, a DGX H100 112.
+DEFAULT_CORES_PER_PROCESS = 16
+
+
+@dataclass(frozen=True)
+class Rate:
+    value: float
+    source: str  # calibrated | records | datasheet | default
+    note: str = ""
+
+    def describe(self, unit: str = "", scale: float = 1.0) -> str:
+        value = self.value * scale
+        text = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+        text += f"{unit} ({self.source}"
+        return text + (f": {self.note})" if self.note else ")")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one GPU process of a stage does per second, with sources (see the module doc)."""
+
+    peak_flops: float  # the datasheet's dense peak in the stage's precision
+    matmul: Rate  # achieved matmul FLOP/s (at the model's shapes when calibrated)
+    attention_efficiency: dict  # kernel -> Rate (fraction of peak_flops)
+    hbm_bytes_per_s: Rate
+    host_link_bytes_per_s: Rate
+    link_bytes_per_s: Rate  # per GPU, collectives between the GPUs of a node
+    network_bytes_per_s: Rate  # per node, between nodes
+    host_adam_params_per_s: Rate  # one process, with its share of the node's cores
+    loss_bytes_per_logit: Rate = Rate(LOSS_BYTES_PER_LOGIT, "records")
+    zero3_layer_pass_s: Rate = Rate(ZERO3_LAYER_PASS_S, "records")
+    step_bytes_per_param: dict = field(default_factory=lambda: {
+        z: Rate(v, "records") for z, v in STEP_BYTES_PER_PARAM.items()})
+    calibration: Optional[str] = None  # "calibrated on <node>, <date>" when a file was used
+
+    def attention(self, kernel: str) -> Rate:
+        return self.attention_efficiency.get(kernel, self.attention_efficiency["sdpa"])
+
+    def sources(self, kernel: str, zero_stage: int, offloads: bool, world: int) -> list[str]:
+        """What the plan's time rests on, one line per rate it used."""
+        lines = [f"matmul {self.matmul.describe(' TFLOP/s', 1e-12)}",
+                 f"attention ({kernel}) {self.attention(kernel).describe(' of peak')}",
+                 f"GPU memory {self.hbm_bytes_per_s.describe(' GB/s', 1e-9)}",
+                 f"loss {self.loss_bytes_per_logit.describe(' B/logit')}"]
+        if zero_stage == 3:
+            lines.append(f"ZeRO-3 hooks per layer pass {self.zero3_layer_pass_s.describe(' ms', 1e3)}")
+        if offloads:
+            lines.append(f"host Adam {self.host_adam_params_per_s.describe('e9 params/s per process', 1e-9)}")
+            lines.append(f"host<->GPU copies {self.host_link_bytes_per_s.describe(' GB/s', 1e-9)}")
+        elif zero_stage < 3:
+            lines.append(f"optimizer step {self.step_bytes_per_param[zero_stage].describe(' B/param')}")
+        if world > 1:
+            lines.append(f"GPU links {self.link_bytes_per_s.describe(' GB/s', 1e-9)}")
+        return lines
+
+
+def built_in(gpu: hardware.GPU, precision: str, cores_per_process: Optional[int] = None,
+             calibration=None) -> Rates:
+    """The rates of a catalogue GPU; a calibration (pipeline/calibration.py) replaces what it measured."""
+    peak = gpu.peak_tflops(precision) * 1e12
+    if gpu.measured_matmul_tflops and precision in ("bf16", "fp16"):
+        matmul = Rate(gpu.measured_matmul_tflops * 1e12, "records", "8192^3 bf16 matmuls on this GPU")
+    else:
+        matmul = Rate(peak * hardware.MATMUL_FRACTION, "default",
+                      f"{hardware.MATMUL_FRACTION:.0%} of the datasheet, as H100/H200 measured")
+    cores = cores_per_process or DEFAULT_CORES_PER_PROCESS
+    cores_note = (f"{cores} cores per process (cluster.cpus_per_task)" if cores_per_process
+                  else f"{cores} cores per process assumed (set cluster.cpus_per_task)")
+    rates = Rates(
+        peak_flops=peak,
+        matmul=matmul,
+        attention_efficiency={
+            "sdpa": Rate(SDPA_MASKED_EFFICIENCY, "records", "masked packed lines"),
+            "eager": Rate(EAGER_EFFICIENCY, "default", "no record ran eager attention"),
+            "flash_attention_2": Rate(FLASH_EFFICIENCY, "default", "FlashAttention-2's published figures; "
+                                      "no record ran it"),
+        },
+        hbm_bytes_per_s=Rate(gpu.memory_bandwidth_gbs * 1e9, "datasheet"),
+        host_link_bytes_per_s=Rate(gpu.host_link_gbs * 1e9, "datasheet"),
+        link_bytes_per_s=Rate(gpu.link_gbs * 1e9, "default", "typical NCCL bus bandwidth, not measured here"),
+        network_bytes_per_s=Rate(gpu.network_gbs * 1e9, "default", "a typical node's interconnect"),
+        host_adam_params_per_s=Rate(HOST_ADAM_PARAMS_PER_S_PER_CORE * cores, "records", cores_note),
+    )
+    if calibration is not None:
+        rates = calibration.applied_to(rates, precision, cores)
+    return rates
+
