@@ -11,7 +11,7 @@ import shlex
 import pytest
 import torch
 
-from pipeline import calibrate, calibration, config as config_module, launch
+from pipeline import calibrate, calibration, cli, config as config_module, launch
 from pipeline.errors import InvalidInput
 from stages import calibrate as measuring
 from tests.conftest import REPO, run_cli
@@ -77,6 +77,12 @@ def test_require_gpu_on_a_cpu_machine_is_refused_with_exit_2_and_writes_nothing(
     assert "GPU rates cannot be measured without a GPU" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (workdir / "cal.json").exists()
+
+
+def test_a_scale_model_is_refused_since_the_node_is_measured_at_the_real_shapes(workdir, capsys):
+    assert cli.main(["calibrate", "tiny", "--scale-model"]) == 2
+    assert "leave out --scale-model" in capsys.readouterr().err
+    assert not (workdir / "runs").exists()
 
 
 # --------------------------------------------------------------------------- the reader
@@ -219,7 +225,7 @@ def test_matmul_rates_stop_starting_gemms_when_the_budget_is_spent_and_say_so():
     assert all(r["tflops"] > 0 for r in rates)
 
 
-def test_the_copy_rate_counts_bytes_read_and_written():
+def test_a_device_copy_is_timed():
     assert measuring.memory_bandwidth_gbs(torch.device("cpu"), 2**22, repeats=2) > 0
 
 
