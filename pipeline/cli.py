@@ -1,4 +1,4 @@
-"""python -m pipeline validate|plan|run|status|report|cancel|clean|prepare|run-stage CONFIG
+"""python -m pipeline validate|plan|run|status|report|cancel|clean|prepare|calibrate|run-stage CONFIG
 
 CONFIG is a path to a pipeline file or the name of one under pipeline/configs/.
 Exit codes: 0 ok, 1 a stage failed, 2 invalid pipeline file or data, 3 does not fit.
@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from pipeline import config as config_module
-from pipeline import failure, graph, launch, metrics, plan, preflight, prepare, runfolder, scale, slurm, state
+from pipeline import (calibrate, failure, graph, launch, metrics, plan, preflight, prepare, runfolder, scale, slurm,
+                      state)
 from pipeline.errors import InvalidInput, PipelineError
 from pipeline.hfcache import hf_cache
 
@@ -190,6 +191,19 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """Measure this node (or, on Slurm, one node of the cluster) and write the calibration file."""
+    if args.scale_model:
+        raise InvalidInput("calibrate measures the node at the real models' shapes: leave out --scale-model")
+    spec = load(args)
+    executor = "local" if args.local else "slurm" if args.slurm else spec.cluster.executor
+    out = Path(args.out) if args.out else None
+    result, path = calibrate.calibrate(spec, executor, quick=args.quick, require_gpu=args.require_gpu, out=out,
+                                       echo=launch.default_echo)
+    print(calibrate.summary(result, path, spec))
+    return 0
+
+
 def cmd_run_stage(args) -> int:
     """One stage in this process, as one task of a job (slurm/stage.sbatch runs it under srun)."""
     spec = load(args)
@@ -225,6 +239,7 @@ COMMANDS = {
     "cancel": (cmd_cancel, "cancel the pipeline's pending and running Slurm jobs, or its local run"),
     "clean": (cmd_clean, "remove the superseded outputs `run` moved aside (status lists them)"),
     "prepare": (cmd_prepare, "download the models and datasets named by hub id into the shared cache"),
+    "calibrate": (cmd_calibrate, "measure a node's matmul, memory, copy, CPU Adam and collective rates for `plan`"),
     "run-stage": (cmd_run_stage, "run one stage in this process (one task per GPU, e.g. under srun)"),
 }
 
@@ -253,6 +268,19 @@ def build_parser() -> argparse.ArgumentParser:
     commands["status"].add_argument("--json", action="store_true", help="machine-readable output")
     commands["clean"].add_argument("--dry-run", action="store_true", help="list what would be removed")
     commands["run-stage"].add_argument("stage", help="name of the stage to run")
+    commands["calibrate"].add_argument("--out", metavar="FILE",
+                                       help="write the calibration file here (default: "
+                                       "<runs_dir>/calibration/<GPU>.json, cpu.json without a GPU)")
+    where = commands["calibrate"].add_mutually_exclusive_group()
+    where.add_argument("--slurm", action="store_true",
+                       help="measure in one Slurm job with the file's cluster section (default when "
+                       "cluster.executor is slurm)")
+    where.add_argument("--local", action="store_true", help="measure this machine, whatever cluster.executor says")
+    commands["calibrate"].add_argument("--quick", action="store_true",
+                                       help="smaller copies and CPU Adam, fewer repeats: under a minute, noisier")
+    commands["calibrate"].add_argument("--require-gpu", action="store_true",
+                                       help="refuse (exit 2) on a machine without a GPU instead of measuring "
+                                       "only the CPU Adam rate")
     commands["report"].add_argument("--plots", metavar="DIR", help="also save each plot there as a PNG file")
     return parser
 

@@ -416,7 +416,7 @@ def submit_slurm(spec: PipelineSpec, planned: list[PlannedStage], config: str, e
                 run_state.stages[name].state = state.CANCELLED
             state.save(pipeline_dir, run_state)
             undone = f"; cancelled the jobs already submitted ({', '.join(submitted.values())})" if submitted else ""
-            raise InvalidInput(f"sbatch refused stage {task.name}: {_first_lines(err)}{undone}") from None
+            raise InvalidInput(f"sbatch refused stage {task.name}: {first_lines(err)}{undone}") from None
         submitted[task.name] = job.job_id
         previous = run_state.stages.get(task.name)
         attempts = previous.attempts + 1 if previous and previous.spec_hash == task.spec_hash else 1
@@ -459,25 +459,38 @@ def sbatch_script(executor) -> str:
 def slurm_parameters(spec: PipelineSpec, task: StageTask, after: list[str]) -> dict:
     """submitit SlurmExecutor parameters: resources from the cluster block and the stage."""
     cluster, stage = spec.cluster, task.stage
-    params: dict = {
+    params = cluster_parameters(spec)
+    params.update({
         "job_name": f"{spec.name}.{task.name}",
         "time": slurm_time_to_minutes(stage.time or cluster.time),
         "nodes": stage.nodes,
         "ntasks_per_node": task.processes_per_node,
         "signal_delay_s": plan.signal_lead(spec, stage),
-        "setup": slurm_setup_lines(spec),
-    }
-    for name in ("partition", "account", "qos", "constraint", "cpus_per_task"):
+    })
+    if cluster.cpus_per_task is not None:
+        params["cpus_per_task"] = cluster.cpus_per_task
+    extra = params["additional_parameters"]
+    extra["requeue"] = True  # the job requeues itself on USR2, whatever the site's default
+    if after:
+        extra["dependency"] = "afterok:" + ":".join(after)
+        extra["kill-on-invalid-dep"] = "yes"
+    return params
+
+
+def cluster_parameters(spec: PipelineSpec) -> dict:
+    """submitit SlurmExecutor parameters every job of the pipeline shares (stage jobs, the
+    calibration job): the cluster block's partition, account, qos, constraint, GPUs per node,
+    memory and extra sbatch options, and the setup lines."""
+    cluster = spec.cluster
+    params: dict = {"setup": slurm_setup_lines(spec)}
+    for name in ("partition", "account", "qos", "constraint"):
         if getattr(cluster, name) is not None:
             params[name] = getattr(cluster, name)
     if cluster.gpus_per_node:
         params["gpus_per_node"] = cluster.gpus_per_node
-    extra: dict = {"requeue": True}  # the job requeues itself on USR2, whatever the site's default
+    extra: dict = {}
     if cluster.mem is not None:
         extra["mem"] = cluster.mem
-    if after:
-        extra["dependency"] = "afterok:" + ":".join(after)
-        extra["kill-on-invalid-dep"] = "yes"
     extra.update({k: v for k, v in cluster.sbatch.items() if v is not False})
     params["additional_parameters"] = extra
     return params
@@ -499,18 +512,24 @@ def slurm_setup_lines(spec: PipelineSpec) -> list[str]:
 
 
 def job_python(spec: PipelineSpec, task: StageTask) -> str:
-    """The command that runs python for the job: this interpreter, or python inside the container."""
+    """The command that runs python for a stage job: this interpreter, or python inside the container."""
+    return python_command(spec, container_binds(spec, task))
+
+
+def python_command(spec: PipelineSpec, binds: list[str]) -> str:
+    """The command that runs python for a job of this pipeline: this interpreter, or python inside
+    its container with `binds` bound."""
     if spec.container is None:
         return shlex.quote(sys.executable)
-    return " ".join(shlex.quote(part) for part in container_command(spec, task)) + " python"
+    return " ".join(shlex.quote(part) for part in container_command(spec, binds)) + " python"
 
 
-def container_command(spec: PipelineSpec, task: StageTask) -> list[str]:
+def container_command(spec: PipelineSpec, binds: list[str]) -> list[str]:
     """`apptainer exec [--nv] --bind ... [--env PYTHONPATH=CODE] [options] IMAGE`."""
     command = [spec.apptainer.command, "exec"]
     if spec.cluster.gpus_per_node:
         command.append("--nv")
-    command += ["--bind", ",".join(container_binds(spec, task))]
+    command += ["--bind", ",".join(binds)]
     code = code_root()
     if code is not None:
         # The job unpickles the stage with the same code that submitted it.
@@ -535,6 +554,11 @@ def container_binds(spec: PipelineSpec, task: StageTask) -> list[str]:
     code = code_root()
     if code is not None:
         paths.append(code)
+    return bind_list(spec, paths)
+
+
+def bind_list(spec: PipelineSpec, paths: list[Path]) -> list[str]:
+    """The container's --bind entries: `paths` without those inside another, then the pipeline file's own."""
     kept: list[Path] = []
     for path in paths:
         if not any(path == k or k in path.parents for k in kept):
@@ -548,6 +572,6 @@ def code_root() -> Optional[Path]:
     return root if (root / "pyproject.toml").is_file() and (root / "stages").is_dir() else None
 
 
-def _first_lines(err: Exception, count: int = 3) -> str:
+def first_lines(err: Exception, count: int = 3) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return " ".join(lines[:count]) or type(err).__name__

@@ -1,4 +1,5 @@
-"""The run folder's layout: every name under runs/<pipeline>/ is spelled here and nowhere else.
+"""The run folder's layout: every name under runs/<pipeline>/ (and runs/calibration/) is spelled here
+and nowhere else.
 
     runs/<pipeline>/
       pipeline.json                 the chain's Slurm jobs and their states (pipeline/state.py)
@@ -22,6 +23,10 @@
         failures/rank-<N>.json      why process N failed (pipeline/failure.py); blank while it runs
         reference_logps.pt          DPO's precomputed reference log-probs
       <stage>.superseded-<time>/    a stage folder whose spec changed, moved aside (never deleted)
+    runs/calibration/               beside the run folders, shared by every pipeline of that runs_dir
+      <gpu>.json                    what `calibrate` measured on a node with that catalogue GPU; cpu.json
+                                    without a GPU (pipeline/calibration.py)
+      logs/                         the Slurm calibration job's submitit files and logs
     <name>.tmp                      a file or folder being written, renamed to <name> once complete
 
 Torch-free: the login node reads it to submit and to show status.
@@ -44,6 +49,7 @@ BUILTIN_FOLDER = "builtin"
 SCALE_MODELS_FOLDER = "scale-models"
 SUPERSEDED = ".superseded-"
 REPORT_FILE = "report.html"
+CALIBRATION_FOLDER = "calibration"
 TEMPORARY_SUFFIX = ".tmp"
 
 
@@ -77,6 +83,22 @@ def superseded_folders(pipeline_dir: Path) -> list[Path]:
 
 def report_file(pipeline_dir: Path) -> Path:
     return Path(pipeline_dir) / REPORT_FILE
+
+
+def calibration_folder(runs_dir: Path) -> Path:
+    """<runs_dir>/calibration/: what `calibrate` measured, for every pipeline of that runs_dir."""
+    return Path(runs_dir) / CALIBRATION_FOLDER
+
+
+def calibration_file(runs_dir: Path, name: str) -> Path:
+    """Where `calibrate` writes what it measured on a node whose GPU is `name` (its catalogue
+    name, or "cpu"): <runs_dir>/calibration/<name>.json."""
+    return calibration_folder(runs_dir) / f"{name}.json"
+
+
+def calibration_logs(runs_dir: Path) -> Path:
+    """The Slurm calibration job's submitit folder (its pickled call, result and logs)."""
+    return calibration_folder(runs_dir) / "logs"
 
 
 def temporary(path: Path) -> Path:

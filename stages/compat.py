@@ -47,7 +47,8 @@ DeepSpeed's op builds: `normalize_arch_list_env()` rewrites TORCH_CUDA_ARCH_LIST
 entries DeepSpeed's op builder can read (9.0a -> 9.0; stages/distributed.py calls it before
 DeepSpeed starts).
 
-Spellings that differ (no patching): `dtype` vs `torch_dtype` in `from_pretrained`,
+Spellings that differ (no patching): `dtype` vs `torch_dtype` in `from_pretrained`, torch's
+flat-tensor collectives (`tensor_collectives`: `*_single` from torch 2.13; stages/calibrate.py),
 HfDeepSpeedConfig's import path, what `apply_chat_template(tokenize=True)` returns, and
 which attention implementation names exist (eager, sdpa, flash_attention_2 everywhere), and
 whether continuous batching exists (`continuous_batching_available`: 5.x; under ZeRO-3 it also needs
@@ -703,6 +704,17 @@ def normalize_arch_list_env() -> None:
         os.environ[ARCH_LIST] = after
     _log_once("arch_list", "%s=%r rewritten to %s: DeepSpeed's op builder reads only MAJOR.MINOR[+PTX] entries",
               ARCH_LIST, before, repr(after) if after is not None else "unset (DeepSpeed builds for the GPUs it sees)")
+
+
+def tensor_collectives():
+    """torch.distributed's all-gather into one flat tensor and reduce-scatter out of one, as
+    (all_gather, reduce_scatter), each called (output, input): `*_single` from torch 2.13, where
+    the older `all_gather_into_tensor` / `reduce_scatter_tensor` names warn; those before."""
+    import torch.distributed as dist
+
+    if hasattr(dist, "all_gather_single"):
+        return dist.all_gather_single, dist.reduce_scatter_single
+    return dist.all_gather_into_tensor, dist.reduce_scatter_tensor
 
 
 def prebuilt_ops() -> tuple[list[str], str | None]:

@@ -1,0 +1,262 @@
+"""`python -m pipeline calibrate CONFIG`: measure what the planner's time model needs from a
+node, at the pipeline file's own shapes, and write it to a calibration file.
+
+Here, torch-free: what to measure (Request: the GEMMs of each model the file trains, at a micro
+batch's tokens, in the stages' precision), where (this machine, or one Slurm job with the file's
+cluster section), and the file (pipeline/calibration.py). On the node, stages/calibrate.py
+measures.
+
+Without a GPU here, a local calibration measures what a CPU can (the CPU Adam rate) and writes
+cpu.json with every GPU field null; --require-gpu refuses instead (exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pipeline import calibration, hardware, launch, runfolder
+from pipeline.calibration import Calibration
+from pipeline.config import PipelineSpec, slurm_time_to_minutes
+from pipeline.errors import InvalidInput, PipelineError
+from pipeline.hfcache import hf_cache
+from pipeline.plan.estimate import stage_models
+from pipeline.plan.inputs import Knobs
+from pipeline.plan.planner import _stage_model_name
+from pipeline.shapes import resolve_shape
+
+# The square product every calibration times beside the file's shapes: the matmul ceiling
+# people quote, comparable between nodes and pipelines.
+REFERENCE_SIZE = 8192
+# The Slurm job's time limit: the measurements take a few minutes (CPU Adam's first JIT build
+# ~1 minute of it); a shorter cluster.time wins.
+SLURM_TIME_MIN = 30
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One product to time: C[m, n] = A[m, k] @ B[k, n] in `dtype`, laid out as training lays it
+    out: fwd A @ B^T (nn.Linear, B the weight [n, k]), dX A @ B, dW A^T @ B."""
+
+    what: str  # e.g. "mlp down dW", or "reference 8192^3"
+    model: str  # the model as the pipeline file names it; "" for the reference
+    m: int
+    k: int
+    n: int
+    dtype: str  # bf16, fp16 or fp32: a stage's precision
+    layout: str  # "nt" (fwd), "nn" (dX, reference) or "tn" (dW): which operand is transposed
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each measurement moves and repeats: FULL, or QUICK with --quick."""
+
+    matmul_repeats: int  # timed samples per GEMM (median kept), after a warm-up call
+    matmul_budget_s: float  # no GEMM starts after this many seconds (the others are noted as not measured)
+    copy_bytes: int  # GPU memory and host<->GPU copies
+    copy_repeats: int
+    cpu_adam_params: int  # fp32 parameters CPU Adam steps (4 bytes each, plus grads, m and v)
+    cpu_adam_steps: int  # timed steps (median kept), after a warm-up step
+    cpu_adam_budget_s: float  # fewer steps if they would take longer (the first JIT build is not counted)
+    collective_bytes: int  # the full tensor each collective gathers or reduces
+    collective_repeats: int
+    collective_timeout_s: float  # the spawned processes are stopped after this (NCCL start-up included)
+
+
+FULL = Sizes(matmul_repeats=10, matmul_budget_s=240, copy_bytes=2**30, copy_repeats=10,
+             cpu_adam_params=2**26, cpu_adam_steps=10, cpu_adam_budget_s=60,
+             collective_bytes=2**30, collective_repeats=10, collective_timeout_s=180)
+QUICK = Sizes(matmul_repeats=3, matmul_budget_s=60, copy_bytes=2**28, copy_repeats=3,
+              cpu_adam_params=2**22, cpu_adam_steps=5, cpu_adam_budget_s=15,
+              collective_bytes=2**26, collective_repeats=3, collective_timeout_s=120)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the node is asked to measure (pickled into the Slurm job)."""
+
+    gemms: tuple[Gemm, ...]
+    processes_per_node: int  # the pipeline's: a stage process's share of the cores is cores // this
+    sizes: Sizes
+    require_gpu: bool  # refuse (InvalidInput) rather than measure only the CPU when no GPU is visible
+
+
+def gemms(spec: PipelineSpec) -> list[Gemm]:
+    """The products of one decoder layer (and the LM head) of each model the file's stages train,
+    forward and both backward products, at the tokens of one process's fullest micro batch (the
+    planner's Workload.train_tokens: the packing budget, or micro_batch_size rows of max_len), in
+    the stage's precision; then the reference square in each precision. Each distinct shape once."""
+    cache = hf_cache(spec)
+    found: dict[tuple, Gemm] = {}
+    for index, stage in enumerate(spec.stages):
+        model = _stage_model_name(spec, stage)
+        try:
+            shape = resolve_shape(model, cache.hub)
+        except ValueError as err:
+            field_name = "model" if stage.model else "from"
+            raise InvalidInput(f"stages[{index}] ({stage.name}).{field_name}: {err}") from None
+        knobs = Knobs.from_stage(stage)
+        tokens = stage_models(knobs, shape)[1].train_tokens(knobs)
+        h = shape.hidden
+        linears = [("qkv", h, shape.q_width + 2 * shape.kv_width), ("o", shape.q_width, h),
+                   ("mlp gate+up", h, 2 * shape.intermediate), ("mlp down", shape.intermediate, h)]
+        if stage.kind != "rm":  # a reward model's head is Linear(hidden, 1): nothing to time
+            linears.append(("lm head", h, shape.vocab))
+        for name, k, n in linears:
+            for gemm in (Gemm(f"{name} fwd", model, tokens, k, n, knobs.precision, "nt"),
+                         Gemm(f"{name} dX", model, tokens, n, k, knobs.precision, "nn"),
+                         Gemm(f"{name} dW", model, n, tokens, k, knobs.precision, "tn")):
+                found.setdefault((gemm.m, gemm.k, gemm.n, gemm.dtype, gemm.layout), gemm)
+    for dtype in sorted({g.dtype for g in found.values()}):
+        found.setdefault((REFERENCE_SIZE,) * 3 + (dtype, "nn"),
+                         Gemm(f"reference {REFERENCE_SIZE}^3", "", REFERENCE_SIZE, REFERENCE_SIZE, REFERENCE_SIZE,
+                              dtype, "nn"))
+    return list(found.values())
+
+
+def request(spec: PipelineSpec, quick: bool, require_gpu: bool) -> Request:
+    return Request(tuple(gemms(spec)), spec.cluster.processes_per_node, QUICK if quick else FULL, require_gpu)
+
+
+# --------------------------------------------------------------------------- where it runs
+
+
+def calibrate(spec: PipelineSpec, executor: str, quick: bool = False, require_gpu: bool = False,
+              out: Optional[Path] = None, echo=print) -> tuple[Calibration, Path]:
+    """Measure on this machine (executor "local") or in one Slurm job ("slurm"), write the file
+    (`out`, else <runs_dir>/calibration/<GPU>.json) and return it with its path."""
+    # On Slurm a GPU pipeline's job that finds no GPU is a wrong partition, not a CPU calibration.
+    asked = request(spec, quick, require_gpu or (executor == "slurm" and spec.cluster.gpus_per_node > 0))
+    _check_writable(out.parent if out else runfolder.calibration_folder(Path(spec.runs_dir)))
+    if executor == "slurm":
+        measured = _measure_on_slurm(spec, asked, echo)
+    else:
+        from stages.calibrate import measure  # imports torch as it measures: only the measuring process does
+
+        measured = measure(asked)
+    result = calibration.from_json(measured, f"the measurement of {measured.get('node')}")
+    path = out or runfolder.calibration_file(Path(spec.runs_dir), result.name)  # named after the GPU found
+    calibration.save(result, path)
+    return result, path
+
+
+def _check_writable(folder: Path) -> None:
+    """Refuse before measuring, not after, when the file could not be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InvalidInput(f"{folder}: cannot write the calibration file there: {err.strerror or err}") from None
+    if not os.access(folder, os.W_OK):
+        raise InvalidInput(f"{folder}: cannot write the calibration file there: permission denied")
+
+
+def _measure_on_slurm(spec: PipelineSpec, asked: Request, echo) -> dict:
+    """Submit the calibration job, wait for it and return what it measured."""
+    from stages.calibrate import measure  # torch-free at import; pickled by reference, run on the node
+
+    launch.check_slurm_ready(spec)
+    try:
+        job = slurm_executor(spec).submit(measure, asked)
+    except Exception as err:  # noqa: BLE001 -- sbatch's refusal, reported to the user
+        raise InvalidInput(f"sbatch refused the calibration job: {launch.first_lines(err)}") from None
+    echo(f"submitted calibration job {job.job_id}; waiting for it (log: {job.paths.stdout})")
+    try:
+        return job.result()
+    except KeyboardInterrupt:
+        job.cancel(check=False)
+        echo(f"cancelled calibration job {job.job_id}")
+        raise
+    except Exception as err:  # noqa: BLE001 -- the job failed: its log says why
+        raise PipelineError(f"calibration job {job.job_id} failed: {launch.first_lines(err)}\n"
+                            f"  log: {job.paths.stderr}") from None
+
+
+def slurm_executor(spec: PipelineSpec):
+    """A submitit SlurmExecutor for the calibration job: the pipeline's python (or its image,
+    binding the folder we run in, the job's submitit folder and this code) and slurm_parameters."""
+    import submitit
+
+    logs = runfolder.calibration_logs(Path(spec.runs_dir))
+    code = launch.code_root()
+    binds = launch.bind_list(spec, [Path.cwd().resolve(), logs.resolve()] + ([code] if code else []))
+    executor = submitit.SlurmExecutor(folder=logs, python=launch.python_command(spec, binds))
+    executor.update_parameters(**slurm_parameters(spec))
+    return executor
+
+
+def slurm_parameters(spec: PipelineSpec) -> dict:
+    """submitit parameters of the calibration job: the cluster section a stage job gets
+    (launch.cluster_parameters), on one node, as one task holding every core the stage's
+    processes would hold (so cores // processes_per_node is one stage process's share)."""
+    cluster = spec.cluster
+    params = launch.cluster_parameters(spec)
+    params.update(job_name=f"{spec.name}.calibrate", nodes=1, ntasks_per_node=1,
+                  time=min(SLURM_TIME_MIN, slurm_time_to_minutes(cluster.time)))
+    if cluster.cpus_per_task is not None:
+        params["cpus_per_task"] = cluster.cpus_per_task * cluster.processes_per_node
+    return params
+
+
+# --------------------------------------------------------------------------- what it says
+
+
+def summary(result: Calibration, path: Path, spec: PipelineSpec) -> str:
+    """A short table of what was measured, beside the catalogue's datasheet numbers, and the notes."""
+    sheet = hardware.GPUS.get(result.gpu.catalogue) if result.gpu and result.gpu.catalogue else None
+    gpu = (f"{result.gpu.count} x {result.gpu.device_name} (catalogue: {result.gpu.catalogue or 'not in it'})"
+           if result.gpu else "no GPU")
+    rows = [("measurement", "measured", "datasheet", "seconds")]
+    took = _seconds(result, "matmul")
+    for dtype in ("bf16", "fp16", "fp32"):
+        rates = [r for r in result.matmul if r.dtype == dtype]
+        for r in (r for r in rates if not r.model):  # the reference square
+            rows.append((f"matmul {dtype} {r.m}x{r.k}x{r.n}", _rate(r.tflops, "TFLOP/s"),
+                         _rate(sheet and sheet.peak_tflops(dtype), "TFLOP/s"), took))
+            took = ""
+        shaped = sorted(r.tflops for r in rates if r.model)
+        if shaped:
+            rows.append((f"matmul {dtype}, {len(shaped)} pipeline GEMMs (min/median/max)",
+                         f"{shaped[0]:.3g} / {statistics.median(shaped):.3g} / {shaped[-1]:.3g} TFLOP/s", "", ""))
+    if result.gpu is not None:
+        collective = result.collective
+        rows += [
+            ("GPU memory copy (read + write)", _rate(result.memory_bandwidth_gbs, "GB/s"),
+             _rate(sheet and sheet.memory_bandwidth_gbs, "GB/s"), _seconds(result, "memory_bandwidth")),
+            ("host -> GPU, pinned", _rate(result.host_to_gpu_gbs, "GB/s"), _rate(sheet and sheet.host_link_gbs, "GB/s"),
+             _seconds(result, "host_copies")),
+            ("GPU -> host, pinned", _rate(result.gpu_to_host_gbs, "GB/s"), "", ""),
+            ("all-gather, bus", _rate(collective and collective.all_gather_gbs, "GB/s"),
+             _rate(sheet and sheet.link_gbs, "GB/s"), _seconds(result, "collective")),
+            ("reduce-scatter, bus", _rate(collective and collective.reduce_scatter_gbs, "GB/s"), "", ""),
+        ]
+    adam = result.cpu_adam
+    if adam:
+        threads = f"{adam.threads} thread{'s' if adam.threads > 1 else ''}"
+        rows += [(f"CPU Adam ({adam.optimizer}), 1 process, {threads}", _rate(adam.params_per_s / 1e9, "G params/s"),
+                  "", _seconds(result, "cpu_adam")),
+                 (f"  x {result.processes_per_node} processes (node)",
+                  _rate(result.cpu_adam_params_per_s_per_node / 1e9, "G params/s"), "", "")]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [f"calibration of {result.node}: {gpu}, {result.cores_available} cores, "
+             f"{result.processes_per_node} processes per node", f"  written to {path}", ""]
+    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    notes = list(result.notes)
+    planned = calibration.default_path(spec)
+    if path.resolve() != planned.resolve():
+        notes.append(f"this pipeline's calibration file, the one for `plan` (cluster.gpu: "
+                     f"{spec.cluster.gpu or 'not set'}), is {planned}, not this one")
+    return "\n".join(lines + [f"  note: {note}" for note in notes])
+
+
+def _rate(value: Optional[float], unit: str) -> str:
+    """A rate to three significant figures; "-" for one not measured (or not in the catalogue)."""
+    if not value:
+        return "-"
+    return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
+
+
+def _seconds(result: Calibration, key: str) -> str:
+    return f"{result.seconds[key]:.1f}" if key in result.seconds else ""

@@ -1,0 +1,322 @@
+"""What `python -m pipeline calibrate` measures on a node: matmul rates at the pipeline's shapes,
+GPU memory and host<->GPU copy bandwidth, one process's CPU Adam rate, NCCL collective bandwidth.
+
+pipeline/calibrate.py decides what to measure (a Request) and calls `measure` here, in its own
+process or in a Slurm job; `measure` returns the calibration file's content as
+pipeline/calibration.py defines it. Each measurement is one function with its own bound (a
+time budget, repeats, or a timeout); the GPU ones time with CUDA events around many calls.
+
+Torch is imported inside the functions: the login node imports this module to submit the job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+import statistics
+import time
+from dataclasses import asdict
+from typing import Optional
+
+from pipeline import calibration
+from pipeline.errors import InvalidInput
+from pipeline.hardware import gpu_for_device
+
+# A timed sample is this many calls of a product, at least this long (seconds), so that the
+# launch overhead of a small GEMM does not count as its speed.
+SAMPLE_S = 0.02
+MAX_CALLS = 1000
+GiB = 2**30
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# The stages' AdamW settings (pipeline/config.py defaults): the same work per parameter.
+ADAM = {"lr": 1e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+
+
+def measure(request) -> dict:
+    """Everything the request asks for that this machine has: the calibration file's content."""
+    import torch
+
+    from stages import compat
+
+    on_gpu = torch.cuda.is_available()
+    if request.require_gpu and not on_gpu:
+        raise InvalidInput(f"no CUDA GPU visible on {socket.gethostname()} (torch {torch.__version__}, "
+                           f"CUDA {torch.version.cuda or 'none'}): GPU rates cannot be measured without a GPU. "
+                           "Run on a GPU node, or with --slurm; without --require-gpu only the CPU is measured")
+    compat.normalize_arch_list_env()  # before DeepSpeed builds CPU Adam
+    sizes, notes, seconds = request.sizes, [], {}
+    cores = len(os.sched_getaffinity(0))
+    per_process = max(1, cores // request.processes_per_node)
+    if cores < request.processes_per_node:
+        notes.append(f"{cores} cores for {request.processes_per_node} processes per node: each process gets one")
+
+    def timed(name, function, *args):
+        start = time.perf_counter()
+        value = function(*args)
+        seconds[name] = round(time.perf_counter() - start, 2)
+        return value
+
+    gpu = None
+    matmul: list[dict] = []
+    memory = h2d = d2h = collective = None
+    if on_gpu:
+        device = torch.device("cuda", 0)
+        props = torch.cuda.get_device_properties(device)
+        entry = gpu_for_device(props.name)
+        gpu = {"device_name": props.name, "catalogue": entry.name if entry else None,
+               "count": torch.cuda.device_count(), "memory_gib": round(props.total_memory / GiB, 1)}
+        if entry is None:
+            notes.append(f"{props.name} is not in pipeline/hardware.py's catalogue: `plan` cannot name it as "
+                         "cluster.gpu, so it does not read this file")
+        matmul = timed("matmul", matmul_rates, request.gemms, device, sizes.matmul_repeats, sizes.matmul_budget_s,
+                       notes)
+        memory = timed("memory_bandwidth", memory_bandwidth_gbs, device, sizes.copy_bytes, sizes.copy_repeats)
+        h2d, d2h = timed("host_copies", host_copy_gbs, device, sizes.copy_bytes, sizes.copy_repeats)
+        if gpu["count"] > 1:
+            collective = timed("collective", collective_rates, gpu["count"], "nccl", sizes.collective_bytes,
+                               sizes.collective_repeats, sizes.collective_timeout_s, notes)
+        else:
+            notes.append("one GPU visible: no collective to measure (collective is null)")
+    else:
+        notes.append(f"no CUDA GPU visible on {socket.gethostname()}: GPU rates cannot be measured without a GPU, "
+                     "so matmul, memory, host copy and collective are null; only the CPU Adam rate was measured")
+    cpu_adam = timed("cpu_adam", cpu_adam_rate, per_process, sizes.cpu_adam_params, sizes.cpu_adam_steps,
+                     sizes.cpu_adam_budget_s, notes)
+    return {
+        "version": calibration.VERSION,
+        "node": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu,
+        "cores_available": cores,
+        "cores_per_process": per_process,
+        "processes_per_node": request.processes_per_node,
+        "versions": {"torch": torch.__version__, "deepspeed": _version("deepspeed"), "cuda": torch.version.cuda},
+        "matmul": matmul,
+        "memory_bandwidth_gbs": memory,
+        "host_to_gpu_gbs": h2d,
+        "gpu_to_host_gbs": d2h,
+        "cpu_adam": cpu_adam,
+        "collective": collective,
+        "settings": asdict(sizes),
+        "seconds": seconds,
+        "notes": notes,
+    }
+
+
+def _version(package: str) -> Optional[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _figures(rate: float) -> float:
+    """A measured rate to 4 significant figures (more would be noise), never rounded to 0."""
+    return float(f"{rate:.4g}")
+
+
+def _median_seconds(run, device, repeats: int, calls: int = 1) -> float:
+    """The median time of `calls` calls of `run`, over `repeats` samples after one warm-up call:
+    CUDA events on a GPU (the device's own clock, no host overhead), perf_counter on a CPU."""
+    import torch
+
+    run()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                run()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1000)
+        else:
+            start_s = time.perf_counter()
+            for _ in range(calls):
+                run()
+            samples.append(time.perf_counter() - start_s)
+    return statistics.median(samples) / calls
+
+
+def gemm_tflops(m: int, k: int, n: int, dtype: str, layout: str, device, repeats: int) -> float:
+    """TFLOP/s of C[m, n] = A[m, k] @ B[k, n] with operands laid out as `layout` says ("nn";
+    "nt": B stored as [n, k], as nn.Linear's weight; "tn": A stored as [k, m])."""
+    import torch
+
+    kind = getattr(torch, DTYPES[dtype])
+    a = torch.randn((k, m) if layout == "tn" else (m, k), device=device, dtype=kind)
+    b = torch.randn((n, k) if layout == "nt" else (k, n), device=device, dtype=kind)
+    a = a.t() if layout == "tn" else a
+    b = b.t() if layout == "nt" else b
+    out = torch.empty(m, n, device=device, dtype=kind)
+
+    def run():
+        torch.matmul(a, b, out=out)
+
+    once = _median_seconds(run, device, 1)  # the first call also picks cuBLAS's kernel
+    calls = min(MAX_CALLS, max(1, math.ceil(SAMPLE_S / max(once, 1e-9))))
+    return 2 * m * k * n / _median_seconds(run, device, repeats, calls) / 1e12
+
+
+def matmul_rates(gemms, device, repeats: int, budget_s: float, notes: list) -> list[dict]:
+    """Each GEMM's rate (calibration.MatmulRate fields); none starts after `budget_s` seconds, and
+    one that does not fit in memory is left out with a note."""
+    import torch
+
+    deadline = time.monotonic() + budget_s
+    rates = []
+    for index, gemm in enumerate(gemms):
+        if time.monotonic() > deadline:
+            notes.append(f"matmul: {len(gemms) - index} of {len(gemms)} GEMMs not measured: the {budget_s:.0f} s "
+                         "budget ran out")
+            break
+        try:
+            tflops = gemm_tflops(gemm.m, gemm.k, gemm.n, gemm.dtype, gemm.layout, device, repeats)
+        except torch.cuda.OutOfMemoryError:
+            notes.append(f"matmul {gemm.what} of {gemm.model} ({gemm.m}x{gemm.k}x{gemm.n} {gemm.dtype}) does not fit "
+                         "in GPU memory: not measured")
+            torch.cuda.empty_cache()
+            continue
+        rates.append({"what": gemm.what, "model": gemm.model, "m": gemm.m, "k": gemm.k, "n": gemm.n,
+                      "dtype": gemm.dtype, "tflops": _figures(tflops)})
+    if device.type == "cuda":  # hand the operands' cached blocks back: the collective's processes need GPU 0 too
+        torch.cuda.empty_cache()
+    return rates
+
+
+def memory_bandwidth_gbs(device, nbytes: int, repeats: int) -> float:
+    """A device-to-device copy of nbytes: bytes read + bytes written per second (GB/s), the bytes
+    the planner's memory-bound terms count."""
+    import torch
+
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return _figures(2 * nbytes / _median_seconds(lambda: target.copy_(source), device, repeats) / 1e9)
+
+
+def host_copy_gbs(device, nbytes: int, repeats: int) -> tuple[float, float]:
+    """Copies of nbytes between pinned host memory (as DeepSpeed's offload pins it) and the GPU:
+    (host -> GPU, GPU -> host) in GB/s."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    up = _median_seconds(lambda: gpu.copy_(host, non_blocking=True), device, repeats)
+    down = _median_seconds(lambda: host.copy_(gpu, non_blocking=True), device, repeats)
+    return _figures(nbytes / up / 1e9), _figures(nbytes / down / 1e9)
+
+
+def cpu_adam_rate(threads: int, params: int, steps: int, budget_s: float, notes: list) -> dict:
+    """One process stepping `params` fp32 parameters with DeepSpeed's CPU Adam (what a stage with
+    optimizer_offload steps on the host) on `threads` threads: parameters per second, the median
+    of `steps` steps (fewer when they would take over budget_s) after a warm-up step that
+    allocates m and v. Where DeepSpeedCPUAdam cannot be built, torch's AdamW (foreach) instead."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # DeepSpeed's op runs on torch's OpenMP runtime (the same libgomp)
+    try:
+        weights = torch.nn.Parameter(torch.empty(params).normal_(0, 0.02))
+        weights.grad = torch.empty(params).normal_(0, 1e-3)
+        optimizer, name = _cpu_optimizer(weights, notes)
+        start = time.perf_counter()
+        optimizer.step()
+        first = time.perf_counter() - start
+        count = max(1, min(steps, int(budget_s / max(first, 1e-9))))
+        seconds = _median_seconds(optimizer.step, torch.device("cpu"), count)
+    finally:
+        torch.set_num_threads(previous)
+    return {"params_per_s": _figures(params / seconds), "optimizer": name, "threads": threads, "params": params}
+
+
+def _cpu_optimizer(weights, notes: list):
+    """DeepSpeedCPUAdam over `weights` (JIT-built where neither the installed DeepSpeed nor torch's
+    extension cache holds it: about a minute, noted), else torch's AdamW with a note saying why."""
+    import torch
+
+    from stages import compat
+
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        built = "cpu_adam" in compat.prebuilt_ops()[0] + compat.jit_built_ops()
+        start = time.perf_counter()
+        optimizer = DeepSpeedCPUAdam([weights], adamw_mode=True, **ADAM)
+    except Exception as err:  # noqa: BLE001 -- no compiler, no DeepSpeed: measure what can be
+        reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        notes.append(f"DeepSpeedCPUAdam could not be loaded ({reason}): measured torch.optim.AdamW (foreach), "
+                     "which is slower than what a stage with optimizer_offload steps with")
+        return torch.optim.AdamW([weights], foreach=True, **ADAM), "torch.optim.AdamW (foreach)"
+    if not built:
+        notes.append(f"DeepSpeedCPUAdam was JIT-built first ({time.perf_counter() - start:.0f} s, not counted in "
+                     f"its rate); cached in {compat.torch_extensions_dir()} for the stages and the next calibration")
+    return optimizer, "DeepSpeedCPUAdam"
+
+
+def collective_rates(world: int, backend: str, nbytes: int, repeats: int, timeout_s: float,
+                     notes: list) -> Optional[dict]:
+    """All-gather and reduce-scatter bus bandwidth between `world` processes, one per GPU (nccl),
+    spawned here (calibration.CollectiveRate fields). None, with a note, when they fail or do not
+    finish within timeout_s (they are stopped then)."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    with socket.socket() as probe:  # a free port for the processes' rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    processes = mp.start_processes(_collective_process, args=(world, backend, port, nbytes, repeats, results),
+                                   nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not processes.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                notes.append(f"collective: the {world} processes did not finish within {timeout_s:.0f} s: "
+                             "stopped, not measured")
+                return None
+    except Exception as err:  # noqa: BLE001 -- a process failed (NCCL, memory): say so, keep the rest
+        reason = next((line for line in reversed(str(err).splitlines()) if line.strip()), type(err).__name__)
+        notes.append(f"collective: a process failed ({reason.strip()}): not measured")
+        return None
+    finally:
+        for process in processes.processes:
+            if process.is_alive():
+                process.kill()
+    return results.get()
+
+
+def _collective_process(rank: int, world: int, backend: str, port: int, nbytes: int, repeats: int,
+                        results) -> None:
+    """One process of collective_rates: time both collectives on a tensor of nbytes (bf16 on GPUs,
+    fp32 on CPUs); rank 0 puts the rates on `results`."""
+    import torch
+    import torch.distributed as dist
+
+    from stages import compat
+
+    all_gather, reduce_scatter = compat.tensor_collectives()
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device, dtype = torch.device("cuda", rank), torch.bfloat16
+    else:
+        device, dtype = torch.device("cpu"), torch.float32
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        per_rank = max(1, nbytes // dtype.itemsize // world)
+        full = torch.zeros(per_rank * world, dtype=dtype, device=device)
+        shard = torch.zeros(per_rank, dtype=dtype, device=device)
+        moved = full.numel() * full.element_size() * (world - 1) / world
+        rates = {"processes": world, "bytes": full.numel() * full.element_size()}
+        for key, run in (("all_gather_gbs", lambda: all_gather(full, shard)),
+                         ("reduce_scatter_gbs", lambda: reduce_scatter(shard, full))):
+            dist.barrier()
+            rates[key] = _figures(moved / _median_seconds(run, device, repeats) / 1e9)
+        if rank == 0:
+            results.put(rates)
+    finally:
+        dist.destroy_process_group()
