@@ -59,7 +59,7 @@ def cmd_validate(args) -> int:
 
 def cmd_plan(args) -> int:
     spec = load(args)
-    plans = plan.plan_pipeline(spec, plan.known_rows(spec))
+    plans = plan.plan_pipeline(spec, plan.known_rows(spec), calibration=args.calibration)
     if args.json:
         print(json.dumps(plan.plan_to_json(plans), indent=2))
     else:
@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="run STAGE (and what starts from it) again from scratch even if finished; "
                                  "repeat or comma-separate; `all` for every stage")
     commands["plan"].add_argument("--json", action="store_true", help="machine-readable output")
+    commands["plan"].add_argument("--calibration", metavar="FILE",
+                                  help="take the node's rates from this calibration file (default: "
+                                  "<runs_dir>/calibration/<GPU>.json when `calibrate` wrote one)")
     commands["status"].add_argument("--json", action="store_true", help="machine-readable output")
     commands["clean"].add_argument("--dry-run", action="store_true", help="list what would be removed")
     commands["run-stage"].add_argument("stage", help="name of the stage to run")

@@ -239,3 +239,52 @@ def test_the_collectives_run_between_spawned_processes_and_a_stuck_one_is_stoppe
     # Processes that do not finish in time (a million repeats) are stopped, and the note says so.
     assert measuring.collective_rates(2, "gloo", 2**20, 10**6, timeout_s=5, notes=notes) is None
     assert notes == ["collective: the 2 processes did not finish within 5 s: stopped, not measured"]
+
+
+# --------------------------------------------------------------------------- what the plan takes from it
+
+
+def _h100_pipeline(tmp_path) -> config_module.PipelineSpec:
+    return config_module.PipelineSpec.model_validate({
+        "name": "p", "runs_dir": str(tmp_path / "runs"),
+        "cluster": {"executor": "slurm", "gpu": "h100-80gb", "gpus_per_node": 8, "cpus_per_task": 16},
+        "defaults": {"zero_stage": 3, "optimizer_offload": True, "gradient_checkpointing": True,
+                     "micro_batch_size": 1, "max_len": 2048},
+        "stages": [{"name": "sft", "kind": "sft", "model": "codellama/CodeLlama-34b-hf", "global_batch_size": 64,
+                    "data": {"path": str(tmp_path / "rows.jsonl")}}],
+    })
+
+
+def test_the_plan_takes_the_nodes_rates_from_its_calibration_file_and_says_so(tmp_path):
+    from pipeline import plan
+
+    spec = _h100_pipeline(tmp_path)
+    built_in = plan.plan_pipeline(spec)[0].time
+    assert built_in.calibration is None
+    assert "built in (no calibration file" in plan.format_plan(plan.plan_pipeline(spec))
+    # every GEMM at half the H100's recorded 708 TFLOP/s, and the host's Adam at 1e9 parameters/s
+    slow = [{**g, "tflops": 354.0} for g in a_calibration()["matmul"]]
+    calibration.save(calibration.from_json(a_calibration(matmul=slow), "test"), calibration.default_path(spec))
+    measured = plan.plan_pipeline(spec)[0].time
+    assert measured.calibration == "calibrated on gpu07, 2026-11-26"
+    assert measured.compute_terms["matmul"] == pytest.approx(2 * built_in.compute_terms["matmul"])
+    assert "host Adam 1e9 params/s per process (calibrated: gpu07, 2026-11-26, DeepSpeedCPUAdam on 16 cores)" \
+        in measured.sources
+    # the offloaded optimizer: each process steps 1/8 of the 33.7B parameters at the measured rate
+    n = plan.plan_pipeline(spec)[0].trained_params
+    assert measured.work["host_adam_params"] == pytest.approx(n / 8)
+    host_adam_s = measured.offload_s - measured.work["host_copies_s"]
+    assert host_adam_s == pytest.approx(n / 8 / 1e9)
+    assert "calibrated on gpu07, 2026-11-26" in plan.format_plan(plan.plan_pipeline(spec))
+
+
+def test_a_calibration_of_another_gpu_is_refused_naming_the_file(tmp_path):
+    from pipeline import plan
+
+    spec = _h100_pipeline(tmp_path)
+    a100 = {"device_name": "NVIDIA A100-SXM4-80GB", "catalogue": "a100-80gb", "count": 8, "memory_gib": 79.3}
+    path = tmp_path / "a100.json"
+    path.write_text(json.dumps(a_calibration(gpu=a100)))
+    with pytest.raises(InvalidInput) as err:
+        plan.plan_pipeline(spec, calibration=path)
+    assert str(path) in err.value.message and "a100-80gb" in err.value.message and "h100-80gb" in err.value.message

@@ -100,8 +100,13 @@ def planned(record: Record):
     """The planner's Estimate of the recorded case (pipeline/plan/estimate.py)."""
     from pipeline.plan.estimate import estimate_stage
 
-    knobs, shape, lengths = (_slice_case if record.kind == "slice" else _project_case)(record)
+    knobs, shape, lengths = _case(record)
     return estimate_stage(knobs, shape, _hardware(record), lengths=lengths)
+
+
+def _case(record: Record):
+    """(Knobs, ModelShape, RowLengths or None) of what the recorded case ran."""
+    return (_slice_case if record.kind == "slice" else _project_case)(record)
 
 
 def _hardware(record: Record):
@@ -182,6 +187,7 @@ def fit(found: list[Record]) -> dict:
     """Least squares (relative errors) of the FITTED rates over the records: name -> value."""
     import numpy as np
 
+    from pipeline.plan.estimate import stage_models
     from pipeline.plan.inputs import attention_kernel
     from pipeline.plan.timing import rates_for
 
@@ -189,7 +195,7 @@ def fit(found: list[Record]) -> dict:
     for record in found:
         estimate = planned(record)
         t, knobs = estimate.time, estimate.knobs
-        rates = rates_for(knobs, _hardware(record))
+        rates = rates_for(knobs, _hardware(record), *stage_models(knobs, _case(record)[1]))
         work = {**t.work, "zero_stage": knobs.zero_stage, "cores": record.cores}
         kernel = attention_kernel(knobs.attention, True)
         known = t.compute_terms["matmul"] + t.work["host_copies_s"] + t.exposed_communication_s

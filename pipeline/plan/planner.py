@@ -4,10 +4,12 @@ stage holds besides it, the estimate, the warnings, the fixes, and the refusal
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from pipeline import calibration as calibration_file
 from pipeline import lengths as row_lengths
 from pipeline.errors import DoesNotFit, InvalidInput
 from pipeline.hfcache import hf_cache
@@ -130,6 +132,27 @@ def known_rows(spec) -> dict:
     return {k: v for k, v in rows.items() if v}
 
 
+def hardware_of(spec, calibration: Optional[Path] = None) -> Hardware:
+    """What the pipeline's stages run on, with the rates measured on such a node where a
+    calibration file is given, or sits at its default place (<runs_dir>/calibration/<gpu>.json).
+    InvalidInput (exit 2) for an unknown GPU, an unreadable file, or one measured on another GPU."""
+    try:
+        hw = Hardware.from_cluster(spec.cluster)
+    except ValueError as err:
+        raise InvalidInput(f"cluster.gpu: {err}") from None
+    if not hw.on_gpu or hw.gpu is None:
+        return hw
+    path = Path(calibration) if calibration else calibration_file.default_path(spec)
+    if calibration is None and not path.is_file():
+        return hw
+    measured = calibration_file.load(path)
+    if measured.gpu is not None and measured.gpu.catalogue != hw.gpu.name:
+        catalogue = measured.gpu.catalogue or "not in the catalogue"
+        raise InvalidInput(f"{path}: measured on {measured.gpu.device_name} ({catalogue}), but cluster.gpu is "
+                           f"{hw.gpu.name}: calibrate a node of that GPU, or name the file that was")
+    return dataclasses.replace(hw, calibration=measured)
+
+
 def signal_lead(spec, stage) -> int:
     """Seconds before its time limit at which a stage job is signalled to save and requeue:
     cluster.requeue_signal_s when set, else from the estimated checkpoint save time and step
@@ -141,24 +164,23 @@ def signal_lead(spec, stage) -> int:
     ppo = ppo_workload(spec, stage) if stage.kind == "ppo" else None
     models, _ = stage_models(knobs, shape, ppo)
     try:
-        estimated = estimate_stage(knobs, shape, Hardware.from_cluster(spec.cluster), ppo=ppo).time
-    except ValueError:  # an unknown GPU: the plan has said so already
+        estimated = estimate_stage(knobs, shape, hardware_of(spec), ppo=ppo).time
+    except (ValueError, InvalidInput):  # an unknown GPU or a bad calibration file: the plan has said so already
         estimated = None
     return signal_lead_seconds(checkpoint_save_seconds(models, knobs), estimated.step_s if estimated else None)
 
 
-def plan_pipeline(spec, rows_by_stage: Optional[dict] = None) -> list[StagePlan]:
+def plan_pipeline(spec, rows_by_stage: Optional[dict] = None, calibration: Optional[Path] = None) -> list[StagePlan]:
     """A plan for every stage of a validated pipeline (PipelineSpec).
 
     rows_by_stage: training rows per stage name, when known, for total times;
-    otherwise each plan gives the time per 1000 rows. Raises InvalidInput (exit 2)
-    for an unknown GPU or a model whose size cannot be found.
+    otherwise each plan gives the time per 1000 rows. calibration: a calibration
+    file to take the node's rates from (else its default place, if there is one).
+    Raises InvalidInput (exit 2) for an unknown GPU, a bad calibration file or a
+    model whose size cannot be found.
     """
     rows_by_stage = rows_by_stage or {}
-    try:
-        hw = Hardware.from_cluster(spec.cluster)
-    except ValueError as err:
-        raise InvalidInput(f"cluster.gpu: {err}") from None
+    hw = hardware_of(spec, calibration)
     cache = hf_cache(spec)
     sampled: dict = {}  # stages that read the same data with the same tokenizer share a sample
     plans = []

@@ -29,10 +29,12 @@ Pure Python (no torch).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
 from pipeline import hardware
+from pipeline.shapes import ModelShape
 
 # ---- fitted to the records (python -m benchmarks.gpu.records fit)
 
@@ -122,8 +124,9 @@ class Rates:
 
 
 def built_in(gpu: hardware.GPU, precision: str, cores_per_process: Optional[int] = None,
-             calibration=None) -> Rates:
-    """The rates of a catalogue GPU; a calibration (pipeline/calibration.py) replaces what it measured."""
+             calibration=None, shape: Optional[ModelShape] = None, tokens: Optional[int] = None) -> Rates:
+    """The rates of a catalogue GPU for a stage that trains `shape` on micro batches of `tokens`
+    tokens; a calibration (pipeline/calibration.py) replaces what it measured."""
     peak = gpu.peak_tflops(precision) * 1e12
     if gpu.measured_matmul_tflops and precision in ("bf16", "fp16"):
         matmul = Rate(gpu.measured_matmul_tflops * 1e12, "records", "8192^3 bf16 matmuls on this GPU")
@@ -149,6 +152,43 @@ def built_in(gpu: hardware.GPU, precision: str, cores_per_process: Optional[int]
         host_adam_params_per_s=Rate(HOST_ADAM_PARAMS_PER_S_PER_CORE * cores, "records", cores_note),
     )
     if calibration is not None:
-        rates = calibration.applied_to(rates, precision, cores)
+        rates = _calibrated(rates, calibration, precision, shape, tokens)
     return rates
 
+
+def _calibrated(rates: Rates, calibration, precision: str, shape: Optional[ModelShape],
+                tokens: Optional[int]) -> Rates:
+    """`rates` with what a calibration file measured in its place (pipeline/calibration.py)."""
+    where = f"{calibration.node}, {calibration.date[:10]}"
+    measured = {}
+    matmul = _matmul_at_shapes(calibration, precision, shape, tokens) if shape and tokens else None
+    if matmul:
+        measured["matmul"] = Rate(matmul, "calibrated", f"{where}, at this model's shapes")
+    if calibration.memory_bandwidth_gbs:
+        measured["hbm_bytes_per_s"] = Rate(calibration.memory_bandwidth_gbs * 1e9, "calibrated", where)
+    if calibration.host_to_gpu_gbs and calibration.gpu_to_host_gbs:
+        slower = min(calibration.host_to_gpu_gbs, calibration.gpu_to_host_gbs)
+        measured["host_link_bytes_per_s"] = Rate(slower * 1e9, "calibrated", where)
+    if calibration.cpu_adam:
+        adam = calibration.cpu_adam
+        measured["host_adam_params_per_s"] = Rate(adam.params_per_s, "calibrated",
+                                                  f"{where}, {adam.optimizer} on {adam.threads} cores")
+    if calibration.collective:
+        both = min(calibration.collective.all_gather_gbs, calibration.collective.reduce_scatter_gbs)
+        measured["link_bytes_per_s"] = Rate(both * 1e9, "calibrated", f"{where}, NCCL between "
+                                            f"{calibration.collective.processes} GPUs")
+    return dataclasses.replace(rates, **measured, calibration=f"calibrated on {where}")
+
+
+def _matmul_at_shapes(calibration, precision: str, shape: ModelShape, tokens: int) -> Optional[float]:
+    """The model's matmul rate from the measured GEMMs nearest its own: a decoder layer's linear
+    layers and the LM head on a micro batch of `tokens` rows, weighted by their FLOPs."""
+    products = [(tokens, k, n) for k, n in shape.linear_dims().values()] + [(tokens, shape.hidden, shape.vocab)]
+    seconds = flops = 0.0
+    for m, k, n in products:
+        rate = calibration.matmul_tflops(m, k, n, precision)
+        if rate is None:
+            return None
+        flops += 2 * m * k * n
+        seconds += 2 * m * k * n / (rate * 1e12)
+    return flops / seconds

@@ -123,8 +123,12 @@ class _Work:
     precompute: GPUWork = field(default_factory=GPUWork)  # a precomputed reference's forwards, all processes
 
 
-def rates_for(knobs: Knobs, hw: Hardware) -> rate_table.Rates:
-    return rate_table.built_in(hw.gpu, knobs.precision, hw.cores_per_process, hw.calibration)
+def rates_for(knobs: Knobs, hw: Hardware, models: list[ModelUse], workload: Workload) -> rate_table.Rates:
+    """The rates of this stage's GPU (a calibration file's where the node was measured), at the
+    shapes its trained model multiplies."""
+    trained = next((use for use in models if use.trained), models[0])
+    return rate_table.built_in(hw.gpu, knobs.precision, hw.cores_per_process, hw.calibration, trained.shape,
+                               workload.train_tokens(knobs))
 
 
 def compute_seconds(work: GPUWork, rates: rate_table.Rates, kernel: str, zero_stage: int) -> dict:
@@ -149,7 +153,7 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
     if not hw.on_gpu or hw.gpu is None:
         return None
     gpu, b = hw.gpu, knobs.weight_bytes
-    rates = rates_for(knobs, hw)
+    rates = rates_for(knobs, hw, models, workload)
     kernel = attention_kernel(knobs.attention, hw.on_gpu)
     world = knobs.nodes * hw.processes_per_node
     peak = rates.peak_flops
