@@ -42,7 +42,7 @@ def test_a_line_through_two_points_and_least_squares_through_three():
 TARGET = {"file": "llama34b_dpo_8xa100.yaml", "gpu": "a100-80gb", "processes": 8, "layers": 48,
           "n_params": 33_743_970_304, "peak_tflops": 312.0, "gpu_peak_gib": 17.3, "host_peak_gib": 589.7,
           "model_states_gib": 8.0, "step_s": 75.3, "tokens_per_step": 8000.0, "tokens_per_s": 1741.0,
-          "mfu": 0.147, "model_flops_per_token": 1e9, "exposed_communication_s": 0.5}
+          "mfu": 0.147, "model_flops_per_token": 1e9, "exposed_communication_s": 0.5, "cores_per_process": 12}
 
 
 def _case(kind, layers, step_s, reserved, states):
@@ -76,31 +76,42 @@ def test_per_layer_figures_are_differences_between_the_layer_counts():
 
 def test_the_full_model_is_rederived_from_the_gpu_and_host_parts():
     fits = slice_34b.per_layer(CASES)
-    derived = slice_34b.rederive(fits, {"sft": TARGET}, measured_tflops=936.0)
+    derived = slice_34b.rederive(fits, {"sft": TARGET}, measured_tflops=936.0, measured_cores=16)
     assert derived["split"]["gpu_s_per_token"] == pytest.approx((0.001, 0.002))
     assert derived["split"]["host_s"] == pytest.approx((1.0, 0.5))
     sft = derived["stages"]["sft"]
-    # GPU: (0.001 + 0.002 x 48) s/token x 8000 / 8 tokens x 936 / 312 = 291; host: (1 + 0.5 x 48) / 8 = 3.125
+    # GPU: (0.001 + 0.002 x 48) s/token x 8000 / 8 tokens x 936 / 312 = 291; host: (1 + 0.5 x 48) / 8 of the
+    # parameters, on 12 cores per process where the slice's process had 16: 3.125 x 16 / 12 = 4.1667
     assert sft["gpu_s"] == pytest.approx(291.0)
-    assert sft["host_s"] == pytest.approx(3.125)
-    assert sft["step_s"] == pytest.approx(294.625)
-    assert sft["tokens_per_s"] == pytest.approx(8000 / 294.625)
-    assert sft["mfu"] == pytest.approx(8000 / 294.625 * 1e9 / (8 * 312e12))
-    # GPU peak: the target's model states 8 GiB + the measured rest 4 + 1 x 48
-    assert sft["gpu_peak_gib"] == pytest.approx(60.0)
-    assert sft["notes"] == []
+    assert sft["host_s"] == pytest.approx(3.125 * 16 / 12)
+    assert sft["step_s"] == pytest.approx(291.0 + 3.125 * 16 / 12 + 0.5)
+    assert sft["tokens_per_s"] == pytest.approx(8000 / sft["step_s"])
+    assert sft["mfu"] == pytest.approx(8000 / sft["step_s"] * 1e9 / (8 * 312e12))
+    # one GPU partitions nothing under ZeRO-3: the peak at 8 ranks is not derived from it
+    assert "gpu_peak_gib" not in sft and "one GPU cannot tell" in sft["notes"][0]
+    assert len(sft["notes"]) == 1
+
+
+def test_without_the_machines_cores_the_host_part_is_not_scaled_and_says_so():
+    derived = slice_34b.rederive(slice_34b.per_layer(CASES), {"sft": TARGET}, measured_tflops=936.0,
+                                 measured_cores=None)
+    assert "step_s" not in derived["stages"]["sft"]
+    assert "CPU cores are not on record" in derived["stages"]["sft"]["notes"][1]
 
 
 def test_without_both_stages_the_step_time_is_not_derived_and_says_why():
-    derived = slice_34b.rederive(slice_34b.per_layer(CASES[:2]), {"sft": TARGET}, measured_tflops=936.0)
+    derived = slice_34b.rederive(slice_34b.per_layer(CASES[:2]), {"sft": TARGET}, measured_tflops=936.0,
+                                 measured_cores=16)
     assert "step_s" not in derived["stages"]["sft"]
-    assert "needs slice-34b-sft and slice-34b-dpo" in derived["stages"]["sft"]["notes"][0]
+    assert "needs slice-34b-sft and slice-34b-dpo" in derived["stages"]["sft"]["notes"][1]
 
 
 def test_the_report_prints_the_slice_the_per_layer_table_and_the_rederived_plan():
-    text = report.render({"runs": [{"device": "cuda"}], "cases": {c["case"]: c for c in CASES}, "workload": None})
+    env = {"case": "env", "kind": "env", "status": "ok", "facts": {"cpu_count": 16}}
+    text = report.render({"runs": [{"device": "cuda"}], "cases": {"env": env, **{c["case"]: c for c in CASES}},
+                          "workload": None})
     assert "| slice-34b-sft | 4 |" in text
     assert "| SFT | 2 and 4 | 2.500 | 2.000 |" in text
-    assert "| SFT | 294.6 (291.0 + 3.1 + 0.5) |" in text
+    assert "| SFT | 295.7 (291.0 + 4.2 + 0.5) |" in text
     missing = report.render({"runs": [{"device": "cuda"}], "cases": {}, "workload": None})
     assert "| slice-34b-dpo-half |" in missing and "not measured: not run" in missing

@@ -352,8 +352,11 @@ def _slice(cases: dict, dry: bool) -> list[str]:
         from pipeline import hardware
 
         measured_tflops = hardware.gpu(slice_34b.DRY_GPU).peak_tflops("bf16")
-    derived = slice_34b.rederive(fits, known["target"], measured_tflops)
-    plan = next(iter(known["target"].values()))
+    env = (cases.get("env") or {}).get("facts") or {}
+    # beside the planner's plan of the shipped file as it is now, not as it was when the cases ran
+    target = slice_34b.target_plan()
+    derived = slice_34b.rederive(fits, target, measured_tflops, env.get("cpu_count"))
+    plan = next(iter(target.values()))
     rederived_rows = []
     for kind, row in derived["stages"].items():
         p = row["planner"]

@@ -127,8 +127,10 @@ def target_plan() -> dict:
     from it and what is printed beside it."""
     from pipeline import hardware, plan
     from pipeline.config import load_pipeline
+    from pipeline.plan import rates
 
     spec = load_pipeline(SHIPPED)
+    cores = spec.cluster.cpus_per_task or rates.DEFAULT_CORES_PER_PROCESS
     out = {}
     for stage in plan.plan_to_json(plan.plan_pipeline(spec, plan.known_rows(spec)))["stages"]:
         timing = stage.get("time") or {}
@@ -139,6 +141,7 @@ def target_plan() -> dict:
             "gpu_peak_gib": stage["gpu"]["peak_bytes"] / GiB, "host_peak_gib": stage["host"]["peak_bytes"] / GiB,
             "model_states_gib": model_states_gib(stage),
             "step_s": timing.get("step_s"), "tokens_per_step": timing.get("tokens_per_step"),
+            "cores_per_process": cores,
             "tokens_per_s": timing.get("tokens_per_s"), "mfu": timing.get("mfu"),
             "model_flops_per_token": timing.get("model_flops_per_token"),
             "exposed_communication_s": timing.get("exposed_communication_s") or 0.0,
@@ -273,26 +276,31 @@ def per_layer(results: list[dict]) -> dict:
     return out
 
 
-def rederive(fits: dict, target: dict, measured_tflops: Optional[float]) -> dict:
-    """The full model on the shipped file's GPUs, per stage kind, from the measured slice.
+def rederive(fits: dict, target: dict, measured_tflops: Optional[float], measured_cores: Optional[int]) -> dict:
+    """The full model's step on the shipped file's GPUs, per stage kind, from the measured slice.
 
-    Time. A step is GPU work, proportional to the tokens of the step, plus host work (the
-    offloaded optimizer's Adam and the gradient / parameter copies), proportional to the
-    parameters and not to the tokens. DPO steps carry twice SFT's tokens (chosen and rejected
-    rows of max_len) for the same parameters, so at each layer count
+    A step is GPU work, proportional to the tokens of the step, plus host work (the offloaded
+    optimizer's Adam and the gradient / parameter copies), proportional to the parameters and not
+    to the tokens. DPO steps carry twice SFT's tokens (chosen and rejected rows of max_len) for the
+    same parameters, so at each layer count
         gpu seconds per token  g = (t_dpo - t_sft) / (T_dpo - T_sft),   host seconds  H = t_sft - g T_sft
     and, fixed + per layer, g = g0 + g1 L, H = H0 + H1 L. On the target each of its N GPUs runs
     its share of the global batch (T_target / N tokens; the slice ran exactly that share) over
-    all its layers, at the datasheet peak ratio of the measured GPU to the target's, and holds
-    1/N of the parameters on the host side, with the host resources one process had here:
-        step = (g0 + g1 L_full) (T_target / N) (peak_measured / peak_target) + (H0 + H1 L_full) / N
+    all its layers, at the datasheet peak ratio of the measured GPU to the target's; its process
+    steps 1/N of the parameters on the host with its own share of the node's cores (the plan's
+    cores per process) where the slice's one process had all `measured_cores`:
+        step = (g0 + g1 L_full) (T_target / N) (peak_measured / peak_target)
+               + (H0 + H1 L_full) / N x measured_cores / target cores per process
                + the planner's exposed communication of the target (ZeRO-3 gathers between GPUs,
                  which one GPU cannot measure)
     tokens/s = T_target / step; MFU = tokens/s x the planner's model FLOPs per token / (N x peak).
+    Assumed, not measured: the target's CPU cores as fast as the measured machine's, and its 8
+    processes not slowed by sharing the node's memory bandwidth.
 
-    Memory. The target's GPU peak = the planner's model states of the target (its 1/N ZeRO-3
-    shard) + the measured rest (reserved peak minus the planner's model states of the slice:
-    activations, gathered layers, buckets, workspace), fixed + per layer x L_full.
+    The GPU peak is not derived: with one process ZeRO-3 partitions nothing, so what the slice
+    holds beside the model states is whole weights gathered and cached, which at N ranks are
+    1/N partitions; one GPU cannot tell that part (the planner's memory model, checked against
+    these records at one process, stands).
     """
     out = {}
     sft, dpo = fits.get("sft") or {}, fits.get("dpo") or {}
@@ -305,17 +313,20 @@ def rederive(fits: dict, target: dict, measured_tflops: Optional[float]) -> dict
             split = {"gpu_s_per_token": (g0, g1),
                      "host_s": (a_s - g0 * sft["tokens_per_step"], b_s - g1 * sft["tokens_per_step"])}
     for kind, plan in target.items():
-        row: dict = {"planner": plan, "notes": []}
+        row: dict = {"planner": plan, "notes": ["GPU peak: one GPU cannot tell ZeRO-3's share at "
+                                                f"{plan['processes']} ranks (the plan's stands)"]}
         full, world = plan["layers"], plan["processes"]
         if split is None:
             row["notes"].append("step time: needs slice-34b-sft and slice-34b-dpo at both layer counts")
         elif not measured_tflops:
             row["notes"].append("step time: the measured GPU has no datasheet peak (pipeline/hardware.py)")
+        elif not measured_cores:
+            row["notes"].append("step time: the measuring machine's CPU cores are not on record (env case)")
         else:
             g0, g1 = split["gpu_s_per_token"]
             h0, h1 = split["host_s"]
             gpu_s = (g0 + g1 * full) * plan["tokens_per_step"] / world * measured_tflops / plan["peak_tflops"]
-            host_s = (h0 + h1 * full) / world
+            host_s = (h0 + h1 * full) / world * measured_cores / plan["cores_per_process"]
             if min(gpu_s, host_s) < 0:
                 row["notes"].append(f"step time: the split gives a negative part (GPU {gpu_s:.3g} s, host "
                                     f"{host_s:.3g} s): the measured differences are within the noise")
@@ -325,12 +336,6 @@ def rederive(fits: dict, target: dict, measured_tflops: Optional[float]) -> dict
                 if plan.get("model_flops_per_token"):
                     row["mfu"] = (row["tokens_per_s"] * plan["model_flops_per_token"]
                                   / (world * plan["peak_tflops"] * 1e12))
-        rest = (fits.get(kind) or {}).get("rest_gib")
-        if rest is None:
-            row["notes"].append("GPU peak: needs the reserved peak at both layer counts (none on a CPU)")
-        else:
-            row["rest_gib"] = rest[0] + rest[1] * full
-            row["gpu_peak_gib"] = plan["model_states_gib"] + row["rest_gib"]
         out[kind] = row
     return {"split": split, "stages": out}
 
