@@ -214,12 +214,15 @@ def main() -> None:
         for name, value in fit(records()).items():
             print(f"{name:<34} {value:.4g}")
         return
-    print(f"{'record':<48} {'step s':>7} {'plan':>7} {'err':>6}   {'res GiB':>7} {'plan':>6} {'err':>6}")
+    print("| record | step s | plan step s | time | reserved GiB | plan GiB | memory |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for record in records():
         c = compare(record)
-        memory = f"{c['memory_error']:+6.1%}" if c["memory_error"] is not None else "     -"
-        print(f"{c['record']:<48} {c['step_s']:7.3f} {c['plan_step_s']:7.3f} {c['time_error']:+6.1%}   "
-              f"{c['reserved_gib'] or 0:7.1f} {c['plan_peak_gib']:6.1f} {memory}")
+        memory = f"{c['memory_error']:+.1%}" if c["memory_error"] is not None else "—"
+        if "memory" in record.superseded:
+            memory += " (superseded)"
+        print(f"| {c['record']} | {c['step_s']:.3f} | {c['plan_step_s']:.3f} | {c['time_error']:+.1%} | "
+              f"{c['reserved_gib'] or 0:.1f} | {c['plan_peak_gib']:.1f} | {memory} |")
 
 
 if __name__ == "__main__":
