@@ -29,8 +29,9 @@
   gradients before they are reduce-scattered.
 - activations, the attention mask and logits of a micro batch: see
   pipeline/plan/activations.py.
-- workspace: 1 GiB for the CUDA context, cuBLAS and NCCL buffers, plus 10% of the
-  largest phase's transient memory for caching-allocator fragmentation.
+- context: the CUDA context and libraries outside PyTorch's allocator, 1.5 GiB (nvidia-smi's
+  peak minus torch's reserved peak on the GPU records).
+- workspace: what the caching allocator reserves beyond what is allocated (_fragmentation).
 - host RAM: 3 GiB per GPU process (Python, torch, CUDA and NCCL libraries), the
   offloaded states, an offloaded reference model, and at start-up the model
   being loaded (whole per process unless ZeRO-3 shards it while loading).
@@ -42,8 +43,10 @@
 - PPO generation: the KV cache (2 x layers x kv width x b per token) and, under
   ZeRO-3, the whole actor gathered for the rollout (stages/ppo.py does that).
 
-Phases: memory is the sum of what is always resident plus the largest phase
-(policy forward+backward, reference forward, optimizer step, generation).
+Phases: memory is the sum of what is always resident plus the largest phase (a trained model's
+backward through the loss and backward through the layers, a frozen model's forward, the
+optimizer step, generation). The GPU peak is what torch reserves plus the context: the GPU
+records (benchmarks/gpu/records.py) hold it to -5%..+10% of the measured reserved peak.
 """
 
 from __future__ import annotations
@@ -76,9 +79,9 @@ class Item:
     """One line of the estimate. GPU bytes are per GPU; host bytes per process unless scope='node'."""
 
     name: str
-    category: str  # weights | gradients | optimizer | buffers | activations | logits | workspace | runtime | loading
+    category: str  # weights | gradients | optimizer | buffers | activations | logits | workspace | context | runtime | loading
     where: str  # gpu | host
-    phase: str  # always | loading | "<role> forward+backward" | "<role> forward" | optimizer step | generation
+    phase: str  # always | loading | "<role> backward through the loss|layers" | "<role> forward" | optimizer step | generation
     bytes: int
     scope: str = "process"
 

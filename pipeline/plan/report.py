@@ -101,6 +101,8 @@ def format_plan(plans: list[StagePlan]) -> str:
                     tag = "" if phase_name == "always" else f"  [{phase_name}]"
                     out.append(f"     {_size(m.total_bytes(item))}  {item.name}{tag}")
         out.append(f"   verdict: {_verdict(m)}")
+        if hw.on_gpu:
+            out.append(f"   memory checked: {_memory_confidence(plan)}")
         t = plan.time
         if t is not None:
             out.append(f"   time: {t.rows_per_step} rows = {t.tokens_per_step:,.0f} tokens per {t.unit}, "
@@ -134,6 +136,22 @@ def format_plan(plans: list[StagePlan]) -> str:
                 out.append(f"        -> {_verdict(s.estimate.memory)}; {_summary(s.estimate)}")
         out.append("")
     return "\n".join(out)
+
+
+def _memory_confidence(plan: StagePlan) -> str:
+    """What the GPU memory estimate rests on, for the settings of this stage."""
+    k = plan.knobs
+    text = ("model states as DeepSpeed allocates them (tests/test_plan_vs_deepspeed.py); the passes, "
+            "buffers and the allocator's reserve against the GPU records (benchmarks/results), all of them "
+            "one process")
+    unchecked = []
+    if plan.world > 1:
+        unchecked.append(f"ZeRO-{k.zero_stage}'s buffers across {plan.world} processes")
+    if k.attention == "flash_attention_2" or (k.attention == "auto"):
+        unchecked.append("flash attention")
+    if k.kind == "ppo":
+        unchecked.append("PPO's generation")
+    return text + (f"; not checked by a record: {', '.join(unchecked)}" if unchecked else "")
 
 
 def _batches_text(b: Batches, max_len: int) -> list[str]:
