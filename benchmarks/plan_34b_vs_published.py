@@ -30,7 +30,7 @@ from pipeline.plan import estimate_stage, plan_pipeline  # noqa: E402
 from pipeline.plan.memory import layers_phase, loss_phase  # noqa: E402
 
 CONFIG = "llama34b_dpo.yaml"
-DATE = "2026-11-25"
+DATE = "2026-11-26"
 OUT = Path(__file__).with_suffix(".md")
 GB, GiB = 1e9, 2**30
 
@@ -293,7 +293,7 @@ def report() -> str:
             f"| precompute (shipped) | 0 GB while training; GPU peak {pre.gpu_peak / GiB:.1f} GiB; +"
             f"{p['dpo'].time.precompute_s_per_1000_rows / 60:.1f} min per 1000 rows for the first pass | "
             f"nothing held (CONTEXT.md 6: 'reference log-probs computed ahead of time') | — | one forward "
-            f"over every row before training, at the assumed HFU |",
+            f"over every row before training, at the plan's rates |",
             f"| live: bf16 weights, 1/8 shard | {_gb(ref_live_w)} per GPU; GPU peak {live.gpu_peak / GiB:.1f} "
             f"GiB | 8.5 GB per GPU (68 GB / 8, CONTEXT.md 6); 2 N / 8 = {_gb(2 * n / 8)} | "
             f"{_pct(ref_live_w, 2 * n / 8)} vs 2N/8 | norms whole; CONTEXT rounds to 34B |",
@@ -338,7 +338,7 @@ def report() -> str:
     # ---- time
     anchor = tokens_per_gpu_s_at_full_mfu(CONTEXT_PARAMS)
     out += ["## 6. Step time and throughput (A100, 312 TFLOP/s bf16)", "",
-            "| plan | tokens/s per GPU | MFU (plan) | 6N tokens/s ÷ anchor | assumed HFU | offload share of a step |",
+            "| plan | tokens/s per GPU | MFU (plan) | 6N tokens/s ÷ anchor | GPU busy (HFU) in compute | offload share of a step |",
             "|---|---:|---:|---:|---:|---:|"]
     for key in ("sft", "dpo", "sft global batch 8", "sft 2 nodes", "dpo 2 nodes"):
         t, world = p[key].time, p[key].knobs.nodes * 8
@@ -352,8 +352,8 @@ def report() -> str:
             f"- The plan's step is the sum of its terms, each work x a rate (pipeline/plan/rates.py): matmuls at "
             f"72% of the A100's datasheet (what H100 and H200 records measured at 8192^3; no A100 record), flash "
             f"attention at 50% (FlashAttention-2's published figures; no record ran it), ZeRO-3's fetch and "
-            f"release hooks at 5.9 ms per layer pass and the host's Adam at 8.2e7 parameters/s per core x 16 cores "
-            f"per process (both fitted to the one-GPU records), PCIe and NVLink at their datasheet rates. The "
+            f"release hooks at 5.9 ms per layer pass and the host's Adam at 8.2e7 parameters/s per core x 12 cores "
+            f"per process (`cpus_per_task`; both fitted to the one-GPU records), PCIe and NVLink at their datasheet rates. The "
             f"shipped SFT step: {_terms(p['sft'].time)}.",
             f"- 'Fine-tuning stacks with offload often run at a few %' (CONTEXT.md): the plan gives "
             f"{p['sft'].time.mfu:.0%}-{p['dpo'].time.mfu:.0%} for the shipped global batch 64 (8 micro batches per "
@@ -364,8 +364,10 @@ def report() -> str:
             f"- Two nodes without offload: per GPU, SFT is slower than on one node with offload "
             f"({p['sft 2 nodes'].time.exposed_communication_s:.0f} s of a {p['sft 2 nodes'].time.step_s:.0f} s step "
             f"is exposed communication: ZeRO-3 moves 3 x 2N bytes per micro batch and across nodes each GPU gets "
-            f"1/8 of the node's 200 GB/s), yet the step is {p['sft'].time.step_s / p['sft 2 nodes'].time.step_s:.1f}x "
-            f"shorter; DPO's micro batches are twice as long, so more of that communication hides behind compute.",
+            f"1/8 of the node's 200 GB/s), and the step takes {p['sft 2 nodes'].time.step_s:.0f} s against one "
+            f"node's {p['sft'].time.step_s:.0f} s; DPO's micro batches are twice as long, so more of that "
+            f"communication hides behind compute ({p['dpo 2 nodes'].time.step_s:.0f} s against "
+            f"{p['dpo'].time.step_s:.0f} s).",
             ""]
 
     out += ["## Verdict", "",
