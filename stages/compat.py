@@ -54,6 +54,11 @@ which attention implementation names exist (eager, sdpa, flash_attention_2 every
 whether continuous batching exists (`continuous_batching_available`: 5.x; under ZeRO-3 it also needs
 DeepSpeed to lift its hooks, `zero3_unhooked`; stages/generation.py).
 
+Letting go of a ZeRO-3 engine (`destroy_zero3_engine`; a DPO reference freed after its
+log-probs are precomputed): every supported DeepSpeed keeps the engine's model reachable from
+its module globals after `destroy` (the forward-module stack; a class-wide cache of what each
+submodule releases; 0.13 also its module-name map, which `destroy` clears); it takes it out.
+
 `python -m stages.compat --self-check` reports the installed versions and which patches
 apply; which DeepSpeed ops are prebuilt (compiled in at install) or already JIT-built in
 torch's extension cache, which optimizer a GPU stage gets and whether it needs a build, and
@@ -194,6 +199,25 @@ def zero3_unhooked(engine):
     if helper is None:
         raise RuntimeError(f"DeepSpeed {versions()['deepspeed']} cannot lift its ZeRO-3 hooks for generation")
     return helper(engine)
+
+
+def destroy_zero3_engine(engine) -> None:
+    """Let go of everything DeepSpeed holds of a ZeRO-3 engine's model, so that dropping the
+    engine frees its weights. `destroy` lifts its hooks and clears the module-name map; no version
+    takes the model off the forward-module stack, where every ZeRO-3 engine puts it for good, nor
+    empties the cache of what each submodule releases, which holds every submodule (and its
+    parameter coordinator) from the first traced forward pass on."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    engine.destroy()
+    stack = parameter_offload.FWD_MODULE_STACK
+    stack[:] = [module for module in stack if module is not engine.module]
+    # An lru_cache inside DeepSpeed's NVTX wrapper, which keeps no __wrapped__: found in its closure.
+    method = vars(PartitionedParameterCoordinator)["_PartitionedParameterCoordinator__params_to_release"]
+    for function in [method, *(cell.cell_contents for cell in method.__closure__ or ())]:
+        if hasattr(function, "cache_clear"):
+            function.cache_clear()  # every engine's entries: a live one just computes its own again
 
 
 def _unhook_helper():

@@ -4,8 +4,10 @@ attention kernel, gradient checkpointing, ZeRO-3 sharded construction."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import logging
+import weakref
 from pathlib import Path
 
 import torch
@@ -182,8 +184,16 @@ class FrozenModel:
                 self.module.to("cpu")
 
     def release(self) -> None:
-        """Free its memory (precomputed references need it no longer)."""
+        """Free its memory (precomputed references need it no longer), and log whether it was."""
+        model, name = weakref.ref(self.module), type(self.module).__name__
+        if self.engine is not None:
+            compat.destroy_zero3_engine(self.engine)
         self.module = self.engine = None
+        gc.collect()  # the model, its hooks and engine refer to each other
+        if model() is None:
+            log.info("%s released: its weights are freed", name)
+        else:
+            log.warning("%s released, but something still holds it: its weights stay in memory", name)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

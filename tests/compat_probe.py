@@ -6,6 +6,8 @@ tests/test_compat.py runs it, with and without the compat patches (POST_TRAIN_CO
     python tests/compat_probe.py train-step FOLDER      forward, one ZeRO-3 step, export, reload
     python tests/compat_probe.py positions FOLDER       memory of a ZeRO-3 build, under an
                                                         address-space limit (--limit-gib)
+    python tests/compat_probe.py release FOLDER         what outlives a released frozen model,
+                                                        ZeRO-2 and ZeRO-3
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import resource
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,6 +116,30 @@ def positions(folder: str, limit_gib: float) -> dict:
     }
 
 
+def release(folder: str) -> dict:
+    """What is still alive of a frozen model, consulted once as the DPO precompute does, after
+    `FrozenModel.release()`: a plain module under ZeRO-2, a DeepSpeed engine under ZeRO-3."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11, 2]])
+    alive = {}
+    for zero_stage in (2, 3):  # ZeRO-2 first: while a ZeRO-3 config lives, models load sharded
+        spec = stage(max_len=32).model_copy(update={"zero_stage": zero_stage})
+        config = engine.frozen_model_config(spec, world_size=1, hidden_size=64, on_gpu=False, offload=False)
+        frozen = models.load_frozen(AutoModelForCausalLM, folder, spec, config, torch.device("cpu"), offload=False)
+        for _ in range(3):  # ZeRO-3 caches what each submodule releases once its first pass is traced
+            frozen(input_ids=ids)
+        parameter = next(frozen.module.parameters())
+        held = {"model": weakref.ref(frozen.module), "parameter": weakref.ref(parameter)}
+        if frozen.engine is not None:
+            held["engine"] = weakref.ref(frozen.engine)
+            held["partition"] = weakref.ref(parameter.ds_tensor)
+        del parameter
+        frozen.release()
+        alive[f"zero{zero_stage}"] = sorted(name for name, ref in held.items() if ref() is not None)
+    return alive
+
+
 def _vm_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -122,7 +149,7 @@ def _vm_kib(field: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["rotary", "train-step", "positions"])
+    parser.add_argument("scenario", choices=["rotary", "train-step", "positions", "release"])
     parser.add_argument("folder")
     parser.add_argument("--limit-gib", type=float, default=4.0)
     args = parser.parse_args()
@@ -132,8 +159,10 @@ def main() -> None:
         result = rotary(args.folder)
     elif args.scenario == "train-step":
         result = train_step(args.folder)
-    else:
+    elif args.scenario == "positions":
         result = positions(args.folder, args.limit_gib)
+    else:
+        result = release(args.folder)
     print("PROBE " + json.dumps(result), flush=True)
     distributed.shutdown()
     compat.remove_cpu_comm_buffer()

@@ -292,6 +292,16 @@ def test_causal_mask_cap_is_needed_where_it_applies(tiny_llama):
     assert attempted and int(attempted.group(1)) >= 200_000**2, output[-3000:]
 
 
+@pytest.mark.slow
+def test_a_released_frozen_model_is_freed_with_and_without_a_zero3_engine(tiny_llama):
+    # The DPO precompute releases its reference before the policy loads: whatever still holds it
+    # (DeepSpeed's hooks, its globals) keeps a whole copy of the weights for the rest of the stage.
+    result, code, output = probe("release", tiny_llama)
+    assert code == 0, output[-3000:]
+    assert result == {"zero2": [], "zero3": []}
+    assert output.count("LlamaForCausalLM released: its weights are freed") == 2
+
+
 # --------------------------------------------------------------------------- logits and packed flash attention
 
 

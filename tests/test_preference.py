@@ -39,6 +39,7 @@ def dpo_variants(tmp_path_factory):
         dpo_stage("live"),
         dpo_stage("zero3", zero_stage=3),
         dpo_stage("precompute", reference="precompute"),
+        dpo_stage("zero3-precompute", zero_stage=3, reference="precompute"),
         dpo_stage("offload", reference="offload"),
         dpo_stage("accumulate", micro_batch_size=4),
         dpo_stage("padded", packing=False),
@@ -69,9 +70,18 @@ def test_zero2_and_zero3_give_the_same_dpo_loss_curve(dpo_variants):
     assert_same_curve(dpo_variants / "live", dpo_variants / "zero3", rel=1e-3)
 
 
-def test_precomputed_reference_equals_the_live_reference(dpo_variants):
-    assert (dpo_variants / "precompute" / "reference_logps.pt").exists()
-    assert_same_curve(dpo_variants / "live", dpo_variants / "precompute", rel=1e-4)
+@pytest.mark.parametrize("live, precompute", [("live", "precompute"), ("zero3", "zero3-precompute")])
+def test_precomputed_reference_equals_the_live_reference(dpo_variants, live, precompute):
+    assert (dpo_variants / precompute / "reference_logps.pt").exists()
+    assert_same_curve(dpo_variants / live, dpo_variants / precompute, rel=1e-4)
+
+
+@pytest.mark.parametrize("precompute", ["precompute", "zero3-precompute"])  # a plain module; a DeepSpeed engine
+def test_the_precomputed_reference_is_freed_before_the_policy_loads(dpo_variants, precompute):
+    logs = {path.name: path.read_text() for path in (dpo_variants / precompute / "logs").glob("*_log.out")}
+    (rank0,) = [text for name, text in logs.items() if name.endswith("_0_log.out")]
+    assert "LlamaForCausalLM released: its weights are freed" in rank0
+    assert not [name for name, text in logs.items() if "something still holds it" in text]
 
 
 def test_offloaded_reference_equals_the_live_reference(dpo_variants):
