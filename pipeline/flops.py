@@ -31,9 +31,19 @@ def _matmul_params(shape: ModelShape, head: str) -> int:
     return matmul
 
 
+def matmul_flops_per_position(shape: ModelShape, head: str) -> float:
+    """Forward matmul FLOPs of one position of a batch tensor ("lm" or "scalar" head)."""
+    return 2 * _matmul_params(shape, head)
+
+
+def attention_flops(shape: ModelShape, attended: float) -> float:
+    """Forward FLOPs of the attention scores and their weighted sum over `attended` query-key pairs."""
+    return 4 * shape.layers * shape.q_width * attended
+
+
 def forward_flops_per_token(shape: ModelShape, head: str, length: int) -> float:
     """Forward FLOPs per token of a sequence of `length` tokens ("lm" or "scalar" head)."""
-    return 2 * _matmul_params(shape, head) + 4 * shape.layers * shape.q_width * length
+    return matmul_flops_per_position(shape, head) + attention_flops(shape, length)
 
 
 def backward_flops_per_token(shape: ModelShape, head: str, length: int, lora_params: Optional[int] = None) -> float:
@@ -60,7 +70,7 @@ def pass_flops(shape: ModelShape, head: str, positions: int, attended: int, *, t
     sequence's length^2 with varlen flash kernels. A trained model adds its backward,
     and with gradient checkpointing (recompute) a second forward. One sequence of n
     tokens, alone: pass_flops(n, n * n, trained=...) == sequence_flops(n, trained=...)."""
-    forward = 2 * _matmul_params(shape, head) * positions + 4 * shape.layers * shape.q_width * attended
+    forward = matmul_flops_per_position(shape, head) * positions + attention_flops(shape, attended)
     if not trained:
         return forward
     backward = forward + 2 * lora_params * positions if lora_params is not None else 2 * forward

@@ -43,7 +43,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pipeline.flops import forward_flops_per_token, pass_flops, sequence_flops
+from pipeline.flops import (
+    attention_flops,
+    forward_flops_per_token,
+    matmul_flops_per_position,
+    pass_flops,
+    sequence_flops,
+)
 from pipeline.plan import rates as rate_table
 from pipeline.plan.batches import Batches
 from pipeline.plan.inputs import Hardware, Knobs, ModelUse, Workload, attention_kernel
@@ -82,7 +88,7 @@ class TimeEstimate:
     micro_batches_per_step: float  # forward passes per process
     flops_per_token: float  # executed (padding, masks, recompute), all models, per real token
     model_flops_per_token: float  # flops.sequence_flops of the trained models (+ forward of live frozen ones)
-    hfu: float
+    hfu: float  # matmul + attention FLOPs executed / (compute_s x peak): the GPU's busy share in compute
     compute_s: float
     optimizer_s: float
     communication_s: float
@@ -243,9 +249,8 @@ def pass_work(shape: ModelShape, head: str, positions: float, attended: float, *
     """One model's pass over a micro batch of `positions` positions whose attention scores
     `attended` query-key pairs: a forward, and for a trained model its backward (and recompute)."""
     lora = knobs.lora_rank is not None and trained
-    matmul = 2 * (shape.params_with_head(head) - shape.embedding_params
-                  + (shape.embedding_params if head == "lm" and shape.tied_embeddings else 0)) * positions
-    attention = 4 * shape.layers * shape.q_width * attended
+    matmul = matmul_flops_per_position(shape, head) * positions
+    attention = attention_flops(shape, attended)
     logits = positions * shape.vocab if head == "lm" else 0.0
     if not trained:
         return GPUWork(matmul, attention, logits, shape.layers)
