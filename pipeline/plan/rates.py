@@ -19,7 +19,7 @@ Where each number comes from, most trusted first:
   datasheet   pipeline/hardware.py's catalogue
   default     a published figure no record has checked yet
 
-The fit (2026-11-26) is over 13 cases on two GPUs and two shapes: the 1B-shaped SFT/DPO cases
+The fit (2026-11-26) is over 15 records (14 cases) on two GPUs and two shapes: the 1B-shaped SFT/DPO cases
 of 2026-11-22 on an H100 (ZeRO-0/2/3, with and without checkpointing, LoRA, sdpa) and the 34B
 slice of 2026-11-26 on an H200 (ZeRO-3, optimizer offload, 1 and 2 layers). What no record has
 run is a default: flash attention's efficiency, eager attention, multi-GPU communication.
@@ -97,15 +97,16 @@ class Rates:
     network_bytes_per_s: Rate  # per node, between nodes
     host_adam_params_per_s: Rate  # one process, with its share of the node's cores
     loss_bytes_per_logit: Rate = Rate(LOSS_BYTES_PER_LOGIT, "records")
-    zero3_layer_pass_s: Rate = Rate(ZERO3_LAYER_PASS_S, "records")
+    zero3_layer_pass_s: Rate = Rate(ZERO3_LAYER_PASS_S, "records", "one process, 1B and 34B-slice layers")
     step_bytes_per_param: dict = field(default_factory=lambda: {
-        z: Rate(v, "records") for z, v in STEP_BYTES_PER_PARAM.items()})
+        z: Rate(v, "records", "one record" if z == 0 else "") for z, v in STEP_BYTES_PER_PARAM.items()})
+    lora_bytes_per_element: Rate = Rate(LORA_BYTES_PER_ELEMENT, "records", "one record")
     calibration: Optional[str] = None  # "calibrated on <node>, <date>" when a file was used
 
     def attention(self, kernel: str) -> Rate:
         return self.attention_efficiency.get(kernel, self.attention_efficiency["sdpa"])
 
-    def sources(self, kernel: str, zero_stage: int, offloads: bool, world: int) -> list[str]:
+    def sources(self, kernel: str, zero_stage: int, offloads: bool, world: int, lora: bool) -> list[str]:
         """What the plan's time rests on, one line per rate it used."""
         lines = [f"matmul {self.matmul.describe(' TFLOP/s', 1e-12)}",
                  f"attention ({kernel}) {self.attention(kernel).describe(' of peak')}",
@@ -113,6 +114,8 @@ class Rates:
                  f"loss {self.loss_bytes_per_logit.describe(' B/logit')}"]
         if zero_stage == 3:
             lines.append(f"ZeRO-3 hooks per layer pass {self.zero3_layer_pass_s.describe(' ms', 1e3)}")
+        if lora:
+            lines.append(f"LoRA adapters {self.lora_bytes_per_element.describe(' B per adapted feature and pass')}")
         if offloads:
             lines.append(f"host Adam {self.host_adam_params_per_s.describe('e9 params/s per process', 1e-9)}")
             lines.append(f"host<->GPU copies {self.host_link_bytes_per_s.describe(' GB/s', 1e-9)}")

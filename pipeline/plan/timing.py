@@ -144,7 +144,7 @@ def compute_seconds(work: GPUWork, rates: rate_table.Rates, kernel: str, zero_st
         "attention": work.attention_flops / (rates.peak_flops * rates.attention(kernel).value),
         "loss": work.logits * rates.loss_bytes_per_logit.value / rates.hbm_bytes_per_s.value,
         "ZeRO-3 hooks": work.layer_passes * rates.zero3_layer_pass_s.value if zero_stage == 3 else 0.0,
-        "LoRA": work.lora_elements * rate_table.LORA_BYTES_PER_ELEMENT / rates.hbm_bytes_per_s.value,
+        "LoRA": work.lora_elements * rates.lora_bytes_per_element.value / rates.hbm_bytes_per_s.value,
     }
 
 
@@ -235,7 +235,8 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
         steps=steps, total_s=total, compute_terms=terms,
         work={**vars(work.busiest), "gpu_stepped_params": gpu_stepped, "host_adam_params": host_adam_params,
               "host_copies_s": copies_s},
-        sources=rates.sources(kernel, knobs.zero_stage, knobs.offloads, world), calibration=rates.calibration,
+        sources=rates.sources(kernel, knobs.zero_stage, knobs.offloads, world, bool(knobs.lora_rank)),
+        calibration=rates.calibration,
         notes=notes,
     )
 
