@@ -141,7 +141,10 @@ class ClusterSpec(Strict):
         description="Processes per node. Defaults to gpus_per_node, or 1 without GPUs; "
         "set it to run several CPU processes (e.g. 2, so ZeRO really shards on CPU).",
     )
-    cpus_per_task: Optional[int] = Field(None, ge=1, description="CPU cores per process (sbatch --cpus-per-task).")
+    cpus_per_task: Optional[int] = Field(
+        None, ge=1, description="CPU cores per process (sbatch --cpus-per-task). A stage on the CPU computes with this "
+        "many torch threads per process (1 when unset), whatever the machine's core count: the thread count changes "
+        "its numbers.")
     mem: Optional[str] = Field(
         None, pattern=r"^\d+[KMGT]?$", description="Host memory per node, Slurm syntax (e.g. 500G, 0 = all)."
     )

@@ -41,6 +41,7 @@ class StageTask(BaseModel):
     upstream_dirs: dict[str, str]
     processes_per_node: int
     gpus_per_node: int  # asked for: a job that finds none fails rather than train on the CPU
+    cpus_per_task: Optional[int] = None  # cluster.cpus_per_task: a CPU stage's torch threads per process
     inputs: dict[str, dict] = {}  # field -> {path, sha256}: what it reads from disk (pipeline/identity.py)
     spec_hash: str
     wandb: Optional[WandbSpec] = None  # the pipeline's tracking.wandb: how not what the stage trains
@@ -99,6 +100,7 @@ def build_tasks(spec: PipelineSpec, digests: Optional[Digests] = None) -> list[S
                 upstream_dirs=upstream_dirs,
                 processes_per_node=spec.cluster.processes_per_node,
                 gpus_per_node=spec.cluster.gpus_per_node,
+                cpus_per_task=spec.cluster.cpus_per_task,
                 inputs=inputs,
                 spec_hash=digest,
                 wandb=spec.tracking.wandb,

@@ -100,8 +100,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init(env: DistEnv, gpus_per_node: int, timeout_s: int = 600):
-    """Start torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPU. Returns the device.
+def cpu_threads(cpus_per_task: Optional[int]) -> int:
+    """torch threads of each process of a stage on the CPU: cluster.cpus_per_task, 1 when the
+    pipeline file does not say. Never the machine's core count (nor its load): torch's
+    element-wise kernels (silu, sigmoid, gelu...) give each thread one chunk of a tensor and
+    finish each chunk's ragged end with scalar code that rounds differently from the vector
+    loop, so the thread count changes a stage's numbers (the tiny chain's RM eval margin:
+    7.870 on 1 thread, 7.896 on 2). The same file trains to the same numbers on any machine
+    of one CPU kind."""
+    return cpus_per_task or 1
+
+
+def init(env: DistEnv, gpus_per_node: int, timeout_s: int = 600, threads: int = 1):
+    """Start torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPU, where each process
+    computes with `threads` torch threads (cpu_threads says how many). Returns the device.
 
     A job that asked for GPUs fails here when it finds none, rather than train on the CPU."""
     # Packed micro batches change shape every pass: with fixed-size cached blocks the
@@ -130,8 +142,6 @@ def init(env: DistEnv, gpus_per_node: int, timeout_s: int = 600):
         if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
             torch.backends.cuda.enable_cudnn_sdp(False)
     else:
-        # One process per core: more threads per process only fight each other.
-        threads = max(1, (os.cpu_count() or 1) // env.local_world_size)
         torch.set_num_threads(threads)
         device, backend = torch.device("cpu"), "gloo"
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
@@ -167,12 +177,13 @@ def missing_gpus(asked: int) -> Optional[str]:
 
 def devices(device, world_size: int) -> dict:
     """What the job trains on, for the log and result.json: the device type, its model, and how
-    many over the whole job (one per process)."""
-    if device.type == "cuda":
-        import torch
+    many over the whole job (one per process); on the CPU also each process's torch threads,
+    which its numbers depend on."""
+    import torch
 
+    if device.type == "cuda":
         return {"type": "cuda", "name": torch.cuda.get_device_name(device), "count": world_size}
-    return {"type": "cpu", "name": cpu_model(), "count": world_size}
+    return {"type": "cpu", "name": cpu_model(), "count": world_size, "threads": torch.get_num_threads()}
 
 
 def cpu_model() -> str:
