@@ -12,6 +12,7 @@ Four ways a stage is started, each with its own variables:
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import re
@@ -19,6 +20,8 @@ import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
+
+log = logging.getLogger("stages")
 
 
 @dataclass(frozen=True)
@@ -100,15 +103,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_threads(cpus_per_task: Optional[int]) -> int:
+def cpu_threads(cpus_per_task: Optional[int], local_processes: int) -> int:
     """torch threads of each process of a stage on the CPU: cluster.cpus_per_task, 1 when the
     pipeline file does not say. Never the machine's core count (nor its load): torch's
     element-wise kernels (silu, sigmoid, gelu...) give each thread one chunk of a tensor and
     finish each chunk's ragged end with scalar code that rounds differently from the vector
     loop, so the thread count changes a stage's numbers (the tiny chain's RM eval margin:
     7.870 on 1 thread, 7.896 on 2). The same file trains to the same numbers on any machine
-    of one CPU kind."""
-    return cpus_per_task or 1
+    of one CPU kind. A file that asks for more cores than this machine gives its processes
+    (a GPU node's file run as a scale model on a small machine) gets what there is, and the
+    log says so: threads beyond the cores only wait on each other."""
+    wanted = cpus_per_task or 1
+    available = max(1, len(os.sched_getaffinity(0)) // max(1, local_processes))
+    if wanted > available:
+        log.warning("cluster.cpus_per_task is %d, but this machine has %d core(s) for each of its %d processes: "
+                    "%d torch thread(s) each", wanted, available, local_processes, available)
+        return available
+    return wanted
 
 
 def init(env: DistEnv, gpus_per_node: int, timeout_s: int = 600, threads: int = 1):

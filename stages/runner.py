@@ -166,7 +166,7 @@ def _run_stage(task: StageTask) -> dict:
     _configure_logging(env.rank)
     _end_with_the_run(task.folder, env.rank)
     device = distributed.init(env, task.gpus_per_node, task.stage.collective_timeout_s,
-                              threads=distributed.cpu_threads(task.cpus_per_task))
+                              threads=distributed.cpu_threads(task.cpus_per_task, env.local_world_size))
     devices = distributed.devices(device, env.world_size)
     ctx = StageContext(
         task=task,
