@@ -17,16 +17,21 @@ from tests.conftest import read_metrics, read_result, run_cli, tiny_pipeline, wr
 pytestmark = pytest.mark.slow
 
 # Put first on PYTHONPATH: every process of the run (the stage processes too) sees
-# TEST_CPU_COUNT cores, and the next sitecustomize on sys.path still runs (tests/pinned_shims).
+# TEST_CPU_COUNT cores, and the next sitecustomize on sys.path still runs (tests/pinned_shims,
+# which chains on in turn: the flag stops the two from running each other forever).
 CORES_SHIM = '''\
 import importlib.machinery, importlib.util, os, sys
-if os.environ.get("TEST_CPU_COUNT"):
-    os.cpu_count = lambda: int(os.environ["TEST_CPU_COUNT"])
-_here = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.machinery.PathFinder.find_spec(
-    "sitecustomize", [p for p in sys.path if os.path.abspath(p or os.curdir) != _here])
-if _spec is not None:
-    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+if not getattr(sys, "_test_cores_shim", False):
+    sys._test_cores_shim = True
+    if os.environ.get("TEST_CPU_COUNT"):
+        _cores = int(os.environ["TEST_CPU_COUNT"])
+        os.cpu_count = lambda: _cores
+        os.sched_getaffinity = lambda pid: set(range(_cores))
+    _here = os.path.dirname(os.path.abspath(__file__))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "sitecustomize", [p for p in sys.path if os.path.abspath(p or os.curdir) != _here])
+    if _spec is not None:
+        _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 '''
 
 # What a record measures about the machine (time, memory), not what the stage learned.
