@@ -171,16 +171,12 @@ def compare(record: Record) -> dict:
 FITTED = (
     ("SDPA_MASKED_EFFICIENCY", "1/x", lambda w, r, k: w["attention_flops"] / r.peak_flops if k == "sdpa" else 0.0),
     ("LOSS_BYTES_PER_LOGIT", "B", lambda w, r, k: w["logits"] / r.hbm_bytes_per_s.value),
-    ("ZERO3_LAYER_PASS_S", "s", lambda w, r, k: w["layer_passes"] * (k_zero(w) == 3)),
+    ("ZERO3_LAYER_PASS_S", "s", lambda w, r, k: w["layer_passes"] * (w["zero_stage"] == 3)),
     ("LORA_BYTES_PER_ELEMENT", "B", lambda w, r, k: w["lora_elements"] / r.hbm_bytes_per_s.value),
-    ("STEP_BYTES_PER_PARAM[0]", "B", lambda w, r, k: w["gpu_stepped_params"] * (k_zero(w) == 0) / r.hbm_bytes_per_s.value),
-    ("STEP_BYTES_PER_PARAM[1,2]", "B", lambda w, r, k: w["gpu_stepped_params"] * (k_zero(w) != 0) / r.hbm_bytes_per_s.value),
+    ("STEP_BYTES_PER_PARAM[0]", "B", lambda w, r, k: w["gpu_stepped_params"] * (w["zero_stage"] == 0) / r.hbm_bytes_per_s.value),
+    ("STEP_BYTES_PER_PARAM[1,2]", "B", lambda w, r, k: w["gpu_stepped_params"] * (w["zero_stage"] != 0) / r.hbm_bytes_per_s.value),
     ("HOST_ADAM_PARAMS_PER_S_PER_CORE", "1/x", lambda w, r, k: w["host_adam_params"] / w["cores"]),
 )
-
-
-def k_zero(work: dict) -> int:
-    return work["zero_stage"]
 
 
 def fit(found: list[Record]) -> dict:
