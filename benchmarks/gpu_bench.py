@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     run.add_argument("--micro-batch-size", type=int, default=4)
     run.add_argument("--global-batch-size", type=int, default=32)
     run.add_argument("--learning-rate", type=float, default=1e-5)
-    run.add_argument("--gpu", help="pipeline/hardware.py GPU name, when the device name is not recognised")
+    run.add_argument("--gpu", help="core/hardware.py GPU name, when the device name is not recognised")
     run.add_argument("--budget-s", type=float, help="start no case that would end past this many seconds")
     run.add_argument("--case-timeout-s", type=float, help="cap every case's own timeout (defaults 120-420 s)")
     run.add_argument("--force", action="store_true", help="re-run cases that finished earlier")

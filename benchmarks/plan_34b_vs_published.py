@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipeline.config import load_pipeline  # noqa: E402
+from core.config import load_pipeline  # noqa: E402
 from pipeline.plan import estimate_stage, plan_pipeline  # noqa: E402
 from pipeline.plan.memory import layers_phase, loss_phase  # noqa: E402
 
@@ -101,7 +101,7 @@ def tokens_per_gpu_s_at_full_mfu(n: float) -> float:
 @contextlib.contextmanager
 def offline_here():
     """Plan as on a fresh login node: an empty Hugging Face cache (the shape then comes from
-    pipeline/shapes.py's built-in table) and no data files (every row max_len long)."""
+    core/shapes.py's built-in table) and no data files (every row max_len long)."""
     old_cwd, old_home = os.getcwd(), os.environ.get("HF_HOME")
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)

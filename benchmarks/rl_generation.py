@@ -53,8 +53,9 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, GenerationMixin
 
-    from pipeline.config import load_pipeline
-    from stages import batching, compat, data, generation, models, tiny
+    from core.config import load_pipeline
+    from core import batching, tiny
+    from stages import compat, data, generation, models
 
     stage = next(s for s in load_pipeline("tiny").stages if s.kind == "ppo")
     if args.max_new_tokens:

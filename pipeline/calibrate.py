@@ -3,7 +3,7 @@ node, at the pipeline file's own shapes, and write it to a calibration file.
 
 Here, torch-free: what to measure (Request: the GEMMs of each model the file trains, at a micro
 batch's tokens, in the stages' precision), where (this machine, or one Slurm job with the file's
-cluster section), and the file (pipeline/calibration.py). On the node, stages/calibrate.py
+cluster section), and the file (core/calibration.py). On the node, stages/calibrate.py
 measures.
 
 Without a GPU here, a local calibration measures what a CPU can (the CPU Adam rate) and writes
@@ -18,15 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pipeline import calibration, hardware, launch, runfolder
-from pipeline.calibration import Calibration
-from pipeline.config import PipelineSpec, slurm_time_to_minutes
-from pipeline.errors import InvalidInput, PipelineError
+from core import calibration, hardware, runfolder
+from core.calibration import Calibration
+from core.config import PipelineSpec, slurm_time_to_minutes
+from core.errors import InvalidInput, PipelineError
+from core.shapes import resolve_shape
+from pipeline import launch
 from pipeline.hfcache import hf_cache
 from pipeline.plan.estimate import stage_models
 from pipeline.plan.inputs import Knobs
 from pipeline.plan.planner import _stage_model_name
-from pipeline.shapes import resolve_shape
 
 # The square product every calibration times beside the file's shapes: the matmul ceiling
 # people quote, comparable between nodes and pipelines.

@@ -13,10 +13,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from pipeline import config as config_module
-from pipeline import (calibrate, failure, graph, launch, metrics, plan, preflight, prepare, runfolder, scale, slurm,
-                      state)
-from pipeline.errors import InvalidInput, PipelineError
+from core import config as config_module
+from core import failure, metrics, runfolder
+from core.errors import InvalidInput, PipelineError
+from core.task import is_finished
+from pipeline import calibrate, graph, launch, plan, preflight, prepare, scale, slurm, state
 from pipeline.hfcache import hf_cache
 
 CANCEL_WAIT_S = 120
@@ -212,10 +213,10 @@ def cmd_run_stage(args) -> int:
         raise InvalidInput(f"{args.config}: no stage named '{args.stage}'; stages: {', '.join(tasks)}")
     task = tasks[args.stage]
     for up in task.stage.upstream:
-        if not graph.is_finished(tasks[up]):
+        if not is_finished(tasks[up]):
             raise InvalidInput(f"stage {task.name} starts from stage {up}, which has not finished "
                                f"({tasks[up].run_dir})")
-    if graph.is_finished(task):
+    if is_finished(task):
         print(f"[{task.name}] finished earlier with the same spec: skipped ({task.run_dir})")
         return 0
     recorded = graph.recorded_hash(Path(task.run_dir))

@@ -3,7 +3,7 @@ folder is one the stages read, its rows hold the stage's columns, eval_split mea
 what it says for that kind of data, one optimizer step (or PPO rollout) of training
 rows remains after the evaluation rows are taken out, and label columns are there
 where a reward rule compares with labels. Torch-free: rows are read with
-pipeline/rows.py, Arrow files are counted without decoding a row.
+core/rows.py, Arrow files are counted without decoding a row.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline.config import RULES_NEEDING_LABELS, PipelineSpec
-from pipeline.errors import InvalidInput
+from core.config import RULES_NEEDING_LABELS, PipelineSpec
+from core.errors import InvalidInput
+from core.rows import SUPPORTED_DATA, dataset_folder, is_row_file, read_rows, required_columns, select_rows
 from pipeline.hub import FILE_SUFFIXES, Hub, dataset_cached, looks_like_path
-from pipeline.rows import SUPPORTED_DATA, dataset_folder, is_row_file, read_rows, required_columns, select_rows
 
 
 @dataclass
@@ -62,7 +62,7 @@ def check_data(stage, where: str, hub: Hub) -> DataFound:
 
 @contextlib.contextmanager
 def _about(where: str):
-    """Messages of pipeline/rows.py name the file; these name the field too."""
+    """Messages of core/rows.py name the file; these name the field too."""
     try:
         yield
     except InvalidInput as err:
@@ -93,7 +93,7 @@ def _check_eval_file(stage, where: str, found: DataFound) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _digits_splits() -> dict:
-    from stages import tiny  # torch-free: generates the rows stages/tiny.py writes
+    from core import tiny  # torch-free: generates the rows core/tiny.py writes
 
     return dict(tiny.digits_splits())
 

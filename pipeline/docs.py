@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from pipeline import config as c
+from core import config as c
 
 START, END = "<!-- reference:start -->", "<!-- reference:end -->"
 PIPELINES_START, PIPELINES_END = "<!-- pipelines:start -->", "<!-- pipelines:end -->"
@@ -97,8 +97,9 @@ def load_measured(path: Path = MEASURED) -> dict:
 
 def record_run(config: str, path: Path = MEASURED) -> dict:
     """Add a finished run of a shipped pipeline (under the current folder's runs_dir) to docs/measured.json."""
-    from pipeline import graph, measured
-    from pipeline.errors import InvalidInput
+    from core import measured
+    from core.errors import InvalidInput
+    from pipeline import graph
 
     file = c.resolve_config_path(config)
     summary = measured.run_summary(graph.build_tasks(c.load_pipeline(config)))

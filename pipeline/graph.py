@@ -17,44 +17,16 @@ import json
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
-from pipeline.config import PipelineSpec, Stage, WandbSpec, slurm_time_to_minutes, topological_order
+from core.config import PipelineSpec, slurm_time_to_minutes, topological_order
+from core.runfolder import StageFolder
+from core.task import StageTask, is_finished
 from pipeline.identity import Digests, changed_inputs, input_digests
-from pipeline.runfolder import StageFolder
 
 # Fields that change how a stage is run or logged, not what it produces.
 OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints", "eval_interval", "nodes",
                       "max_truncated_share", "hang_factor", "hang_min_s", "collective_timeout_s"}
-
-
-class StageTask(BaseModel):
-    """Everything a stage needs on the node: its spec and where things are. No YAML."""
-
-    model_config = ConfigDict(frozen=True)
-
-    pipeline: str
-    stage: Stage
-    run_dir: str
-    pipeline_dir: str
-    init_model: str
-    upstream_dirs: dict[str, str]
-    processes_per_node: int
-    gpus_per_node: int  # asked for: a job that finds none fails rather than train on the CPU
-    cpus_per_task: Optional[int] = None  # cluster.cpus_per_task: a CPU stage's torch threads per process
-    inputs: dict[str, dict] = {}  # field -> {path, sha256}: what it reads from disk (pipeline/identity.py)
-    spec_hash: str
-    wandb: Optional[WandbSpec] = None  # the pipeline's tracking.wandb: how not what the stage trains
-    max_retries: int = 2  # cluster.max_retries: requeues after a hang (stages/watchdog.py) or a node failure
-    time_limit_min: Optional[int] = None  # the Slurm job's time limit; None on the local executor
-
-    @property
-    def name(self) -> str:
-        return self.stage.name
-
-    @property
-    def folder(self) -> StageFolder:
-        return StageFolder(Path(self.run_dir))
 
 
 class PlannedStage(BaseModel):
@@ -110,16 +82,6 @@ def build_tasks(spec: PipelineSpec, digests: Optional[Digests] = None) -> list[S
             )
         )
     return tasks
-
-
-def is_finished(task: StageTask) -> bool:
-    result = task.folder.result
-    if not result.is_file():
-        return False
-    try:
-        return json.loads(result.read_text()).get("spec_hash") == task.spec_hash
-    except (json.JSONDecodeError, OSError):
-        return False
 
 
 def plan_actions(tasks: list[StageTask], dry_run: bool = False, rerun: frozenset[str] = frozenset()) -> list[PlannedStage]:

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from pipeline.errors import InvalidInput
+from core.errors import InvalidInput
 from pipeline.hfcache import HFCache
 
 HUB_TIMEOUT_S = 3.0  # an answer within this says the hub is reachable

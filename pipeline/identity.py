@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pipeline.config import BUILTIN_PREFIX
-from pipeline.rows import is_row_file
-from pipeline.runfolder import digests_file
+from core.config import BUILTIN_PREFIX
+from core.rows import is_row_file
+from core.runfolder import digests_file
 
 SAMPLED_ABOVE = 1 << 30  # 1 GiB
 SAMPLE = 4 << 20  # 4 MiB

@@ -35,13 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline import failure, graph, measured, plan, prepare, slurm, state
-from pipeline.config import PipelineSpec, slurm_time_to_minutes
-from pipeline.errors import InvalidInput, PipelineError, StageFailed
-from pipeline.graph import PlannedStage, StageTask
+from core import failure, measured
+from core.config import PipelineSpec, slurm_time_to_minutes
+from core.errors import InvalidInput, PipelineError, StageFailed
+from core.rows import is_row_file
+from core.task import StageTask
+from pipeline import graph, plan, prepare, slurm, state
+from pipeline.graph import PlannedStage
 from pipeline.hfcache import hf_cache
 from pipeline.identity import Digests
-from pipeline.rows import is_row_file
 
 POLL_S = 0.5
 # A local stage runs until it ends (submitit's LocalExecutor needs some limit: a year).
@@ -95,7 +97,7 @@ def run(spec: PipelineSpec, config: str, executor: Optional[str] = None, force: 
         state.refuse_if_live(pipeline_dir, config, tasks)  # again: someone may have submitted meanwhile
         digests.save()
         planned = graph.plan_actions(tasks, rerun=rerun)
-        measured.save_plans(planned, plans)  # each result.json compares itself with it
+        measured.save_plans(planned, None if plans is None else plan.plan_to_json(plans))  # each result.json compares itself with it
         if executor == "slurm":
             run_state = submit_slurm(spec, planned, config, echo=echo)
             jobs = {i.task.name: run_state.stages[i.task.name].job_id for i in planned if i.action != "skip"}
@@ -295,7 +297,7 @@ def local_parameters(spec: PipelineSpec, task: StageTask) -> dict:
     CUDA_VISIBLE_DEVICES to the first gpus_per_node of `visible_gpus`, or to 0..n-1 without
     them, and to "" when no GPU is asked for: this machine's own CUDA_VISIBLE_DEVICES (e.g.
     4,5,6,7 of a shared node) is passed on, or the job would take GPUs not given to us."""
-    from stages.runner import RUN_PID_ENV
+    from core.task import RUN_PID_ENV
 
     env = {**hf_cache(spec).env(), RUN_PID_ENV: str(os.getpid()), **spec.cluster.env}
     params = {
@@ -358,7 +360,7 @@ def _follow(job, echo) -> None:
 
 def stage_failure(task: StageTask, job) -> PipelineError:
     """What `run` ends with when a local stage job failed: the ranks' recorded cause
-    (pipeline/failure.py; bad input found at stage time is exit 2, like any bad input),
+    (core/failure.py; bad input found at stage time is exit 2, like any bad input),
     else the last lines of the first log with a traceback."""
     records = failure.read(task.folder, job.job_id)
     explained = failure.explain(task.name, records)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from pipeline.errors import InvalidInput
-from pipeline.rows import is_row_file, read_rows
+from core.errors import InvalidInput
+from core.rows import is_row_file, read_rows
+from core.shapes import BUILTIN_PREFIX, cached_config
 from pipeline.hfcache import HFCache
-from pipeline.shapes import BUILTIN_PREFIX, cached_config
 
 SAMPLE_ROWS = 1000
 FULL_READ_BYTES = 32 * 2**20  # files up to this size are read whole and sampled; larger .jsonl by seeking
@@ -74,7 +74,7 @@ def sample(data, kind: str, model: str, cache: Optional[HFCache] = None, limit: 
 def token_counter(model: str, hub_cache: Optional[Path] = None) -> tuple[Callable[[list[str], bool], list[int]], str]:
     """(count(texts, special_tokens) -> token counts, what counts them) for a model name."""
     if model == BUILTIN_PREFIX + "tiny-llama":
-        from stages import tiny  # torch-free; its tokenizer needs only `tokenizers`
+        from core import tiny  # torch-free; its tokenizer needs only `tokenizers`
 
         return _counting(tiny.build_core_tokenizer()), "the built-in tiny-llama's character tokenizer"
     path = Path(model).expanduser()
@@ -139,7 +139,7 @@ def _sample_rows(data, limit: int, rng: random.Random, datasets_cache: Optional[
     """(up to `limit` rows, where they came from) — or ([], why not)."""
     path = data.path
     if data.is_builtin:
-        from stages import tiny  # torch-free: generates the rows stages/tiny.py writes
+        from core import tiny  # torch-free: generates the rows core/tiny.py writes
 
         splits = dict(tiny.digits_splits())
         if data.split not in splits:

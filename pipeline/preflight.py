@@ -28,14 +28,14 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from core.config import BUILTIN_PREFIX, PipelineSpec
+from core.errors import InvalidInput
+from core.shapes import ShapeNotFound, cached_config, resolve_shape
 from pipeline import truncation
-from pipeline.config import BUILTIN_PREFIX, PipelineSpec
 from pipeline.datacheck import check_data, check_labels, check_step_rows
-from pipeline.errors import InvalidInput
+from pipeline.hfcache import HFCache, hf_cache
 from pipeline.hub import Hub, looks_like_path
 from pipeline.modelfiles import BadModelFile, check_weights, has_chat_template, tokenizer_problem, weight_files
-from pipeline.hfcache import HFCache, hf_cache
-from pipeline.shapes import ShapeNotFound, cached_config, resolve_shape
 
 REWARD_IMPORT_TIMEOUT_S = 30.0
 
@@ -196,7 +196,7 @@ def check_chat_template(stage, root: str, where: str, chats: bool, cache: HFCach
 def check_reward_functions(stage, where: str, imported: bool = True) -> None:
     """Each user reward function's file exists and defines it (read, not run); then, where
     the stage runs with this python, it imports in a child process with a time limit."""
-    from stages.rewards import RewardError, check_function, split_reference
+    from core.rewards import RewardError, check_function, split_reference
 
     imported_files = set()
     for j, rule in enumerate(stage.reward.rules):
@@ -215,13 +215,13 @@ def check_reward_functions(stage, where: str, imported: bool = True) -> None:
                 raise InvalidInput(f"{field_name}: {problem}")
 
 
-IMPORT_CODE = "import sys; from stages.rewards import load_function; load_function(sys.argv[1])"
+IMPORT_CODE = "import sys; from core.rewards import load_function; load_function(sys.argv[1])"
 
 
 def import_problem(reference: str, timeout_s: float = REWARD_IMPORT_TIMEOUT_S) -> Optional[str]:
     """Why `path.py:function` does not import as the stage imports it (None when it does),
     found in a child process that is killed after timeout_s."""
-    from stages.rewards import split_reference
+    from core.rewards import split_reference
 
     path = split_reference(reference)[0]
     code_root = str(Path(__file__).resolve().parent.parent)

@@ -12,10 +12,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import PipelineSpec
-from pipeline.errors import InvalidInput
+from core.config import PipelineSpec
+from core.errors import InvalidInput
+from core.rows import is_row_file
 from pipeline.hfcache import HFCache
-from pipeline.rows import is_row_file
 
 # Weights in formats transformers does not load for PyTorch, and the duplicate
 # checkpoints some repositories ship for other code bases (Llama's original/).

@@ -19,8 +19,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipeline import graph, measured, runfolder, state, timeline
-from pipeline import metrics as records
+from core import measured, runfolder, timeline
+from core import metrics as records
+from core.task import is_finished
+from pipeline import graph, state
 
 COLORS = {timeline.QUEUED: "#c7c7c7", timeline.RUNNING: "#4c72b0", timeline.REQUEUED: "#dd8452"}
 COMPARED_LABELS = {
@@ -91,7 +93,7 @@ class _StageData:
         self.records = records.read(folder.metrics)
         self.training = records.training(self.records)
         self.evals = records.evaluations(self.records)
-        self.result = measured.read_json(folder.result) if graph.is_finished(task) else None
+        self.result = measured.read_json(folder.result) if is_finished(task) else None
         self.finished = self.result is not None
         self.plan = measured.read_json(folder.plan)
         self.timeline = timeline.stage_timeline(folder, submitted_at)

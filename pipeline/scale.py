@@ -11,7 +11,7 @@ real layout (ranks, nodes, 48 layers gathered one by one under ZeRO-3, the refer
 checkpoints, preemption, export) runs in minutes before the real one queues for days.
 
 Outputs go to runs/<name>-scale/, apart from the real run's. The scale models are written there
-once (pipeline/runfolder.py: scale_model_folder), by `python -m stages.scale_model` in a child
+once (core/runfolder.py: scale_model_folder), by `python -m stages.scale_model` in a child
 process of this python, which needs torch and transformers (pipeline/ itself stays torch-free).
 The tokenizer is the real model's when its files are on this machine (a local folder or the
 Hugging Face cache); otherwise a byte-level stand-in, so every text tokenises, though into more
@@ -27,12 +27,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from pipeline.config import BUILTIN_PREFIX, PipelineSpec
-from pipeline.errors import InvalidInput
+from core.config import BUILTIN_PREFIX, PipelineSpec
+from core.errors import InvalidInput
+from core.runfolder import DESCRIPTION_FILE
+from core.runfolder import scale_model_folder
+from core.shapes import BUILTIN_SHAPES, to_config_json
 from pipeline.hfcache import HFCache
 from pipeline.preflight import model_folder
-from pipeline.runfolder import scale_model_folder
-from pipeline.shapes import BUILTIN_SHAPES, to_config_json
 
 DEFAULT_HEAD_DIM = 8  # flash-attention's kernels and tensor cores want a multiple of 8
 NAME_SUFFIX = "-scale"
@@ -40,7 +41,6 @@ SEED = 0  # the same weights every time: runs of one scale model at different la
 BUILD_TIMEOUT_S = 600
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either is a tokenizer transformers loads
-DESCRIPTION_FILE = "scale_model.json"  # in the written folder: what it was built from
 
 
 def scaled(spec: PipelineSpec, cache: HFCache, head_dim: int = DEFAULT_HEAD_DIM, build: bool = True,

@@ -13,7 +13,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from pipeline.errors import PipelineError
+from core.errors import PipelineError
 
 # Job states in which a job may still run, or is running, or is cleaning up.
 LIVE_STATES = frozenset({

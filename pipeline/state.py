@@ -23,8 +23,10 @@ from typing import Iterator, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from pipeline import failure, graph, metrics, runfolder, slurm, timeline
-from pipeline.errors import InvalidInput, PipelineError
+from core import failure, metrics, runfolder, timeline
+from core.errors import InvalidInput, PipelineError
+from core.task import StageTask, is_finished
+from pipeline import graph, slurm
 
 LOG_TAIL_LINES = 15
 
@@ -211,11 +213,11 @@ def _slurm_records(run_state: Optional[RunState]) -> dict[str, StageRecord]:
     return {name: r for name, r in run_state.stages.items() if r.executor == "slurm"}
 
 
-def refuse_if_live(pipeline_dir: Path, config: str, tasks: list[graph.StageTask]) -> None:
+def refuse_if_live(pipeline_dir: Path, config: str, tasks: list[StageTask]) -> None:
     """A second chain on the same run folder would train two jobs into one folder.
 
     A job whose stage already wrote its result is only exiting: it does not count."""
-    finished = {(t.name, t.spec_hash) for t in tasks if graph.is_finished(t)}
+    finished = {(t.name, t.spec_hash) for t in tasks if is_finished(t)}
     run_state = load(pipeline_dir)
     live = [(name, info) for name, info in live_jobs(run_state)
             if (name, run_state.stages[name].spec_hash) not in finished]
@@ -250,7 +252,7 @@ class StageStatus:
         return self.state == FAILED
 
 
-def stage_statuses(tasks: list[graph.StageTask], run_state: Optional[RunState],
+def stage_statuses(tasks: list[StageTask], run_state: Optional[RunState],
                    running: Optional[Holder] = None) -> list[StageStatus]:
     """Each stage's state: its folder first (finished?), then Slurm or the local run (`running`:
     the `run` holding the folder now), then the record."""
@@ -260,7 +262,7 @@ def stage_statuses(tasks: list[graph.StageTask], run_state: Optional[RunState],
     statuses = []
     for task in tasks:
         record = records.get(task.name)
-        if graph.is_finished(task):
+        if is_finished(task):
             status = StageStatus(task.name, FINISHED, _result_summary(task), task.run_dir)
             info = infos.get(record.job_id) if record is not None else None
             if info is not None and record.spec_hash == task.spec_hash:
@@ -292,7 +294,7 @@ def _is_live(record: StageRecord, infos: dict) -> bool:
     return info is not None and info.live
 
 
-def _from_folder(task: graph.StageTask) -> StageStatus:
+def _from_folder(task: StageTask) -> StageStatus:
     """A stage no job is known for: what its folder says."""
     if not task.folder.spec.exists():
         return StageStatus(task.name, NOT_STARTED, "", task.run_dir)
@@ -303,7 +305,7 @@ def _from_folder(task: graph.StageTask) -> StageStatus:
     return StageStatus(task.name, NOT_FINISHED, detail, task.run_dir)
 
 
-def _resume_point(task: graph.StageTask) -> str:
+def _resume_point(task: StageTask) -> str:
     latest = task.folder.latest_checkpoint()
     return f"newest checkpoint {latest}: `run` resumes from it" if latest else "no checkpoint yet: `run` starts it over"
 
@@ -370,7 +372,7 @@ def _from_job(task, record: StageRecord, info: Optional[slurm.JobInfo], run_stat
 
 
 def _with_log(status: StageStatus, record: StageRecord) -> StageStatus:
-    """Say why the job failed: the cause its ranks recorded (pipeline/failure.py), or srun's
+    """Say why the job failed: the cause its ranks recorded (core/failure.py), or srun's
     word on a task that died without one, and that rank's log. Without either, point at the
     first log that holds a traceback (else rank 0's) and show its last lines."""
     logs = Path(record.logs)
@@ -411,7 +413,7 @@ def _as_dict(progress: Optional[metrics.Progress]) -> Optional[dict]:
     return None if progress is None else dataclasses.asdict(progress)
 
 
-def _result_summary(task: graph.StageTask) -> str:
+def _result_summary(task: StageTask) -> str:
     try:
         result = json.loads(task.folder.result.read_text())
     except (OSError, json.JSONDecodeError):
@@ -420,7 +422,7 @@ def _result_summary(task: graph.StageTask) -> str:
     return "  ".join(f"{k}={v:.4g}" for k, v in numbers.items()) + _interruptions(task)
 
 
-def _interruptions(task: graph.StageTask) -> str:
+def _interruptions(task: StageTask) -> str:
     """The stage job's requeues, why and where it resumed, e.g. "; requeued 1x: time limit
     (SIGUSR2) at step 12, resumed from step 12"; "" if none."""
     said = timeline.interruptions(task.folder)

@@ -23,8 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.config import BUILTIN_PREFIX, PipelineSpec
-from pipeline.errors import InvalidInput
+from core.config import BUILTIN_PREFIX, PipelineSpec
+from core.errors import InvalidInput
 from pipeline.hfcache import HFCache
 
 SAMPLE_ROWS = 1000  # as many as the plan samples for lengths (pipeline/lengths.py)

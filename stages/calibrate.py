@@ -3,7 +3,7 @@ GPU memory and host<->GPU copy bandwidth, one process's CPU Adam rate, NCCL coll
 
 pipeline/calibrate.py decides what to measure (a Request) and calls `measure` here, in its own
 process or in a Slurm job; `measure` returns the calibration file's content as
-pipeline/calibration.py defines it. Each measurement is one function with its own bound (a
+core/calibration.py defines it. Each measurement is one function with its own bound (a
 time budget, repeats, or a timeout); the GPU ones time with CUDA events around many calls.
 
 Torch is imported inside the functions: the login node imports this module to submit the job.
@@ -20,9 +20,9 @@ import time
 from dataclasses import asdict
 from typing import Optional
 
-from pipeline import calibration
-from pipeline.errors import InvalidInput
-from pipeline.hardware import gpu_for_device
+from core import calibration
+from core.errors import InvalidInput
+from core.hardware import gpu_for_device
 
 # A timed sample is this many calls of a product, at least this long (seconds), so that the
 # launch overhead of a small GEMM does not count as its speed.
@@ -30,7 +30,7 @@ SAMPLE_S = 0.02
 MAX_CALLS = 1000
 GiB = 2**30
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# The stages' AdamW settings (pipeline/config.py defaults): the same work per parameter.
+# The stages' AdamW settings (core/config.py defaults): the same work per parameter.
 ADAM = {"lr": 1e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 
 
@@ -68,7 +68,7 @@ def measure(request) -> dict:
         gpu = {"device_name": props.name, "catalogue": entry.name if entry else None,
                "count": torch.cuda.device_count(), "memory_gib": round(props.total_memory / GiB, 1)}
         if entry is None:
-            notes.append(f"{props.name} is not in pipeline/hardware.py's catalogue: `plan` cannot name it as "
+            notes.append(f"{props.name} is not in core/hardware.py's catalogue: `plan` cannot name it as "
                          "cluster.gpu, so it does not read this file")
         matmul = timed("matmul", matmul_rates, request.gemms, device, sizes.matmul_repeats, sizes.matmul_budget_s,
                        notes)

@@ -785,7 +785,7 @@ def optimizer_op(ds_config: dict) -> str | None:
 def _report_deepspeed_ops() -> None:
     from deepspeed.accelerator import get_accelerator
 
-    from pipeline.config import SFTStage
+    from core.config import SFTStage
     from stages import engine
 
     built, built_for = prebuilt_ops()

@@ -15,10 +15,10 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeline.config import BUILTIN_PREFIX, DataSpec
-from pipeline.errors import InvalidInput
-from pipeline.rows import is_row_file, read_rows, select_rows
-from stages import tiny
+from core import batching, tiny
+from core.config import BUILTIN_PREFIX, DataSpec
+from core.errors import InvalidInput
+from core.rows import is_row_file, read_rows, select_rows
 
 log = logging.getLogger("stages")
 
@@ -437,11 +437,11 @@ def padded_batch(rows: list[dict], pad_id: int) -> Batch:
 
 
 def packed_batch(rows: list[dict], pad_id: int, flat: bool) -> Batch:
-    """The rows' sequences packed on lines (stages/batching.py pack_lines), with no
+    """The rows' sequences packed on lines (core/batching.py pack_lines), with no
     padding but what evens the lines out; `flat` puts them on one line (varlen kernels)."""
     import torch
 
-    from stages.batching import line_tokens, pack_lines
+    from core.batching import line_tokens, pack_lines
 
     seqs = [s for row in rows for s in sequences_of(row)]
     lengths = [len(ids) for ids, _ in seqs]
@@ -476,23 +476,19 @@ class TokenRows:
         self.rows, self.stage, self.ctx, self.pad_id = rows, stage, ctx, pad_id
         self.lengths = [row_tokens(r) for r in rows]
         self.trained = [trained_tokens(r) for r in rows]
-        self.budget = token_budget(stage, sequences_per_row) if stage.packing else None
+        self.budget = batching.token_budget(stage, sequences_per_row) if stage.packing else None
         self.flat = compat.flat_packing(attention)  # varlen kernels: every sequence on one line
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def steps(self, epoch: int, rows_per_step: int) -> list:
-        from stages import batching
-
         return batching.epoch_steps(
             len(self.rows), rows_per_step=rows_per_step, micro_batch_size=self.stage.micro_batch_size,
             rank=self.ctx.rank, world_size=self.ctx.world_size, seed=self.stage.seed, epoch=epoch,
             lengths=self.lengths, token_budget=self.budget)
 
     def eval_micro_batches(self) -> list:
-        from stages import batching
-
         return batching.eval_micro_batches(
             len(self.rows), micro_batch_size=self.stage.micro_batch_size, rank=self.ctx.rank,
             world_size=self.ctx.world_size, lengths=self.lengths, token_budget=self.budget)
@@ -505,12 +501,6 @@ class TokenRows:
     def trained_in(self, rows) -> int:
         """Trained tokens of these rows (a step's: the normaliser of per-token means)."""
         return sum(self.trained[i] for i in rows)
-
-
-def token_budget(stage, sequences_per_row: int) -> int:
-    """Tokens per process per packed micro batch: micro_batch_tokens, else what a padded
-    micro batch of micro_batch_size rows of max_len tokens would hold."""
-    return stage.micro_batch_tokens or stage.micro_batch_size * stage.max_len * sequences_per_row
 
 
 # --------------------------------------------------------------------------- validate's measurement
@@ -529,7 +519,7 @@ def main() -> int:
 
     from pydantic import TypeAdapter
 
-    from pipeline.config import Stage
+    from core.config import Stage
     from stages import models
 
     request = json.load(sys.stdin)

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from pipeline.failure import saving
-from pipeline.flops import sequence_flops
-from pipeline.runfolder import temporary
+from core.failure import saving
+from core.flops import sequence_flops
+from core.runfolder import temporary
 from stages import data, engine, models
 from stages.losses import dpo_loss, token_logprobs
 

@@ -22,12 +22,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from pipeline import timeline
-from pipeline.deepspeed_settings import bucket_elements, persistence_threshold
-from pipeline.errors import InvalidInput
-from pipeline.failure import saving
-from pipeline.runfolder import temporary
-from stages import batching, compat, preemption, tracking, watchdog
+from core import timeline
+from core import batching
+from core.deepspeed_settings import bucket_elements, persistence_threshold
+from core.errors import InvalidInput
+from core.failure import saving
+from core.runfolder import temporary
+from stages import compat, preemption, tracking, watchdog
 
 log = logging.getLogger("stages")
 
@@ -173,7 +174,7 @@ Metrics = tracking.Metrics
 
 class Checkpoints:
     """DeepSpeed checkpoints in the stage folder's checkpoints/, made atomic by its
-    `latest` marker (pipeline/runfolder.py).
+    `latest` marker (core/runfolder.py).
 
     Each save writes a new tag folder; only once every rank has finished does
     rank 0 point `latest` at it (a temporary file renamed over the old one), so
@@ -423,7 +424,7 @@ def _device_peak_flops(ctx) -> Optional[float]:
     or for a GPU outside the catalogue."""
     if not ctx.on_gpu:
         return None
-    from pipeline.hardware import gpu_for_device
+    from core.hardware import gpu_for_device
 
     gpu = gpu_for_device(torch.cuda.get_device_name(ctx.device))
     return gpu.peak_tflops(ctx.task.stage.precision) * 1e12 if gpu else None

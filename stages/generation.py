@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from pipeline.errors import InvalidInput
+from core.errors import InvalidInput
 from stages import compat
 
 # Most tokens one continuous-batching forward pass takes. Without flash attention (sdpa, eager) each

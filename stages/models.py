@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import BUILTIN_PREFIX
-from pipeline.errors import InvalidInput
-from stages import compat, tiny
+from core import tiny
+from core.config import BUILTIN_PREFIX
+from core.errors import InvalidInput
+from stages import compat
 
 log = logging.getLogger("stages")
 
@@ -33,8 +34,8 @@ def resolve(model: str, builtin_root: Path) -> str:
 
 
 def shape_of(path: str):
-    """The model's architecture as the planner reads it (pipeline/shapes.py), for its FLOPs."""
-    from pipeline.shapes import resolve_shape
+    """The model's architecture as the planner reads it (core/shapes.py), for its FLOPs."""
+    from core.shapes import resolve_shape
 
     return resolve_shape(path)
 

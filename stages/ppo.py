@@ -27,12 +27,13 @@ from typing import Callable, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from pipeline.config import RULES_NEEDING_LABELS
-from pipeline.errors import InvalidInput
-from pipeline.flops import rollout_sequence_flops
-from stages import batching, data, engine, generation, models, preemption, watchdog
+from core import batching
+from core.config import RULES_NEEDING_LABELS
+from core.errors import InvalidInput
+from core.flops import rollout_sequence_flops
+from core.rewards import RuleReward
+from stages import data, engine, generation, models, preemption, watchdog
 from stages import losses as L
-from stages.rewards import RuleReward
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, logprobs_of, values_of
 
 
@@ -183,7 +184,7 @@ def load_models(task, ctx, model_path: str, tokenizer, ds_config: dict, total_st
 
 def rollout_flop_models(task, model_path: str, rl_models: Models) -> list:
     """(shape, head, trained, LoRA parameters) of the actor, reference, critic and reward model: what
-    pipeline/flops.py counts per rollout sequence, for MFU."""
+    core/flops.py counts per rollout sequence, for MFU."""
     stage = task.stage
     shape = models.shape_of(model_path)
     out = [(shape, "lm", True, models.lora_params(rl_models.actor.module))]

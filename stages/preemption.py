@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from pipeline import timeline
+from core import timeline
 
 log = logging.getLogger("stages")
 

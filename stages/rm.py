@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.flops import sequence_flops
+from core.flops import sequence_flops
 from stages import data, engine, models
 from stages.losses import reward_pair_loss
 

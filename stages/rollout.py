@@ -7,7 +7,7 @@ hands it over as a typed `Rollout`. Three phases, each timed (metrics: generate_
    batching) is the one function that turns prompts into completions. With
    dynamic_sampling, prompts whose samples all got the same reward are dropped and more are
    sampled, up to dynamic_sampling_max_rounds rounds.
-2. scoring: rule rewards on the decoded text (stages/rewards.py; every column of the row is
+2. scoring: rule rewards on the decoded text (core/rewards.py; every column of the row is
    there) plus the reward model's score, normalised when the pipeline file says so.
 3. views and advantages: the actor's log-probs at sampling time, the reference's and the KL between
    them (when there is a KL term: PPOStage.needs_reference), the critic's values (gae), and
@@ -28,10 +28,11 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from stages import batching, data, engine
+from core import batching
+from core.rewards import RewardError, RuleReward, RunningMoments, Samples
+from stages import data, engine
 from stages import losses as L
 from stages.generation import generate
-from stages.rewards import RewardError, RuleReward, RunningMoments, Samples
 
 
 @dataclass(frozen=True)

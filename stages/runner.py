@@ -25,15 +25,13 @@ from typing import Optional
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
-from pipeline import failure, measured, timeline
-from pipeline.failure import saving
-from pipeline.graph import StageTask
-from pipeline.runfolder import StageFolder, builtin_folder, remove, temporary
+from core import failure, measured, timeline
+from core.failure import saving
+from core.runfolder import StageFolder, builtin_folder, remove, temporary
+from core.task import RUN_PID_ENV, StageTask
 
 log = logging.getLogger("stages")
 
-# Set by a local `run` (pipeline/launch.py) to its pid: its stage processes end when it is gone.
-RUN_PID_ENV = "PIPELINE_RUN_PID"
 WATCH_RUN_S = 2.0
 
 
@@ -106,7 +104,7 @@ class StageJob(Checkpointable):
 def run_stage(task: StageTask) -> dict:
     """Run the stage as this process (one rank of the job).
 
-    If it fails, this rank records why in its failure record (pipeline/failure.py:
+    If it fails, this rank records why in its failure record (core/failure.py:
     the cause, the place, what to do) and re-raises, so the job fails with the full
     traceback in this rank's log; `run` and `status` print the record instead."""
     rank = failure.task_rank()
@@ -255,8 +253,8 @@ def _materialize_builtins(task: StageTask, ctx: StageContext) -> None:
     """
     import torch.distributed as dist
 
-    from pipeline.config import BUILTIN_PREFIX
-    from stages import tiny
+    from core import tiny
+    from core.config import BUILTIN_PREFIX
 
     if ctx.is_main:
         for name in (task.init_model, task.stage.data.path):

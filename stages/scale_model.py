@@ -13,9 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.scale import DESCRIPTION_FILE
-from pipeline.shapes import count_text
-from stages import tiny
+from core import tiny
+from core.runfolder import DESCRIPTION_FILE
+from core.shapes import count_text
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # Llama's ids 0, 1, 2
 
@@ -73,7 +73,7 @@ def write(folder: Path, description: dict) -> str:
 def _keep_rope_theta_readable(path: Path, source: dict) -> None:
     """transformers 5 writes rope_theta under rope_parameters, where 4.x does not look (it would
     use its default 10000): write it at the top too, so both stacks train with the real one."""
-    from pipeline.shapes import from_config_json
+    from core.shapes import from_config_json
 
     written = json.loads(path.read_text())
     theta = from_config_json(written).rope_theta or from_config_json(source).rope_theta

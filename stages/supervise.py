@@ -10,7 +10,7 @@ killed by a signal or exited non-zero without writing its failure record (the
 kernel's out-of-memory killer, a crash in native code), it writes one for it —
 rank, host, signal or exit code — so the failure names the process that died,
 not the ranks that then lost their connection to it. On Slurm, srun reports the
-same in the job's log (pipeline/failure.py reads it).
+same in the job's log (core/failure.py reads it).
 
 Torch-free, and light: it lives as long as the task.
 """
@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from pipeline import failure
-from pipeline.runfolder import StageFolder
+from core import failure
+from core.runfolder import StageFolder
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 REQUEUE_EXIT_CODE = 144  # submitit's local executor: the task asks to be started again

@@ -2,8 +2,8 @@
 asks for it), and the log: one progress line per training record, or a live bar when stdout
 is a terminal.
 
-What a record holds and how its keys are grouped is pipeline/metrics.py's; where the files
-live is pipeline/runfolder.py's. Secrets (WANDB_API_KEY, HF_TOKEN) are read by the libraries
+What a record holds and how its keys are grouped is core/metrics.py's; where the files
+live is core/runfolder.py's. Secrets (WANDB_API_KEY, HF_TOKEN) are read by the libraries
 from the environment and never written here.
 """
 
@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Optional
 
-from pipeline import metrics as records
+from core import metrics as records
 
 log = logging.getLogger("stages")
 

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Optional
 
-from pipeline import failure, timeline
+from core import failure, timeline
 from stages import preemption
 
 log = logging.getLogger("stages")

@@ -21,11 +21,11 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
-from pipeline.config import PipelineSpec  # noqa: E402
+from core.config import PipelineSpec  # noqa: E402
+from core.rewards import RewardError, RuleReward  # noqa: E402
 from pipeline.graph import build_tasks  # noqa: E402
 from stages import distributed, models, ppo, rollout, runner  # noqa: E402
 from stages import losses as L  # noqa: E402
-from stages.rewards import RewardError, RuleReward  # noqa: E402
 from stages.rollout import Prompt  # noqa: E402
 
 SAMPLES = 2

@@ -11,8 +11,9 @@ import shlex
 import pytest
 import torch
 
-from pipeline import calibrate, calibration, cli, config as config_module, launch
-from pipeline.errors import InvalidInput
+from core import calibration, config as config_module
+from core.errors import InvalidInput
+from pipeline import calibrate, cli, launch
 from stages import calibrate as measuring
 from tests.conftest import REPO, run_cli
 from tests.test_slurm_sbatch import login_node  # noqa: F401 -- a fixture: sbatch and srun on PATH, in a workdir

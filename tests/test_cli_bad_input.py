@@ -156,7 +156,7 @@ def saved_models(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages import tiny
+    from core import tiny
 
     root = tmp_path_factory.mktemp("models")
     tiny.write_tiny_llama(root / "whole")

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import compat, tiny
+from core import tiny
+from stages import compat
 from tests.conftest import REPO
 
 PROBE = REPO / "tests" / "compat_probe.py"
@@ -199,7 +200,7 @@ def test_only_extensions_whose_library_was_built_count_as_jit_built(monkeypatch,
 
 
 def test_the_gpu_optimizer_needs_no_deepspeed_op_and_offload_needs_cpu_adam():
-    from pipeline.config import SFTStage
+    from core.config import SFTStage
     from stages import engine
 
     def op(**knobs):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import CONFIGS_DIR, load_pipeline, slurm_time_to_minutes
-from pipeline.errors import InvalidInput
+from core.config import CONFIGS_DIR, load_pipeline, slurm_time_to_minutes
+from core.errors import InvalidInput
 from tests.conftest import tiny_pipeline, write_pipeline
 
 

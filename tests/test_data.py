@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from pipeline.config import DataSpec, SFTStage
-from pipeline.errors import InvalidInput
-from stages import data, tiny
+from core import tiny
+from core.config import DataSpec, SFTStage
+from core.errors import InvalidInput
+from stages import data
 
 
 def test_sft_loss_mask_covers_the_response_and_eos_only():

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from pipeline.config import SFTStage
+from core.config import SFTStage
 from stages import engine
 from tests.conftest import REPO
 
@@ -28,7 +28,7 @@ def test_accumulation_is_derived_from_the_global_batch_and_world_size():
 
 
 def test_fewer_rows_than_one_step_after_tokenising_are_refused_naming_the_file_and_the_fix():
-    from pipeline.errors import InvalidInput
+    from core.errors import InvalidInput
 
     sft = stage(micro_batch_size=4, global_batch_size=16)
     assert engine.step_counts(33, {"train_batch_size": 16}, sft) == (2, 2)  # the ragged tail is left out
@@ -70,8 +70,8 @@ def test_deepspeed_hands_the_gpu_optimizer_settings_to_torch_adamw():
     # config's optimizer section becomes torch.optim.AdamW(fused=True), and it steps.
     code = """
 import json, torch, deepspeed
-from tests.test_engine import stage
 from stages import distributed, engine
+from tests.test_engine import stage
 distributed.detect()  # a world of one, on a free port
 config = engine.deepspeed_config(stage(zero_stage=0, precision="fp32"), 1, 8, on_gpu=True)
 deepspeed.init_distributed(dist_backend="gloo")
@@ -115,7 +115,7 @@ def test_lora_merge_matches_peft_merge_and_unload(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from stages import tiny
+    from core import tiny
 
     base_dir = tiny.materialize("tiny-llama", tmp_path)
     model = get_peft_model(

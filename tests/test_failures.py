@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import failure
-from pipeline.errors import InvalidInput
-from pipeline.runfolder import StageFolder
+from core import failure
+from core.errors import InvalidInput
+from core.runfolder import StageFolder
 from tests.conftest import REPO, run_cli, tiny_pipeline, write_pipeline
 
 
@@ -120,7 +120,8 @@ def test_a_lost_connection_is_a_consequence_and_the_rank_that_died_is_the_cause(
 def test_bad_input_found_inside_a_stage_is_reported_as_bad_input_exit_2(tmp_path, monkeypatch):
     from submitit import LocalJob
 
-    from pipeline import config, graph, launch
+    from core import config
+    from pipeline import graph, launch
 
     spec = config.PipelineSpec.model_validate({**tiny_pipeline(), "runs_dir": str(tmp_path / "runs")})
     task = graph.build_tasks(spec)[0]
@@ -214,9 +215,9 @@ def test_a_task_the_out_of_memory_killer_ends_is_recorded_as_host_out_of_memory(
 DISK_SCRIPT = r"""
 import json, os, subprocess, sys
 from pathlib import Path
-from pipeline import failure
-from pipeline.runfolder import StageFolder
-from stages import distributed, engine, models, tiny
+from core.runfolder import StageFolder
+from core import failure, tiny
+from stages import distributed, engine, models
 from tests.test_engine import stage
 from tests.test_failures import fill
 

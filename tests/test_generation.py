@@ -1,4 +1,4 @@
-"""RL generation (stages/generation.py) and length-sorted micro batches (stages/batching.py by_length).
+"""RL generation (stages/generation.py) and length-sorted micro batches (core/batching.py by_length).
 
 The engines run on the built-in tiny Llama (random weights, CPU); continuous batching only where the
 installed transformers has it. The sorted micro batches are checked against unsorted ones through
@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.errors import InvalidInput
-from stages import batching, compat, generation, models, tiny
+from core import batching, tiny
+from core.errors import InvalidInput
+from stages import compat, generation, models
 from stages.ppo import policy_objective, step_share
 from stages.rollout import Rollout
 from tests.test_ppo import ppo_spec

@@ -22,8 +22,8 @@ def test_a_stage_task_that_asked_for_gpus_and_finds_none_fails_instead_of_traini
 
 
 def local_executor_for(workdir, cluster: dict):
+    from core.config import load_pipeline
     from pipeline import graph, launch
-    from pipeline.config import load_pipeline
 
     spec = load_pipeline(str(write_pipeline(workdir, tiny_pipeline(cluster=cluster))))
     return launch.local_executor(spec, graph.build_tasks(spec)[0])

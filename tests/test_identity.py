@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from pipeline import config as config_module
+from core import config as config_module
 from pipeline import graph, launch
 from pipeline.identity import SAMPLE, Digests, file_digest
 from tests.conftest import run_cli, tiny_pipeline, write_pipeline

@@ -7,10 +7,11 @@ import importlib.util
 
 import pytest
 
-from pipeline import docs, measured, timeline
-from pipeline import metrics as records
-from pipeline.config import PipelineSpec
-from pipeline.errors import InvalidInput
+from core import measured, timeline
+from core import metrics as records
+from core.config import PipelineSpec
+from core.errors import InvalidInput
+from pipeline import docs
 from tests.conftest import run_cli, tiny_pipeline, write_pipeline
 
 
@@ -144,8 +145,8 @@ import torch, torch.distributed as dist
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", RANK="0", WORLD_SIZE="1")
 dist.init_process_group("nccl", rank=0, world_size=1)
-from pipeline import metrics as records
-from pipeline.runfolder import StageFolder
+from core.runfolder import StageFolder
+from core import metrics as records
 from stages import engine, tracking
 
 device = torch.device("cuda", 0)
@@ -200,7 +201,7 @@ def test_on_a_gpu_the_records_measure_memory_and_mfu_of_a_known_workload(tmp_pat
         assert 0.375 <= record["gpu_mem_peak_gib"] < 0.75
         assert record["gpu_mem_reserved_gib"] >= record["gpu_mem_peak_gib"]
         assert record["token_efficiency"] == pytest.approx(0.8)
-        if out["peak_flops"]:  # a GPU of pipeline/hardware.py's catalogue: a large bf16 matmul
+        if out["peak_flops"]:  # a GPU of core/hardware.py's catalogue: a large bf16 matmul
             assert 0.2 < record["mfu"] < 1.0
     assert records.training(out["records"])[-1]["eta_s"] == 0.0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -214,8 +215,8 @@ def test_the_report_of_a_chain_still_running_shows_what_its_folders_hold_so_far(
     import json
     import re
 
+    from core.config import load_pipeline
     from pipeline import report
-    from pipeline.config import load_pipeline
     from pipeline.graph import build_tasks
 
     spec = tiny_pipeline(stages=[

@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from pipeline import measured
-from pipeline import metrics as records
+from core import measured
+from core import metrics as records
 from tests.conftest import SECRET_MARKERS, read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,7 @@ def test_no_secret_from_the_environment_is_written_anywhere_under_runs(tiny_chai
 
 
 def test_the_readme_row_of_a_finished_run_comes_from_its_result_files(tiny_chain, monkeypatch):
-    from pipeline.config import load_pipeline
+    from core.config import load_pipeline
     from pipeline.graph import build_tasks
 
     monkeypatch.chdir(tiny_chain.workdir)  # runs_dir is relative to the folder the command runs in

@@ -13,8 +13,9 @@ import random
 import pytest
 import torch
 
-from pipeline.config import DataSpec, SFTStage
-from stages import batching, compat, data, models, tiny
+from core import batching, tiny
+from core.config import DataSpec, SFTStage
+from stages import compat, data, models
 from stages.losses import reward_pair_loss, token_logprobs
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -277,8 +278,8 @@ def test_token_budget_defaults_to_what_a_padded_micro_batch_holds():
         return SFTStage.model_validate({"name": "s", "kind": "sft", "model": "builtin:tiny-llama",
                                         "data": {"path": "builtin:digits"}, **knobs})
 
-    assert data.token_budget(stage(micro_batch_size=4, max_len=2048), sequences_per_row=2) == 4 * 2048 * 2
-    assert data.token_budget(stage(micro_batch_tokens=5000, max_len=2048), sequences_per_row=2) == 5000
+    assert batching.token_budget(stage(micro_batch_size=4, max_len=2048), sequences_per_row=2) == 4 * 2048 * 2
+    assert batching.token_budget(stage(micro_batch_tokens=5000, max_len=2048), sequences_per_row=2) == 5000
 
 
 # --------------------------------------------------------------------------- end to end

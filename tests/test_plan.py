@@ -16,11 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline import hardware, plan, shapes
+from core import hardware, shapes
+from core.config import CONFIGS_DIR, LoraSpec, PipelineSpec, load_pipeline
+from core.errors import EXIT_DOES_NOT_FIT, EXIT_INVALID, DoesNotFit, InvalidInput
+from pipeline import plan
 from pipeline.hfcache import hf_cache
-from pipeline.config import CONFIGS_DIR, LoraSpec, PipelineSpec, load_pipeline
 from pipeline.plan import format_plan, plan_pipeline
-from pipeline.errors import EXIT_DOES_NOT_FIT, EXIT_INVALID, DoesNotFit, InvalidInput
 
 GiB = 1024**3
 CODELLAMA_34B = "codellama/CodeLlama-34b-hf"
@@ -204,7 +205,7 @@ def test_builtin_tiny_llama_has_the_stages_tiny_shape():
 
 
 def test_planning_imports_no_gpu_libraries():
-    code = ("import sys; from pipeline import plan; from pipeline.config import load_pipeline; "
+    code = ("import sys; from pipeline import plan; from core.config import load_pipeline; "
             "plan.format_plan(plan.plan_pipeline(load_pipeline('tiny'))); "
             "bad = [m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules]; "
             "assert not bad, bad")

@@ -1,5 +1,5 @@
 """The plan reads the data: token lengths sampled from a stage's rows, the micro batches
-stages/batching.py makes of them, and the step time those take.
+core/batching.py makes of them, and the step time those take.
 
 Expected numbers are worked by hand from small fixed lengths.
 """
@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline import flops, lengths, plan, shapes
+from core import flops, shapes
+from core.config import DataSpec
+from pipeline import lengths, plan
 from pipeline.hfcache import HFCache
-from pipeline.config import DataSpec
 from pipeline.plan.batches import simulate
 
 TINY = shapes.ModelShape(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=48, max_positions=64)
@@ -114,7 +115,7 @@ SFT_ROWS = [{"prompt": "sort 321 =", "response": " 123"}, {"prompt": "sort 9 8 7
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     pytest.importorskip("transformers")
-    from stages import tiny
+    from core import tiny
 
     return tiny.materialize("tiny-llama", tmp_path_factory.mktemp("builtin"))
 
@@ -146,7 +147,7 @@ def test_a_pair_counts_the_prompt_with_each_response(tmp_path, monkeypatch):
 def test_builtin_digits_are_generated_and_counted_exactly():
     sampled = lengths.sample(DataSpec(path="builtin:digits", response_key="demo"), "sft", "builtin:tiny-llama")
     assert len(sampled.rows) == lengths.SAMPLE_ROWS
-    from stages import tiny
+    from core import tiny
 
     first = dict(tiny.digits_splits())["train"][0]
     assert sampled.rows[0] == (1 + len(first["prompt"]) + len(first["demo"]) + 1,)

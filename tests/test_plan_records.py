@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from benchmarks.gpu import records
 from pipeline.plan import rates
+from benchmarks.gpu import records
 
 RECORDS = records.records()
 

@@ -69,7 +69,7 @@ def config_id(config: dict) -> str:
 
 
 def stage_spec(config: dict, model_dir: str):
-    from pipeline.config import RMStage, SFTStage
+    from core.config import RMStage, SFTStage
 
     cls = RMStage if config["kind"] == "rm" else SFTStage
     fields = {k: v for k, v in config.items() if v is not None}
@@ -82,8 +82,8 @@ def stage_spec(config: dict, model_dir: str):
 
 def estimated(config: dict, model_dir: str) -> dict:
     """Per-process bytes by category at the two moments, from pipeline.plan in CPU mode."""
+    from core.shapes import resolve_shape
     from pipeline import plan
-    from pipeline.shapes import resolve_shape
 
     stage = stage_spec(config, model_dir)
     knobs = plan.Knobs.from_stage(stage)
@@ -228,7 +228,7 @@ def worker(model_dir: str, out_dir: str, configs_json: str) -> None:
     if rank == 0:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from stages import tiny
+        from core import tiny
 
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(model_dir)
@@ -323,7 +323,7 @@ def test_model_states_match_deepspeed(measured, config):
 
 @pytest.mark.slow
 def test_builtin_tiny_llama_shape_is_what_stages_tiny_writes(measured):
-    from pipeline import shapes
+    from core import shapes
 
     info = measured["ranks"][0]
     assert shapes.tiny_llama_shape().n_params == info["tiny_params"]

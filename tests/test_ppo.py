@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from pipeline.config import PPOStage
+from core.config import PPOStage
 from stages import compat
 from tests.conftest import REPO, read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
 

@@ -103,7 +103,7 @@ def test_rng_states_round_trip():
 
 def events_folder(tmp_path, *events) -> "StageFolder":
     """A stage folder whose events.jsonl holds `events` (dicts), one second apart."""
-    from pipeline.runfolder import StageFolder
+    from core.runfolder import StageFolder
 
     folder = StageFolder(tmp_path / "sft")
     folder.path.mkdir(parents=True)
@@ -116,7 +116,7 @@ def started(job="7", restart=0) -> dict:
 
 
 def test_status_says_why_each_attempt_ended_and_where_the_next_resumed(tmp_path):
-    from pipeline import timeline
+    from core import timeline
 
     folder = events_folder(
         tmp_path,
@@ -142,7 +142,7 @@ def test_status_says_why_each_attempt_ended_and_where_the_next_resumed(tmp_path)
 
 
 def test_a_sigterm_outside_the_loop_is_noted_as_a_preemption_then_handed_on(tmp_path):
-    from pipeline import timeline
+    from core import timeline
     from stages import runner
 
     folder = events_folder(tmp_path, started())
@@ -161,7 +161,7 @@ def test_a_sigterm_outside_the_loop_is_noted_as_a_preemption_then_handed_on(tmp_
 
 
 def test_usr2_is_a_time_limit_only_near_the_limit():
-    from pipeline.timeline import PREEMPTED, TIME_LIMIT, signal_reason
+    from core.timeline import PREEMPTED, TIME_LIMIT, signal_reason
 
     # 60 min limit: a time limit from 48 min (80%); 20 min: from 10 min (10 minutes before).
     assert signal_reason("SIGUSR2", 47 * 60, 60) == PREEMPTED and signal_reason("SIGUSR2", 48 * 60, 60) == TIME_LIMIT

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
+from core.config import load_pipeline
+from core.errors import InvalidInput
+from core.rows import read_rows
 from pipeline import preflight
-from pipeline.config import load_pipeline
-from pipeline.errors import InvalidInput
 from pipeline.hfcache import hf_cache
 from pipeline.modelfiles import BadModelFile, check_weights
-from pipeline.rows import read_rows
 from tests.conftest import tiny_pipeline, write_pipeline
 
 
@@ -215,7 +215,7 @@ def test_a_reward_file_that_imports_returns_no_problem(tmp_path):
 def test_preflight_of_every_kind_of_input_imports_no_gpu_library(tmp_path, saved_datasets):
     """validate runs on login nodes: a local model folder, a data file, a dataset folder
     and a reward function are all checked without torch, transformers or deepspeed."""
-    from stages import tiny
+    from core import tiny
 
     model = tmp_path / "model"
     model.mkdir()
@@ -234,7 +234,7 @@ def test_preflight_of_every_kind_of_input_imports_no_gpu_library(tmp_path, saved
         {"name": "rl", "kind": "ppo", "from": "sft2", "data": {"path": "rows.jsonl"}, "rollout_batch_size": 16,
          "micro_batch_size": 8, "max_new_tokens": 8, "reward": {"rules": [{"rule": "exact_match"}, {"function": "mine.py:score"}]}},
     ])
-    code = ("import sys; from pipeline import config, preflight; "
+    code = ("import sys; from core import config; from pipeline import preflight; "
             "preflight.check(config.load_pipeline(sys.argv[1])); "
             "print(sorted(m for m in ('torch', 'transformers', 'deepspeed', 'datasets') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code, str(write_pipeline(tmp_path, spec))], cwd=tmp_path,

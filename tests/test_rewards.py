@@ -7,10 +7,10 @@ import statistics
 
 import pytest
 
-from pipeline.config import RewardRule
-from stages import rewards
-from pipeline.errors import InvalidInput
-from stages.rewards import RewardError, RuleReward, RunningMoments, Samples
+from core import rewards
+from core.config import RewardRule
+from core.errors import InvalidInput
+from core.rewards import RewardError, RuleReward, RunningMoments, Samples
 
 
 def samples(prompts, completions, labels=None, rows=None, lengths=None) -> Samples:

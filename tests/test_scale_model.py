@@ -9,12 +9,12 @@ import shutil
 
 import pytest
 
+from core import tiny
+from core.config import PipelineSpec, load_pipeline
+from core.errors import InvalidInput
+from core.shapes import BUILTIN_SHAPES, from_config_json, to_config_json
 from pipeline import scale
-from pipeline.config import PipelineSpec, load_pipeline
-from pipeline.errors import InvalidInput
 from pipeline.hfcache import HFCache
-from pipeline.shapes import BUILTIN_SHAPES, from_config_json, to_config_json
-from stages import tiny
 from tests.conftest import run_cli, tiny_pipeline, write_pipeline
 
 CODELLAMA = "codellama/CodeLlama-34b-hf"

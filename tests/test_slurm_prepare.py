@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import config as config_module
+from core import config as config_module
 from pipeline import prepare
 from pipeline.hfcache import hf_cache
 from tests.conftest import run_cli, tiny_pipeline, write_pipeline

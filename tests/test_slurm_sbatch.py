@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from pipeline import config as config_module
+from core import config as config_module
 from pipeline import graph, launch
 from tests.conftest import REPO, run_cli, tiny_pipeline, write_pipeline
 

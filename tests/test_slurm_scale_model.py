@@ -34,9 +34,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.runfolder import StageFolder
-from pipeline.shapes import read_config_json
-from stages import tiny
+from core import tiny
+from core.runfolder import StageFolder
+from core.shapes import read_config_json
 from tests.conftest import REPO, processes_with, read_metrics, read_result, run_cli, write_pipeline
 from tests.slurm_support import (
     job_ids,

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from pipeline import config as config_module
+from core import config as config_module
 from pipeline import graph, state
 from tests.conftest import run_cli, tiny_pipeline, write_pipeline
 

@@ -151,8 +151,8 @@ def gradient_checkpointing(kind: str, setting) -> bool:
 
 
 def catalogue_gpu(device_name: Optional[str]) -> Optional[str]:
-    """The pipeline/hardware.py name of a CUDA device, from its torch / nvidia-smi name."""
-    from pipeline.hardware import gpu_for_device
+    """The core/hardware.py name of a CUDA device, from its torch / nvidia-smi name."""
+    from core.hardware import gpu_for_device
 
     entry = gpu_for_device(device_name) if device_name else None
     return entry.name if entry else None
@@ -161,7 +161,7 @@ def catalogue_gpu(device_name: Optional[str]) -> Optional[str]:
 def datasheet_tflops(gpu: Optional[str], precision: str) -> Optional[float]:
     if gpu is None:
         return None
-    from pipeline import hardware
+    from core import hardware
 
     return hardware.gpu(gpu).peak_tflops(precision)
 

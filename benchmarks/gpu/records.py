@@ -111,7 +111,7 @@ def _case(record: Record):
 
 def _hardware(record: Record):
     """One process on the recorded GPU, with all of the machine's cores."""
-    from pipeline import hardware
+    from core import hardware
     from pipeline.plan.inputs import Hardware
 
     gpu = hardware.gpu(record.gpu)
@@ -128,10 +128,10 @@ def _slice_case(record: Record):
 
 
 def _project_case(record: Record):
-    from pipeline.config import PipelineSpec
+    from core.config import PipelineSpec
+    from core.shapes import from_config_json
     from pipeline.lengths import RowLengths
     from pipeline.plan.inputs import Knobs
-    from pipeline.shapes import from_config_json
 
     info = json.loads((record.path.parent / "workload.json").read_text())
     run_settings = record.data["run_settings"]

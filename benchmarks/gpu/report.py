@@ -307,7 +307,7 @@ def _slice(cases: dict, dry: bool) -> list[str]:
                      f"{100 * choice.get('host_margin', 0):.0f}% of {choice.get('host_gib', 0):.0f} GiB host RAM "
                      f"(planned at {choice.get('max')}: {planned})"
                      + (f". {choice['dry_run']}" if choice.get("dry_run") else "") + ".")
-    lines.append(f"- Model: {slice_34b.SOURCE}'s shape from pipeline/shapes.py with fewer layers, random init; "
+    lines.append(f"- Model: {slice_34b.SOURCE}'s shape from core/shapes.py with fewer layers, random init; "
                  f"settings per GPU from {slice_34b.SHIPPED} (its global batch over its GPUs), sdpa; rows of exactly "
                  f"max_len tokens; {slice_34b.STEPS} steps, the first {slice_34b.WARMUP_STEPS} left out.")
     lines.append("")
@@ -349,7 +349,7 @@ def _slice(cases: dict, dry: bool) -> list[str]:
         return lines + ["The full 34B is not re-derived: no slice case ran.", ""]
     measured_tflops = next((r.get("datasheet_tflops") for r in results if r.get("datasheet_tflops")), None)
     if dry:
-        from pipeline import hardware
+        from core import hardware
 
         measured_tflops = hardware.gpu(slice_34b.DRY_GPU).peak_tflops("bf16")
     env = (cases.get("env") or {}).get("facts") or {}
@@ -444,7 +444,7 @@ def _notes(cases: dict) -> list[str]:
         "- MFU: real tok/s x model FLOPs per token / peak, model FLOPs = 6N + 12 x layers x q_width x s "
         "(N: matmul parameters, s: the data's attention-weighted length), plus a live reference's forward "
         "(2N + 4 x layers x q_width x s) for DPO; recompute not counted (the planner's convention). "
-        "\"datasheet\": against pipeline/hardware.py's dense bf16 peak; \"measured ceiling\": against the "
+        "\"datasheet\": against core/hardware.py's dense bf16 peak; \"measured ceiling\": against the "
         "matmul case. \"stage's own MFU\": what the stage logs itself.",
         "- Memory: peak allocated / reserved from torch.cuda (the project: max of its per-record "
         "`gpu_mem_peak_gib` / `gpu_mem_reserved_gib`; TRL: since its process started); nvidia-smi: the "

@@ -1,6 +1,6 @@
 """A slice of the real 34B on one GPU, through the project's own SFT and DPO stages (issue 20).
 
-The model is pipeline/shapes.py's CodeLlama-34B (hidden 8192, MLP 22016, 64 query / 8
+The model is core/shapes.py's CodeLlama-34B (hidden 8192, MLP 22016, 64 query / 8
 key-value heads, vocabulary 32000) with only L of its 48 layers, positions capped at
 max_len, random init. It trains with the per-GPU settings of the shipped 8x A100 file
 (pipeline/configs/llama34b_dpo_8xa100.yaml: bf16, ZeRO-3, optimizer offload, gradient
@@ -36,7 +36,7 @@ from typing import Optional
 
 from benchmarks.gpu.cases import Case, catalogue_gpu, nvidia_smi, read_json
 
-SOURCE = "codellama/CodeLlama-34b-hf"  # pipeline/shapes.py's built-in shape: the one owner of its sizes
+SOURCE = "codellama/CodeLlama-34b-hf"  # core/shapes.py's built-in shape: the one owner of its sizes
 SHIPPED = "llama34b_dpo_8xa100.yaml"  # whose per-GPU settings the slice trains with
 HOST_MARGIN = 0.8  # of MemTotal: the page cache of the model files, the bench's own processes
 STEPS, WARMUP_STEPS = 4, 1  # optimizer steps per case; the first is left out of the timings
@@ -52,7 +52,7 @@ GiB = 1024**3
 
 def shipped() -> dict:
     """Per stage kind of the shipped file: its Knobs, its processes and its GPU."""
-    from pipeline.config import load_pipeline
+    from core.config import load_pipeline
     from pipeline.plan.inputs import Hardware, Knobs
 
     spec = load_pipeline(SHIPPED)
@@ -70,7 +70,7 @@ def per_gpu_knobs(entry: dict):
 
 
 def source_shape():
-    from pipeline.shapes import BUILTIN_SHAPES
+    from core.shapes import BUILTIN_SHAPES
 
     return BUILTIN_SHAPES[SOURCE]
 
@@ -81,7 +81,7 @@ def slice_shape(layers: int, max_len: int):
 
 def slice_config(layers: int, max_len: int, head_dim: Optional[int] = None) -> dict:
     """config.json of the slice; with head_dim, the narrow stand-in pipeline/scale.py builds."""
-    from pipeline.shapes import to_config_json
+    from core.shapes import to_config_json
 
     config = to_config_json(slice_shape(layers, max_len))
     if head_dim:
@@ -95,7 +95,7 @@ def choose_layers(gpu_name: str, host_bytes: int, max_len: int) -> dict:
     """The largest layer count (at most the real model's) whose planned GPU peak fits the GPU
     and whose planned host peak fits HOST_MARGIN of host_bytes, for every stage of the shipped
     file; and half of it, the second point of the per-layer differences."""
-    from pipeline import hardware
+    from core import hardware
     from pipeline.plan.estimate import estimate_stage
     from pipeline.plan.inputs import Hardware
 
@@ -125,8 +125,9 @@ def host_memory_bytes() -> int:
 def target_plan() -> dict:
     """The planner's own plan of the shipped file, per stage kind: what the re-derivation needs
     from it and what is printed beside it."""
-    from pipeline import hardware, plan
-    from pipeline.config import load_pipeline
+    from core import hardware
+    from core.config import load_pipeline
+    from pipeline import plan
     from pipeline.plan import rates
 
     spec = load_pipeline(SHIPPED)
@@ -173,7 +174,7 @@ def run(case: Case, work: Path, settings: dict) -> None:
     if on_gpu:
         gpu = settings.get("gpu") or catalogue_gpu(nvidia_smi("name"))
         if gpu is None:
-            raise SystemExit(f"the GPU '{nvidia_smi('name')}' is not in pipeline/hardware.py: name it with --gpu")
+            raise SystemExit(f"the GPU '{nvidia_smi('name')}' is not in core/hardware.py: name it with --gpu")
         facts["choice"] = choose_layers(gpu, host_memory_bytes(), max_len)
         layers, head_dim = facts["choice"][role], None
     else:
@@ -319,7 +320,7 @@ def rederive(fits: dict, target: dict, measured_tflops: Optional[float], measure
         if split is None:
             row["notes"].append("step time: needs slice-34b-sft and slice-34b-dpo at both layer counts")
         elif not measured_tflops:
-            row["notes"].append("step time: the measured GPU has no datasheet peak (pipeline/hardware.py)")
+            row["notes"].append("step time: the measured GPU has no datasheet peak (core/hardware.py)")
         elif not measured_cores:
             row["notes"].append("step time: the measuring machine's CPU cores are not on record (env case)")
         else:

@@ -29,7 +29,7 @@ import random
 import shutil
 from pathlib import Path
 
-from pipeline.shapes import read_config_json
+from core.shapes import read_config_json
 
 # Published config.json numbers (rope scaling left out: it changes no cost).
 SHAPES = {
@@ -223,11 +223,11 @@ def build(folder: Path, wanted: dict, config_fields: dict, median: int, device: 
 
 
 def model_flops_per_token(info: dict, data: str, live_reference: bool) -> float:
-    """Model FLOPs per real token with pipeline/flops.py (the planner's and the stages' formula):
+    """Model FLOPs per real token with core/flops.py (the planner's and the stages' formula):
     forward + backward of the trained model at the data's attention-weighted length s (so that
     per-token attention averages to the per-sequence sum), plus a live reference's forward.
     Recompute is not counted."""
-    from pipeline.flops import backward_flops_per_token, forward_flops_per_token
+    from core.flops import backward_flops_per_token, forward_flops_per_token
 
     shape = read_config_json(Path(info["model"]) / "config.json")
     s = info["data"][data]["attention_length"]
@@ -253,7 +253,7 @@ def build_model_and_tokenizer(folder: Path, config_fields: dict, dtype: str, dev
     if len(tokenizer) != vocab_size:
         raise RuntimeError(f"tokenizer has {len(tokenizer)} entries, the model {vocab_size}")
 
-    # config.json's own fields (e.g. attention_bias from pipeline/shapes.py) win over these defaults
+    # config.json's own fields (e.g. attention_bias from core/shapes.py) win over these defaults
     defaults = dict(rms_norm_eps=1e-5, hidden_act="silu", initializer_range=0.02, attention_bias=False, mlp_bias=False)
     fields = {k: v for k, v in config_fields.items() if k not in ("architectures", "model_type")}
     config = LlamaConfig(**{**defaults, **fields}, bos_token_id=ids["<s>"], eos_token_id=ids["</s>"],

@@ -13,13 +13,13 @@ Pure Python (no torch): `python -m pipeline plan` runs on login nodes.
   planner.py       a plan per stage of a pipeline; the refusal (exit 3) of what does not fit
   report.py        the plan as text and as JSON
 
-DeepSpeed's bucket sizes and thresholds come from pipeline/deepspeed_settings.py
+DeepSpeed's bucket sizes and thresholds come from core/deepspeed_settings.py
 (the same numbers stages/engine.py configures DeepSpeed with); FLOPs per token from
-pipeline/flops.py (the formula the running stage reports its MFU with); the rows'
+core/flops.py (the formula the running stage reports its MFU with); the rows'
 token lengths from pipeline/lengths.py (a sample of the stage's data).
 """
 
-from pipeline.deepspeed_settings import (
+from core.deepspeed_settings import (
     CPU_BUCKET_ELEMENTS,
     FROZEN_PREFETCH_ELEMENTS,
     GPU_BUCKET_ELEMENTS,

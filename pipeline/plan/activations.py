@@ -31,8 +31,8 @@ the training precision.
 
 from __future__ import annotations
 
+from core.shapes import ModelShape
 from pipeline.plan.inputs import Knobs, ModelUse, Workload, masked_line_width
-from pipeline.shapes import ModelShape
 
 LOGPROB_CHUNK_ELEMENTS = 1 << 25  # stages/losses.py _CHUNK_ELEMS (tests/test_plan.py checks they agree)
 MASKED_KERNELS = ("sdpa", "eager")

@@ -1,5 +1,5 @@
 """What the rows of an optimizer step become on each process: micro batches, and the
-lines of each micro batch's (lines x width) tensor, simulated with stages/batching.py
+lines of each micro batch's (lines x width) tensor, simulated with core/batching.py
 — the code the stages batch with — over the token lengths of sampled rows
 (pipeline/lengths.py), or every row max_len long where the data could not be read.
 
@@ -19,10 +19,10 @@ import random
 from dataclasses import dataclass
 from typing import Optional
 
+from core.batching import line_tokens, pack_lines, pack_rows, round_robin
+from core.batching import token_budget
 from pipeline.lengths import RowLengths
 from pipeline.plan.inputs import Knobs
-from stages.batching import line_tokens, pack_lines, pack_rows, round_robin
-from stages.data import token_budget
 
 SIMULATED_STEPS = 8  # global batches drawn from the sample
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from pipeline.config import SEQUENCES_PER_ROW
+from core.config import SEQUENCES_PER_ROW
 from pipeline.lengths import RowLengths
 from pipeline.plan.batches import Batches, simulate
 from pipeline.plan.inputs import (
@@ -19,9 +19,9 @@ from pipeline.plan.inputs import (
     Workload,
     attention_kernel,
 )
+from core.shapes import ModelShape
 from pipeline.plan.memory import Memory, estimate_memory
 from pipeline.plan.timing import TimeEstimate, estimate_time
-from pipeline.shapes import ModelShape
 
 
 @dataclass

@@ -9,11 +9,11 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from pipeline.config import SEQUENCES_PER_ROW
+from core.config import SEQUENCES_PER_ROW
+from core.shapes import ModelShape
 from pipeline.lengths import RowLengths
 from pipeline.plan.estimate import Estimate, estimate_stage
 from pipeline.plan.inputs import REFERENCE_PLACEMENTS, Hardware, Knobs, PPOWorkload
-from pipeline.shapes import ModelShape
 
 
 @dataclass

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from pipeline import hardware
-from pipeline.shapes import ModelShape
-from stages.data import token_budget  # torch-free: the budget the stages pack micro batches by
+from core import hardware
+from core.batching import token_budget  # torch-free: the budget the stages pack micro batches by
+from core.shapes import ModelShape
 
 GiB = 1024**3
 
@@ -94,7 +94,7 @@ def attention_kernel(attention: str, on_gpu: bool) -> str:
 
 def masked_line_width(tokens: int, max_len: int) -> int:
     """The widest line a packed micro batch of `tokens` tokens can be laid out in for sdpa and
-    eager attention (stages/batching.py line_tokens, pack_lines): lines about as long as the
+    eager attention (core/batching.py line_tokens, pack_lines): lines about as long as the
     longest sequence, at most max_len, wider when a few long sequences will not share lines
     evenly, up to about twice that. Memory is planned for rows of max_len: this bound."""
     return min(tokens, 2 * max_len)
@@ -103,7 +103,7 @@ def masked_line_width(tokens: int, max_len: int) -> int:
 @dataclass(frozen=True)
 class Hardware:
     """What a stage runs on. Host RAM per node is Slurm's cluster.mem when it names a
-    size, else a typical node of the GPU type (pipeline/hardware.py); GPU memory is the
+    size, else a typical node of the GPU type (core/hardware.py); GPU memory is the
     catalogue's usable memory, read as GiB (binary, as torch and nvidia-smi count)."""
 
     gpu: Optional[hardware.GPU]
@@ -113,7 +113,7 @@ class Hardware:
     host_memory_bytes: Optional[int]
     host_memory_source: str = ""
     cores_per_process: Optional[int] = None  # cluster.cpus_per_task; None: not said (rates.py assumes)
-    calibration: Optional[object] = None  # pipeline/calibration.py's measurements of this node, if any
+    calibration: Optional[object] = None  # core/calibration.py's measurements of this node, if any
 
     @property
     def on_gpu(self) -> bool:

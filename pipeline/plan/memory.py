@@ -55,16 +55,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pipeline.deepspeed_settings import (
+from core.deepspeed_settings import (
     FROZEN_PREFETCH_ELEMENTS,
     MAX_LIVE_PARAMETERS,
     SUB_GROUP_SIZE,
     bucket_elements,
     persistence_threshold,
 )
+from core.shapes import ModelShape
 from pipeline.plan.activations import frozen_forward, held_while_reference_runs, trained_pass
 from pipeline.plan.inputs import GiB, Hardware, Knobs, ModelUse, Workload, attention_kernel
-from pipeline.shapes import ModelShape
 
 # nvidia-smi's peak minus torch's reserved peak on the records (H100 and H200, CUDA 13): 1.3-1.7 GiB.
 CUDA_CONTEXT_BYTES = 1.5 * GiB

@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline import calibration as calibration_file
+from core import calibration as calibration_file
+from core.errors import DoesNotFit, InvalidInput
+from core.rows import is_row_file
+from core.shapes import ModelShape, resolve_shape
 from pipeline import lengths as row_lengths
-from pipeline.errors import DoesNotFit, InvalidInput
 from pipeline.hfcache import hf_cache
 from pipeline.plan.estimate import Estimate, estimate_stage, stage_models
 from pipeline.plan.fixes import Suggestion, settings_relaxed, suggest
@@ -19,8 +21,6 @@ from pipeline.plan.inputs import Hardware, Knobs, PPOWorkload
 from pipeline.plan.memory import Memory, trainable_tensors
 from pipeline.plan.report import shortfall_text
 from pipeline.plan.timing import TimeEstimate, checkpoint_save_seconds, signal_lead_seconds
-from pipeline.rows import is_row_file
-from pipeline.shapes import ModelShape, resolve_shape
 
 
 @dataclass
@@ -119,7 +119,7 @@ def ppo_workload(spec, stage) -> PPOWorkload:
 
 def known_rows(spec) -> dict:
     """Training rows per stage where counting is cheap (jsonl lines, the built-in task), for total times."""
-    from stages.tiny import DIGITS_SPLITS  # torch-free constants
+    from core.tiny import DIGITS_SPLITS  # torch-free constants
 
     rows = {}
     for stage in spec.stages:

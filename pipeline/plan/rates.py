@@ -16,7 +16,7 @@ Where each number comes from, most trusted first:
   records     fitted to the GPU runs on record (benchmarks/results; `python -m
               benchmarks.gpu.records fit` prints the fit, and tests/test_plan_records.py
               holds every record to the plan)
-  datasheet   pipeline/hardware.py's catalogue
+  datasheet   core/hardware.py's catalogue
   default     a published figure no record has checked yet
 
 The fit (2026-11-26) is over 15 records (14 cases) on two GPUs and two shapes: the 1B-shaped SFT/DPO cases
@@ -33,8 +33,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pipeline import hardware
-from pipeline.shapes import ModelShape
+from core import hardware
+from core.shapes import ModelShape
 
 # ---- fitted to the records (python -m benchmarks.gpu.records fit)
 
@@ -129,7 +129,7 @@ class Rates:
 def built_in(gpu: hardware.GPU, precision: str, cores_per_process: Optional[int] = None,
              calibration=None, shape: Optional[ModelShape] = None, tokens: Optional[int] = None) -> Rates:
     """The rates of a catalogue GPU for a stage that trains `shape` on micro batches of `tokens`
-    tokens; a calibration (pipeline/calibration.py) replaces what it measured."""
+    tokens; a calibration (core/calibration.py) replaces what it measured."""
     peak = gpu.peak_tflops(precision) * 1e12
     if gpu.measured_matmul_tflops and precision in ("bf16", "fp16"):
         matmul = Rate(gpu.measured_matmul_tflops * 1e12, "records", "8192^3 bf16 matmuls on this GPU")
@@ -161,7 +161,7 @@ def built_in(gpu: hardware.GPU, precision: str, cores_per_process: Optional[int]
 
 def _calibrated(rates: Rates, calibration, precision: str, shape: Optional[ModelShape],
                 tokens: Optional[int]) -> Rates:
-    """`rates` with what a calibration file measured in its place (pipeline/calibration.py)."""
+    """`rates` with what a calibration file measured in its place (core/calibration.py)."""
     where = f"{calibration.node}, {calibration.date[:10]}"
     measured = {}
     matmul = _matmul_at_shapes(calibration, precision, shape, tokens) if shape and tokens else None

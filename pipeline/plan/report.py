@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Optional
 
+from core.shapes import count_text
 from pipeline.plan.batches import Batches
 from pipeline.plan.estimate import Estimate
 from pipeline.plan.inputs import GiB
 from pipeline.plan.memory import Memory
-from pipeline.shapes import count_text
 
 if TYPE_CHECKING:
     from pipeline.plan.fixes import Suggestion

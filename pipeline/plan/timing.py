@@ -43,18 +43,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pipeline.flops import (
+from core.flops import (
     attention_flops,
     forward_flops_per_token,
     matmul_flops_per_position,
     pass_flops,
     sequence_flops,
 )
+from core.shapes import ModelShape
 from pipeline.plan import rates as rate_table
 from pipeline.plan.batches import Batches
 from pipeline.plan.inputs import Hardware, Knobs, ModelUse, Workload, attention_kernel
 from pipeline.plan.memory import trainable_tensors
-from pipeline.shapes import ModelShape
 
 COMM_OVERLAP = 0.5
 # Passes a trained layer makes per micro batch, in units of one forward: the backward launches

@@ -14,23 +14,22 @@ from pathlib import Path
 from statistics import fmean
 from typing import Optional
 
-from pipeline import metrics as records
-from pipeline.runfolder import StageFolder
+from core import metrics as records
+from core.runfolder import StageFolder
+from core.task import is_finished
 
 GiB = 1024**3
 # The numbers compared, in the units metrics.jsonl uses.
 COMPARED = ("gpu_mem_peak_gib", "host_mem_gib", "step_s", "tokens_per_s", "mfu", "token_efficiency")
 
 
-def save_plans(planned, plans: Optional[list]) -> None:
-    """Write each submitted stage's plan (the planner's JSON, as `plan --json` prints it) into
-    its folder. A pipeline the planner could not estimate (`plans` None, e.g. a model whose
-    shape is not known) gets no plan.json: the run goes on, and its result.json says `planned: null`."""
-    from pipeline import plan
-
-    if plans is None:
+def save_plans(planned, plan_json: Optional[dict]) -> None:
+    """Write each submitted stage's plan (`plan_json`: the planner's JSON, as `plan --json` prints
+    it) into its folder. A pipeline the planner could not estimate (`plan_json` None, e.g. a model
+    whose shape is not known) gets no plan.json: the run goes on, and its result.json says `planned: null`."""
+    if plan_json is None:
         return
-    entries = {e["stage"]: e for e in plan.plan_to_json(plans)["stages"]}
+    entries = {e["stage"]: e for e in plan_json["stages"]}
     saved_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     for item in planned:
         if item.action == "skip" or item.task.name not in entries:
@@ -127,8 +126,6 @@ def run_summary(tasks) -> Optional[dict]:
     """A finished chain in a few words, from its stages' result.json (the README's measured
     columns): hardware, wall time of its stages, peak memory, each stage's headline result.
     None unless every stage finished."""
-    from pipeline.graph import is_finished
-
     if not all(is_finished(t) for t in tasks):
         return None
     results = [(t, read_json(t.folder.result)) for t in tasks]

@@ -6,7 +6,7 @@ and nowhere else.
       report.html                   plots and tables of the whole chain (pipeline/report.py)
       .pipeline.lock                held by the `run` that is running or submitting (pipeline/state.py)
       .input-digests.json           content digests of the files stages read (pipeline/identity.py)
-      builtin/                      the built-in model and data, written once (stages/tiny.py)
+      builtin/                      the built-in model and data, written once (core/tiny.py)
       scale-models/<model>-hd<D>/   a scale model's pipeline (<name>-scale): the narrowed models (pipeline/scale.py)
       <stage>/                      one folder per stage: StageFolder
         model/                      the exported model, Hugging Face format
@@ -20,12 +20,12 @@ and nowhere else.
         tensorboard/                TensorBoard event files (rank 0)
         wandb/                      the W&B run's files, when tracking.wandb is set
         logs/                       the job's stdout/stderr, one file per process
-        failures/rank-<N>.json      why process N failed (pipeline/failure.py); blank while it runs
+        failures/rank-<N>.json      why process N failed (core/failure.py); blank while it runs
         reference_logps.pt          DPO's precomputed reference log-probs
       <stage>.superseded-<time>/    a stage folder whose spec changed, moved aside (never deleted)
     runs/calibration/               beside the run folders, shared by every pipeline of that runs_dir
       <gpu>.json                    what `calibrate` measured on a node with that catalogue GPU; cpu.json
-                                    without a GPU (pipeline/calibration.py)
+                                    without a GPU (core/calibration.py)
       logs/                         the Slurm calibration job's submitit files and logs
     <name>.tmp                      a file or folder being written, renamed to <name> once complete
 
@@ -47,6 +47,7 @@ LOCK_FILE = ".pipeline.lock"
 DIGESTS_FILE = ".input-digests.json"
 BUILTIN_FOLDER = "builtin"
 SCALE_MODELS_FOLDER = "scale-models"
+DESCRIPTION_FILE = "scale_model.json"  # in a scale model's folder: what it was built from
 SUPERSEDED = ".superseded-"
 REPORT_FILE = "report.html"
 CALIBRATION_FOLDER = "calibration"
@@ -185,7 +186,7 @@ class StageFolder:
         return self.path / "failures"
 
     def failure_record(self, rank: int) -> Path:
-        """Why process `rank` failed (pipeline/failure.py); a blank reservation while it runs."""
+        """Why process `rank` failed (core/failure.py); a blank reservation while it runs."""
         return self.failures / f"rank-{rank:05d}.json"
 
     @staticmethod

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pipeline.shapes import ModelShape
+from core.shapes import ModelShape
 
 
 def _matmul_params(shape: ModelShape, head: str) -> int:

@@ -185,3 +185,9 @@ def pack_lines(lengths: Sequence[int], line_tokens: int, max_padding: float = 0.
         if total >= (1 - max_padding) * count * max(load):
             break
     return [sorted(line) for line in lines]
+
+
+def token_budget(stage, sequences_per_row: int) -> int:
+    """Tokens per process per packed micro batch: micro_batch_tokens, else what a padded
+    micro batch of micro_batch_size rows of max_len tokens would hold."""
+    return stage.micro_batch_tokens or stage.micro_batch_size * stage.max_len * sequences_per_row

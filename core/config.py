@@ -25,9 +25,9 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.errors import InvalidInput
+from core.errors import InvalidInput
 
-CONFIGS_DIR = Path(__file__).parent / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "configs"  # the shipped pipeline files
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-llama",)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from pipeline.errors import InvalidInput
+from core.errors import InvalidInput
 
 RewardFn = Callable[..., list]
 EXCERPT_CHARS = 60

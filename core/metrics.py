@@ -25,7 +25,7 @@ MEASURED_KEYS = (
     "tokens_per_s",  # real tokens (padding not counted) per second, all processes
     "token_efficiency",  # real / processed tokens
     "step_s",  # seconds per optimizer step (evaluation and saving excluded)
-    "mfu",  # model FLOPs (pipeline/flops.py) over the GPUs' datasheet peak; null on CPU
+    "mfu",  # model FLOPs (core/flops.py) over the GPUs' datasheet peak; null on CPU
     "gpu_mem_peak_gib",  # torch's max allocated since the previous record, the largest of all processes
     "gpu_mem_reserved_gib",  # torch's max reserved since the previous record, the largest of all processes
     "host_rss_gib",  # resident memory of the stage's processes, per node
@@ -188,7 +188,7 @@ def check_trackers(spec) -> None:
     (this one, unless they run in a container, which has to bring its own): InvalidInput (exit 2)."""
     import importlib.util
 
-    from pipeline.errors import InvalidInput
+    from core.errors import InvalidInput
 
     wandb = spec.tracking.wandb
     if wandb is None or (spec.container and spec.cluster.executor == "slurm"):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
-from pipeline.errors import InvalidInput
+from core.errors import InvalidInput
 
 ROW_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # What `datasets` writes with save_to_disk: a DatasetDict, or one Dataset.

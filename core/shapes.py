@@ -277,8 +277,8 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
 
 
 def tiny_llama_shape() -> ModelShape:
-    """builtin:tiny-llama, as stages/tiny.py writes it (read from its constants; no torch)."""
-    from stages import tiny  # torch-free at module level; torch is imported inside its writers
+    """builtin:tiny-llama, as core/tiny.py writes it (read from its constants; no torch)."""
+    from core import tiny  # torch-free at module level; torch is imported inside its writers
 
     return ModelShape(
         hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2,

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from pipeline.errors import InvalidInput
-from pipeline.runfolder import StageFolder, remove, temporary
+from core.errors import InvalidInput
+from core.runfolder import StageFolder, remove, temporary
 
 INVALID_INPUT = "invalid input"
 DISK_FULL = "disk full"

@@ -2,7 +2,7 @@
 
 The planner's time model needs rates of the machine a stage runs on: matmul TFLOP/s at the
 shapes the models multiply, GPU memory and host<->GPU copy bandwidth, one process's CPU Adam
-rate, NCCL's collective bandwidth. pipeline/hardware.py holds datasheet numbers for them;
+rate, NCCL's collective bandwidth. core/hardware.py holds datasheet numbers for them;
 a calibration file holds what a node really did (measured by stages/calibrate.py).
 
     {"version": 1, "node": "gpu07", "date": "2026-11-26T05:50:00+00:00",
@@ -18,7 +18,7 @@ a calibration file holds what a node really did (measured by stages/calibrate.py
 
 A field the node could not measure is null, and a note says why (no GPU: every GPU field;
 one GPU: `collective`). The file goes to <runs_dir>/calibration/<catalogue GPU>.json
-(pipeline/runfolder.py), cpu.json on a machine without a GPU.
+(core/runfolder.py), cpu.json on a machine without a GPU.
 
 Torch-free: `plan` reads it on a login node.
 """
@@ -35,11 +35,11 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from pipeline import hardware, runfolder
-from pipeline.errors import InvalidInput
+from core import hardware, runfolder
+from core.errors import InvalidInput
 
 VERSION = 1
-# The name of the file a machine without a GPU writes (pipeline/runfolder.py calibration_file).
+# The name of the file a machine without a GPU writes (core/runfolder.py calibration_file).
 CPU_ONLY = "cpu"
 
 Positive = Annotated[float, Field(gt=0)]
@@ -52,7 +52,7 @@ class GPUInfo:
     """The GPUs the measuring process saw."""
 
     device_name: str  # as torch names device 0 (torch.cuda.get_device_name), e.g. "NVIDIA H100 80GB HBM3"
-    catalogue: Optional[str]  # its pipeline/hardware.py entry (gpu_for_device); None for a GPU the catalogue lacks
+    catalogue: Optional[str]  # its core/hardware.py entry (gpu_for_device); None for a GPU the catalogue lacks
     count: Count  # GPUs visible to the process (CUDA_VISIBLE_DEVICES), the collective's world
     memory_gib: Positive  # device 0's total memory as torch reports it (GiB), for telling variants apart
 

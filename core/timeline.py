@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Optional
 
-from pipeline import metrics as records
-from pipeline.failure import task_job_id
-from pipeline.runfolder import StageFolder
+from core import metrics as records
+from core.failure import task_job_id
+from core.runfolder import StageFolder
 
 QUEUED, RUNNING, REQUEUED, DONE = "queued", "running", "requeued", "done"
 # Events a stage's rank 0 records besides "started": the loop saved at a signal (signal, step,
