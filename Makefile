@@ -19,7 +19,7 @@ BIN := $(VENV)/bin
 # stops a different ninja on PATH from forcing a rebuild every run.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-# The pinned stack's own venvs (see test-pinned, test-437).
+# The pinned stack's own venv (test-pinned), and transformers 4.37.2 laid over it (test-437).
 PINNED_VENV := .venv-pinned
 VENV_437 := .venv-437
 # Images for `make containers` / `make container-test`: pinned, current, or both.
@@ -86,14 +86,19 @@ test-pinned:
 	  $(PINNED_VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
 
 # transformers 4.37.2 (rotary forward(x, seq_len), before 4.38 changed it) with the rest of
-# the pinned stack: the compat tests.
+# the pinned stack: the compat tests. pip changes nothing else for it, so it is not a venv of its
+# own: transformers 4.37.2 alone in $(VENV_437)/site-packages, ahead of the pinned venv's on
+# PYTHONPATH, run by the pinned venv's python with its DeepSpeed ops (no second torch install, no
+# second op build).
 test-437: $(VENV_437)/.installed-437
-	PYTHONPATH=$(abspath tests/pinned_shims) TORCH_EXTENSIONS_DIR=$(abspath $(VENV_437))/torch_extensions \
-	  $(VENV_437)/bin/python -m pytest -q $(PYTEST_ARGS) tests/test_compat.py
+	PYTHONPATH=$(abspath $(VENV_437))/site-packages:$(abspath tests/pinned_shims) \
+	  TORCH_EXTENSIONS_DIR=$(abspath $(PINNED_VENV))/torch_extensions \
+	  $(PINNED_VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests/test_compat.py
 
 $(VENV_437)/.installed-437: containers/requirements-pinned-ci.txt pyproject.toml
-	$(MAKE) --no-print-directory setup VENV=$(VENV_437) STACK=pinned-ci
-	$(VENV_437)/bin/pip install --quiet transformers==4.37.2 --constraint $(VENV_437)/torch-constraint.txt
+	$(MAKE) --no-print-directory setup VENV=$(PINNED_VENV) STACK=pinned-ci
+	rm -rf $(VENV_437)
+	$(PINNED_VENV)/bin/pip install --quiet --no-deps --target $(VENV_437)/site-packages transformers==4.37.2
 	touch $@
 
 # The Slurm suite on a throw-away two-node cluster on this machine (root, Debian;

@@ -125,6 +125,11 @@ def build_tokenizer():
     return tokenizer
 
 
+def import_model_code() -> None:
+    """Import what writing and loading the tiny Llama needs (the slow part of writing it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: F401
+
+
 def write_tiny_llama(dest: Path, seed: int = 0) -> None:
     """Save a random tiny Llama and its tokenizer in Hugging Face format."""
     import torch

@@ -9,6 +9,7 @@ every stage, which is what makes resume and metrics uniform.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -156,7 +157,10 @@ def initialize(model, stage, ds_config: dict, total_steps: int):
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=[g for g in groups if g["params"]],
-        config=ds_config,
+        # A copy: DeepSpeed 0.13 pops `torch_adam` from the config it is given, so a second engine
+        # built from the same one (PPO's critic) stepped with DeepSpeed's FusedAdam, an op it
+        # JIT-compiles at start-up (nvcc on a GPU node, ~2 min of g++ on a CPU).
+        config=copy.deepcopy(ds_config),
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
     )
     return engine

@@ -260,6 +260,10 @@ def _materialize_builtins(task: StageTask, ctx: StageContext) -> None:
         for name in (task.init_model, task.stage.data.path):
             if name.startswith(BUILTIN_PREFIX):
                 tiny.materialize(name[len(BUILTIN_PREFIX):], ctx.builtin_root)
+    elif task.init_model.startswith(BUILTIN_PREFIX):
+        # Writing the model, rank 0 imports transformers' model code (seconds on a CPU); the
+        # others need it next to load the model: they import it now instead of idling here.
+        tiny.import_model_code()
     dist.barrier()
 
 

@@ -89,6 +89,31 @@ print("RESULT", json.dumps({"optimizer": type(ds.optimizer).__qualname__, "fused
     assert json.loads(lines[-1][len("RESULT "):]) == {"optimizer": "AdamW", "fused": True, "stepped": True}
 
 
+@pytest.mark.slow
+def test_engines_built_from_one_config_all_step_with_torchs_adamw():
+    # PPO builds its actor and its critic from one DeepSpeed config: both must get the optimizer it
+    # names (DeepSpeed 0.13 pops torch_adam from a config it is given; the second got FusedAdam).
+    code = """
+import json, torch, deepspeed
+from tests.test_engine import stage
+from stages import distributed, engine
+distributed.detect()  # a world of one, on a free port
+spec = stage(zero_stage=2, precision="fp32")
+config = engine.deepspeed_config(spec, 1, 8, on_gpu=False)
+deepspeed.init_distributed(dist_backend="gloo")
+built = []
+for _ in ("actor", "critic"):
+    ds = engine.initialize(torch.nn.Linear(8, 8), spec, config, total_steps=10)
+    inner = getattr(ds.optimizer, "optimizer", ds.optimizer)
+    built.append(type(inner).__module__ + "." + type(inner).__qualname__)
+print("RESULT", json.dumps({"optimizers": built, "torch_adam": config["optimizer"]["params"].get("torch_adam")}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads(lines[-1][len("RESULT "):]) == {"optimizers": ["torch.optim.adamw.AdamW"] * 2, "torch_adam": True}
+
+
 def test_precision_sections():
     assert engine.deepspeed_config(stage(precision="bf16"), 1, 64, False)["bf16"]["enabled"]
     fp32 = engine.deepspeed_config(stage(precision="fp32"), 1, 64, False)

@@ -41,10 +41,9 @@ from tests.conftest import REPO, processes_with, read_metrics, read_result, run_
 from tests.slurm_support import (
     job_ids,
     last_training_step,
+    queued_jobs,
     slurm_cluster,  # noqa: F401 -- fixture
-    status,
     wait_for_file,
-    wait_until_settled,
 )
 
 pytestmark = pytest.mark.slow
@@ -53,11 +52,11 @@ SHIPPED = REPO / "pipeline" / "configs" / "llama34b_dpo_8xa100.yaml"
 PIPELINE = "llama34b-dpo-1n8g-scale"
 HEAD_DIM = 2  # hidden 128: a 48-layer, 16M-parameter model, as fast as a CPU allows
 # Rows of the digits task, as few as the story needs (an 8-process step costs ~15-45 s here):
-# SFT 76 train / 4 eval rows = 1 step of 64 rows per epoch (2 epochs, as shipped); DPO 323 / 17
-# pairs = 5 steps: USR2 during step 2 (saved and resumed there), SIGKILL during step 4, the rerun
-# resumes from step 2 and runs 3..5.
-SFT_ROWS, DPO_ROWS = 80, 340
-SFT_STEPS, DPO_STEPS = 2, 5
+# SFT 76 train / 4 eval rows = 1 step of 64 rows per epoch (2 epochs, as shipped); DPO 259 / 13
+# pairs = 4 steps: USR2 during step 2 (saved and resumed there), SIGKILL during step 4 (the
+# resumed job's second), the rerun resumes from step 2 and runs 3..4.
+SFT_ROWS, DPO_ROWS = 80, 272
+SFT_STEPS, DPO_STEPS = 2, 4
 SIGNAL_AFTER = 1  # DPO steps before USR2
 KILL_AFTER = 1  # steps after the resumed one before the SIGKILL
 KILLED_RANK = 5  # on the second node, not its first task
@@ -99,8 +98,14 @@ def scale_cli(command: str, config: Path, workdir: Path, *extra):
 
 
 def settled(workdir: Path, config: Path) -> dict:
-    """`status --json` of the scale model's pipeline once every stage has ended."""
+    """`status --json` of the scale model's pipeline once every stage has ended. Until its jobs
+    have left the queue it waits on squeue: each `status` is a Python start-up (~0.5 s of CPU),
+    taken from the 8 processes it waits for."""
     deadline = time.time() + SETTLE_S
+    jobs = set(job_ids(workdir, PIPELINE).values())
+    while jobs & set(queued_jobs()):
+        assert time.time() < deadline, f"jobs {sorted(jobs)} still queued after {SETTLE_S} s"
+        time.sleep(2)
     while True:
         stages = scale_status(workdir, config)
         if all(s["state"] in ("finished", "failed", "cancelled") for s in stages.values()):
