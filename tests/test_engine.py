@@ -70,7 +70,7 @@ def test_deepspeed_hands_the_gpu_optimizer_settings_to_torch_adamw():
     # config's optimizer section becomes torch.optim.AdamW(fused=True), and it steps.
     code = """
 import json, torch, deepspeed
-from stages import distributed, engine
+from stages import compat, distributed, engine
 from tests.test_engine import stage
 distributed.detect()  # a world of one, on a free port
 config = engine.deepspeed_config(stage(zero_stage=0, precision="fp32"), 1, 8, on_gpu=True)
@@ -82,6 +82,7 @@ ds.backward(ds(torch.randn(4, 8)).square().mean())
 ds.step()
 print("RESULT", json.dumps({"optimizer": type(ds.optimizer).__qualname__, "fused": ds.optimizer.defaults["fused"],
                             "stepped": not torch.equal(before, model.weight.detach())}))
+compat.remove_cpu_comm_buffer()  # its /dev/shm buffer (70 MB), which DeepSpeed leaves behind
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -96,7 +97,7 @@ def test_engines_built_from_one_config_all_step_with_torchs_adamw():
     code = """
 import json, torch, deepspeed
 from tests.test_engine import stage
-from stages import distributed, engine
+from stages import compat, distributed, engine
 distributed.detect()  # a world of one, on a free port
 spec = stage(zero_stage=2, precision="fp32")
 config = engine.deepspeed_config(spec, 1, 8, on_gpu=False)
@@ -107,6 +108,7 @@ for _ in ("actor", "critic"):
     inner = getattr(ds.optimizer, "optimizer", ds.optimizer)
     built.append(type(inner).__module__ + "." + type(inner).__qualname__)
 print("RESULT", json.dumps({"optimizers": built, "torch_adam": config["optimizer"]["params"].get("torch_adam")}))
+compat.remove_cpu_comm_buffer()  # its /dev/shm buffer (70 MB), which DeepSpeed leaves behind
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
