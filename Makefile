@@ -25,13 +25,14 @@ VENV_437 := .venv-437
 # Images for `make containers` / `make container-test`: pinned, current, or both.
 IMAGE ?= pinned current
 
-.PHONY: setup pipeline validate plan status report test test-pinned test-437 test-slurm containers container-test docs clean help \
+.PHONY: setup pipeline validate plan status report test test-e2e test-pinned test-437 test-slurm containers container-test docs clean help \
 	bench-gpu bench-gpu-dry
 
 help:
 	@echo "make pipeline [CONFIG=tiny]   run a pipeline (default: the tiny chain, locally on CPU)"
 	@echo "make pipeline CONFIG=... ARGS=--scale-model   the same pipeline on a narrow random-init copy of its models"
-	@echo "make test                     run the test suite"
+	@echo "make test                     run the test suite but the end-to-end runs (marked e2e)"
+	@echo "make test-e2e                 run the end-to-end runs (whole chains, DPO variants, signals, ...)"
 	@echo "make test-pinned              run the tests on the pinned stack (transformers 4.38.2, DeepSpeed 0.13.2)"
 	@echo "make test-437                 run the compat tests on transformers 4.37.2"
 	@echo "make test-slurm               run the Slurm suite on a throw-away local cluster (root, Debian)"
@@ -71,15 +72,22 @@ status: setup
 report: setup
 	$(BIN)/python -m pipeline report $(CONFIG) $(ARGS)
 
+# The suite without the few end-to-end runs that take most of its time (marked e2e in
+# pyproject.toml: the shipped chain, the file of DPO variants, the signalled chains, ...), which
+# `make test-e2e` runs: CI runs both.
 test: setup
 	$(BIN)/python tests/prebuild_deepspeed_ops.py
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest -q -m "not e2e" $(PYTEST_ARGS) tests
+
+test-e2e: setup
+	$(BIN)/python tests/prebuild_deepspeed_ops.py
+	$(BIN)/python -m pytest -q -m e2e $(PYTEST_ARGS) tests
 
 # The whole suite again on the pinned stack (containers/requirements-pinned-ci.txt:
 # transformers 4.38.2, DeepSpeed 0.13.2, peft 0.10, on torch 2.13 CPU) in its own venv and
 # extensions folder, with the test-only shims DeepSpeed 0.13.2 needs on that torch
 # (tests/pinned_shims; an absolute path, as stage jobs run in other folders). All of it, not
-# a subset: it takes ~8 min on an idle 2-core machine (the current stack's ~9.5; CI, 2026-11-22).
+# a subset: `make test`'s part and `make test-e2e`'s.
 test-pinned:
 	$(MAKE) --no-print-directory setup VENV=$(PINNED_VENV) STACK=pinned-ci
 	PYTHONPATH=$(abspath tests/pinned_shims) TORCH_EXTENSIONS_DIR=$(abspath $(PINNED_VENV))/torch_extensions \

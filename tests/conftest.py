@@ -101,6 +101,30 @@ def read_result(run_dir: Path) -> dict:
     return json.loads((run_dir / "result.json").read_text())
 
 
+# The fixtures that run whole pipelines (a chain, a file of several stages, a fleet of DeepSpeed
+# processes): (module, fixture). A test that uses one is end-to-end and is marked e2e, so that
+# `make test` (-m "not e2e") never starts the run behind it.
+E2E_FIXTURES = {
+    ("conftest", "tiny_chain"),
+    ("test_preference", "dpo_variants"),
+    ("test_preemption", "runs"),
+    ("test_plan_vs_deepspeed", "measured"),
+    ("test_packing", "packed_and_padded"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defined = {(definition.func.__module__.rpartition(".")[2], name)
+                   for name, definitions in (info.name2fixturedefs.items() if info else ())
+                   for definition in definitions}
+        uses = sorted(name for _, name in defined & E2E_FIXTURES)
+        if uses and item.get_closest_marker("e2e") is None:
+            raise pytest.UsageError(f"{item.nodeid} uses {', '.join(uses)}, an end-to-end run (tests/conftest.py "
+                                    "E2E_FIXTURES): mark it e2e, or `make test` starts that run")
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

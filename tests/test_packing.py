@@ -302,6 +302,7 @@ def packed_and_padded(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_packing_does_not_change_the_sft_curve(packed_and_padded):
     from tests.conftest import read_metrics, read_result
 
@@ -317,6 +318,7 @@ def test_packing_does_not_change_the_sft_curve(packed_and_padded):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_packed_training_records_say_how_little_was_padding(packed_and_padded):
     from tests.conftest import read_metrics
 

@@ -301,6 +301,7 @@ def _result(measured: dict, rank: int, config: dict) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_model_states_match_deepspeed(measured, config):
     expected = estimated(config, measured["model_dir"])
@@ -322,6 +323,7 @@ def test_model_states_match_deepspeed(measured, config):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_builtin_tiny_llama_shape_is_what_stages_tiny_writes(measured):
     from core import shapes
 

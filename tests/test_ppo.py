@@ -86,6 +86,7 @@ def _probe(workdir, world: int) -> list[subprocess.Popen]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_one_and_two_processes_give_the_same_advantages_and_the_same_first_update(tmp_path):
     # The same rollout (fixed completions) on 1 process (micro batches of 4, 4 per step) and on 2
     # (8 sequences each, 2 micro batches per step). Tolerances: advantages, log-probs and the loss
@@ -128,6 +129,7 @@ def test_one_and_two_processes_give_the_same_advantages_and_the_same_first_updat
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_sft_rm_ppo_with_the_reward_model_as_the_reward_runs_logs_and_exports_its_critic(workdir):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationMixin
 

@@ -240,6 +240,7 @@ def runs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_signalled_stage_saves_at_the_signal_and_resumes_on_the_same_trajectory(runs):
     stage = "sft"
     signalled, reference = runs["signalled"]["runs"] / stage, runs["uninterrupted"]["runs"] / stage
@@ -276,6 +277,7 @@ def test_a_signalled_stage_saves_at_the_signal_and_resumes_on_the_same_trajector
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_signalled_rl_stage_resumes_with_its_normaliser_kl_coefficient_and_samplers(runs):
     signalled, reference = runs["signalled"]["runs"] / "rl", runs["uninterrupted"]["runs"] / "rl"
     _, rollout_seen = runs["signalled"]["sent"]["rl"]

@@ -60,22 +60,26 @@ def assert_same_curve(a, b, rel):
     assert read_result(b)["eval_loss"] == pytest.approx(read_result(a)["eval_loss"], rel=rel)
 
 
+@pytest.mark.e2e
 def test_dpo_learns_from_the_live_reference(dpo_variants):
     result = read_result(dpo_variants / "live")
     assert result["eval_loss"] < result["initial_eval_loss"] - 0.1
     assert result["eval_reward_accuracy"] > 0.8
 
 
+@pytest.mark.e2e
 def test_zero2_and_zero3_give_the_same_dpo_loss_curve(dpo_variants):
     assert_same_curve(dpo_variants / "live", dpo_variants / "zero3", rel=1e-3)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("live, precompute", [("live", "precompute"), ("zero3", "zero3-precompute")])
 def test_precomputed_reference_equals_the_live_reference(dpo_variants, live, precompute):
     assert (dpo_variants / precompute / "reference_logps.pt").exists()
     assert_same_curve(dpo_variants / live, dpo_variants / precompute, rel=1e-4)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("precompute", ["precompute", "zero3-precompute"])  # a plain module; a DeepSpeed engine
 def test_the_precomputed_reference_is_freed_before_the_policy_loads(dpo_variants, precompute):
     logs = {path.name: path.read_text() for path in (dpo_variants / precompute / "logs").glob("*_log.out")}
@@ -84,15 +88,18 @@ def test_the_precomputed_reference_is_freed_before_the_policy_loads(dpo_variants
     assert not [name for name, text in logs.items() if "something still holds it" in text]
 
 
+@pytest.mark.e2e
 def test_offloaded_reference_equals_the_live_reference(dpo_variants):
     assert_same_curve(dpo_variants / "live", dpo_variants / "offload", rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_micro_batch_times_accumulation_does_not_change_the_curve(dpo_variants):
     # 8 rows x 2 processes x 1 step  vs  4 rows x 2 processes x 2 accumulated steps
     assert_same_curve(dpo_variants / "live", dpo_variants / "accumulate", rel=1e-4)
 
 
+@pytest.mark.e2e
 def test_packing_does_not_change_the_dpo_curve(dpo_variants):
     assert_same_curve(dpo_variants / "live", dpo_variants / "padded", rel=1e-4)
 
@@ -121,6 +128,7 @@ def test_invalid_preference_rows_are_reported_by_row_number(workdir):
     assert "data.invalid_rows: skip" in result.stderr
 
 
+@pytest.mark.e2e
 def test_lenient_data_handling_skips_invalid_rows_with_a_count(workdir):
     write_pairs(workdir)
     spec = tiny_pipeline(stages=[dpo_stage("dpo", max_steps=2, data={"path": "pairs.jsonl", "invalid_rows": "skip",

@@ -68,10 +68,12 @@ ZERO2 = {"zero_stage": 2, "precision": "fp32", "optimizer_offload": False, "save
 
 @pytest.mark.parametrize(
     "defaults",
-    [ZERO2, {"zero_stage": 3, "precision": "fp32", "optimizer_offload": False},
-     {"zero_stage": 3, "precision": "bf16", "optimizer_offload": False},
-     {"zero_stage": 2, "precision": "fp32", "optimizer_offload": True}],
-    ids=["zero2", "zero3", "zero3-bf16", "zero2-offload"],
+    [pytest.param(ZERO2, id="zero2"),  # `make test`'s one whole training run (the others read it too)
+     pytest.param({"zero_stage": 3, "precision": "fp32", "optimizer_offload": False}, id="zero3", marks=pytest.mark.e2e),
+     pytest.param({"zero_stage": 3, "precision": "bf16", "optimizer_offload": False}, id="zero3-bf16",
+                  marks=pytest.mark.e2e),
+     pytest.param({"zero_stage": 2, "precision": "fp32", "optimizer_offload": True}, id="zero2-offload",
+                  marks=pytest.mark.e2e)],
 )
 def test_sft_eval_loss_falls_and_the_model_reloads_and_generates(trained, defaults):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -103,6 +105,7 @@ def test_sft_eval_loss_falls_and_the_model_reloads_and_generates(trained, defaul
     )
 
 
+@pytest.mark.e2e
 def test_resuming_from_a_checkpoint_continues_the_same_loss_curve(trained, workdir):
     first = trained(**ZERO2)
     spec = first.spec
@@ -138,6 +141,7 @@ def test_resuming_from_a_checkpoint_continues_the_same_loss_curve(trained, workd
     assert read_result(cut)["initial_eval_loss"] == read_result(whole)["initial_eval_loss"]
 
 
+@pytest.mark.e2e
 def test_lora_trains_and_exports_a_merged_plain_model(workdir):
     from transformers import AutoModelForCausalLM
 
@@ -169,6 +173,7 @@ def test_a_finished_stage_leaves_no_deepspeed_buffers_in_shared_memory(trained):
     assert not [name for name, parts in new.items() if parts is None or parts["port"] == master.group(1)]
 
 
+@pytest.mark.e2e
 def test_a_finished_stage_is_skipped_and_a_changed_one_starts_over(trained, workdir):
     finished = trained(**ZERO2)
     again = run_pipeline(finished.workdir, finished.spec)
@@ -185,6 +190,7 @@ def test_a_finished_stage_is_skipped_and_a_changed_one_starts_over(trained, work
     assert (workdir / "runs" / "t" / "sft" / "result.json").exists()
 
 
+@pytest.mark.e2e
 def test_rows_left_with_nothing_to_learn_are_dropped_and_counted_in_the_result(workdir):
     import json
 

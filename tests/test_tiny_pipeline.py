@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import read_metrics, read_result
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")
