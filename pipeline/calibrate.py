@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from core import kinds
 from core import calibration, hardware, runfolder
 from core.calibration import Calibration
 from core.config import PipelineSpec, slurm_time_to_minutes
@@ -104,7 +105,7 @@ def gemms(spec: PipelineSpec) -> list[Gemm]:
         h = shape.hidden
         linears = [("qkv", h, shape.q_width + 2 * shape.kv_width), ("o", shape.q_width, h),
                    ("mlp gate+up", h, 2 * shape.intermediate), ("mlp down", shape.intermediate, h)]
-        if stage.kind != "rm":  # a reward model's head is Linear(hidden, 1): nothing to time
+        if kinds.get(stage.kind).trained_head == "lm":  # a reward model's head is Linear(hidden, 1): nothing to time
             linears.append(("lm head", h, shape.vocab))
         for name, k, n in linears:
             for gemm in (Gemm(f"{name} fwd", model, tokens, k, n, knobs.precision, "nt"),

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from core import kinds
 from core.config import BUILTIN_PREFIX, PipelineSpec
 from core.errors import InvalidInput
 from core.shapes import ShapeNotFound, cached_config, resolve_shape
@@ -56,7 +57,7 @@ def check(spec: PipelineSpec, fetching: bool = False) -> None:
         found = check_data(stage, where, hub)
         check_chat_template(stage, root, where, found.chats, cache)
         check_step_rows(spec, stage, where, found)
-        if stage.kind == "ppo":
+        if kinds.get(stage.kind).rollouts:  # its rewards read labels and may call your functions
             check_labels(stage, where, found)
             check_reward_functions(stage, where, imported=not (spec.cluster.executor == "slurm" and spec.container))
     truncation.check(spec, cache)  # last: it tokenises rows, in a subprocess
@@ -159,7 +160,8 @@ def check_upstream(spec: PipelineSpec, stage, where: str, cache: HFCache) -> Non
                 f"without the model it adapts, which transformers cannot load as the model this stage starts "
                 f"from. Set lora.merge: true in stage '{name}' (the default: adapters merged into the model)"
             )
-        if field_name == "from" and upstream.kind == "rm" and stage.kind != "rm":
+        if (field_name == "from" and kinds.get(upstream.kind).trained_head == "scalar"
+                and kinds.get(stage.kind).trained_head == "lm"):
             shape = shape_of(root_model(spec, upstream), cache)
             if shape is None or not shape.tied_embeddings:
                 raise InvalidInput(

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from core import timeline
 from core import batching
-from core.deepspeed_settings import bucket_elements, persistence_threshold
+from core.batching import accumulation_steps
+from core.deepspeed_settings import bucket_elements, offloads_optimizer, persistence_threshold
 from core.errors import InvalidInput
 from core.failure import saving
 from core.runfolder import temporary
@@ -36,15 +37,7 @@ log = logging.getLogger("stages")
 
 
 def gradient_accumulation(stage, world_size: int) -> int:
-    if stage.global_batch_size is None:
-        return 1
-    per_pass = stage.micro_batch_size * world_size
-    if stage.global_batch_size % per_pass:
-        raise ValueError(
-            f"global_batch_size {stage.global_batch_size} is not a multiple of "
-            f"micro_batch_size x processes = {stage.micro_batch_size} x {world_size}"
-        )
-    return stage.global_batch_size // per_pass
+    return accumulation_steps(stage.global_batch_size, stage.micro_batch_size, world_size)
 
 
 def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool) -> dict:
@@ -65,10 +58,11 @@ def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool) -> 
             stage3_prefetch_bucket_size=bucket,
             stage3_gather_16bit_weights_on_model_save=False,
         )
-    if stage.optimizer_offload and stage.zero_stage >= 1:
+    offloads = offloads_optimizer(stage.optimizer_offload, stage.zero_stage)
+    if offloads:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
     adam = {"lr": stage.learning_rate, "betas": list(stage.betas), "eps": 1e-8, "weight_decay": stage.weight_decay}
-    if not (stage.optimizer_offload and stage.zero_stage >= 1):
+    if not offloads:
         # torch's AdamW (fused into one kernel on GPU), not DeepSpeed's FusedAdam, which nvcc
         # compiles at the first step on every fresh node. Offload steps with DeepSpeed's CPU Adam.
         adam["torch_adam"] = True

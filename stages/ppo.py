@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from core import batching
+from core import batching, kinds
 from core.config import RULES_NEEDING_LABELS
 from core.errors import InvalidInput
 from core.flops import rollout_sequence_flops
@@ -37,6 +37,7 @@ from stages import losses as L
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, logprobs_of, values_of
 
 
+@kinds.implements("ppo")
 def run(task, ctx) -> dict:
     stage = task.stage
     torch.manual_seed(stage.seed + ctx.rank)

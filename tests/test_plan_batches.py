@@ -18,6 +18,7 @@ from core.config import DataSpec
 from pipeline import lengths, plan
 from pipeline.hfcache import HFCache
 from pipeline.plan.batches import simulate
+from tests.test_plan import stage as planned_stage
 
 TINY = shapes.ModelShape(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=48, max_positions=64)
 LLAMA32_1B = shapes.ModelShape(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256,
@@ -34,11 +35,7 @@ def sft(**fields):
 
 
 def stage(**fields):
-    spec = dict(name="s", kind="sft", precision="bf16", zero_stage=2, optimizer_offload=False,
-                gradient_checkpointing=False, attention="sdpa", lora=None, max_len=2048, micro_batch_size=4,
-                global_batch_size=32, epochs=1, max_steps=None, nodes=1)
-    spec.update(fields)
-    return SimpleNamespace(**spec)
+    return planned_stage(**{"attention": "sdpa", "micro_batch_size": 4, "global_batch_size": 32, **fields})
 
 
 def h100(gpus=1):

@@ -269,7 +269,7 @@ def _frozen_model(ledger: _Ledger, use: ModelUse) -> None:
             add(f"{role} weights offloaded ({prec}, whole copy per process)", "weights", "host", "always", total)
             add(f"{role} weights moved in for its forward", "weights", device, fwd_phase, total)
     passes = frozen_forward(use, knobs, ledger.workload, ledger.kernel)
-    if knobs.kind == "dpo":
+    if not knobs.stage_kind.rollouts:  # it runs between the policy's forward and backward on the same rows
         policy = ModelUse("policy", shape, "lm")
         passes += held_while_reference_runs(policy, knobs, ledger.workload, ledger.kernel)
     for name, category, amount in passes:
