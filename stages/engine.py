@@ -5,7 +5,8 @@ Every trainable stage runs on one loop (`run`): resume, metrics, the log, eval a
 save intervals, save-and-requeue at a signal, the hang watchdog and progress are the
 same for every stage, which is what makes resume and metrics uniform. A stage brings
 only its unit of work (`Work`): a supervised stage hands `train` a loss on one micro
-batch, an evaluation and its micro batches (`Loop`).
+batch, an evaluation and its micro batches (`Loop`); RL hands `run` its rollout and
+update (stages/ppo.py).
 """
 
 from __future__ import annotations
@@ -307,7 +308,9 @@ def run(work: Work, stage, ctx) -> dict:
         metrics.truncate_after(-1)
         metrics.write(_evaluation(0, initial))
     else:
-        start_step, initial = state["step"], state["initial_eval"]
+        start_step = state["step"]
+        # An RL checkpoint from before this loop kept its initial evaluation under its own name.
+        initial = state["initial_eval"] if "initial_eval" in state else {"reward": state["initial_reward"]}
         work.resume(state)
         metrics.truncate_after(start_step)
 
