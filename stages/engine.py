@@ -274,7 +274,7 @@ class Work(Protocol):
     steps_per_unit: int
     log_interval: int  # optimizer steps between training records (and after the last unit)
 
-    def advance(self, unit: int, window: "Window") -> None:
+    def advance(self, unit: int, window: Window) -> None:
         """Train unit `unit` (0-based), adding what it trained on to the window."""
 
     def record(self) -> dict:
@@ -405,7 +405,7 @@ class OptimizerSteps:
         self.total_steps = loop.total_steps
         self.epoch, self.planned = -1, []  # the epoch of the last step, and that epoch's steps
 
-    def advance(self, step: int, window: "Window") -> None:
+    def advance(self, step: int, window: Window) -> None:
         epoch, offset = divmod(step, self.loop.steps_per_epoch)
         if epoch != self.epoch:
             self.epoch, self.planned = epoch, self.loop.steps(epoch)
