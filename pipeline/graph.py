@@ -19,7 +19,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.config import PipelineSpec, Stage, WandbSpec, slurm_time_to_minutes, topological_order
+from pipeline.config import PipelineSpec, Stage, WandbSpec, topological_order
 from pipeline.identity import Digests, changed_inputs, input_digests
 from pipeline.runfolder import StageFolder
 
@@ -46,7 +46,7 @@ class StageTask(BaseModel):
     spec_hash: str
     wandb: Optional[WandbSpec] = None  # the pipeline's tracking.wandb: how not what the stage trains
     max_retries: int = 2  # cluster.max_retries: requeues after a hang (stages/watchdog.py) or a node failure
-    time_limit_min: Optional[int] = None  # the Slurm job's time limit; None on the local executor
+    time_limit_min: Optional[int] = None  # the job's time limit, set by its executor (Executor.job_task); None: none
 
     @property
     def name(self) -> str:
@@ -105,8 +105,6 @@ def build_tasks(spec: PipelineSpec, digests: Optional[Digests] = None) -> list[S
                 spec_hash=digest,
                 wandb=spec.tracking.wandb,
                 max_retries=spec.cluster.max_retries,
-                time_limit_min=(slurm_time_to_minutes(stage.time or spec.cluster.time)
-                                if spec.cluster.executor == "slurm" else None),
             )
         )
     return tasks

@@ -11,7 +11,8 @@ import shlex
 import pytest
 import torch
 
-from pipeline import calibrate, calibration, cli, config as config_module, launch
+from pipeline import calibrate, calibration, cli, config as config_module
+from pipeline.executors import slurm
 from pipeline.errors import InvalidInput
 from stages import calibrate as measuring
 from tests.conftest import REPO, run_cli
@@ -192,8 +193,8 @@ def test_the_slurm_job_is_one_task_with_the_clusters_section_and_every_core_of_t
     (login_node / "containers").mkdir()
     (login_node / "containers" / "pinned.sif").write_text("")
     spec = config_module.load_pipeline("llama34b_dpo")  # slurm, partition gpu, 8 GPUs x 12 cpus, a container
-    executor = calibrate.slurm_executor(spec)
-    script = launch.sbatch_script(executor)
+    executor = slurm.calibration_executor(spec)
+    script = slurm.sbatch_script(executor)
     assert "#SBATCH --partition=gpu" in script
     assert "#SBATCH --gpus-per-node=8" in script
     assert "#SBATCH --ntasks-per-node=1" in script

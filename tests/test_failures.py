@@ -120,7 +120,8 @@ def test_a_lost_connection_is_a_consequence_and_the_rank_that_died_is_the_cause(
 def test_bad_input_found_inside_a_stage_is_reported_as_bad_input_exit_2(tmp_path, monkeypatch):
     from submitit import LocalJob
 
-    from pipeline import config, graph, launch
+    from pipeline import config, graph
+    from pipeline.executors import local
 
     spec = config.PipelineSpec.model_validate({**tiny_pipeline(), "runs_dir": str(tmp_path / "runs")})
     task = graph.build_tasks(spec)[0]
@@ -131,7 +132,7 @@ def test_bad_input_found_inside_a_stage_is_reported_as_bad_input_exit_2(tmp_path
             raise InvalidInput("data/rows.jsonl: every row loses its response to max_len 48")
         except InvalidInput as err:
             failure.record_exception(task.folder, rank, err, log=None)
-    error = launch.stage_failure(task, LocalJob(folder=task.folder.logs, job_id="4242", tasks=[0, 1]))
+    error = local.stage_failure(task, LocalJob(folder=task.folder.logs, job_id="4242", tasks=[0, 1]))
     assert isinstance(error, InvalidInput) and error.exit_code == 2
     assert error.message == "stage sft: data/rows.jsonl: every row loses its response to max_len 48"
 
