@@ -32,7 +32,7 @@ from pipeline.runfolder import StageFolder, builtin_folder, remove, temporary
 
 log = logging.getLogger("stages")
 
-# Set by a local `run` (pipeline/launch.py) to its pid: its stage processes end when it is gone.
+# Set by a local `run` (pipeline/executors/local.py) to its pid: its stage processes end when it is gone.
 RUN_PID_ENV = "PIPELINE_RUN_PID"
 WATCH_RUN_S = 2.0
 
