@@ -115,10 +115,17 @@ SBATCH_SET_BY_PIPELINE = {
 SECRET_NAME = re.compile(r"TOKEN|API_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 
 
+# Where the stages run, as the pipeline file names it: one module each under pipeline/executors/,
+# which alone knows what a name means (pipeline/executors/__init__.py maps each to its class).
+ExecutorName = Literal["local", "slurm"]
+# The executor of a pipeline.json record that names none: records were all Slurm jobs before local runs were recorded.
+UNNAMED_RECORD_EXECUTOR: ExecutorName = "slurm"
+
+
 class ClusterSpec(Strict):
     """Where and how the stages run."""
 
-    executor: Literal["local", "slurm"] = Field(
+    executor: ExecutorName = Field(
         "local",
         description="'local' runs each stage on this machine (as submitit local jobs); "
         "'slurm' submits each stage as a Slurm job.",

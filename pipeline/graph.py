@@ -19,7 +19,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel
 
-from core.config import PipelineSpec, slurm_time_to_minutes, topological_order
+from core.config import PipelineSpec, topological_order
 from core.runfolder import StageFolder
 from core.task import StageTask, is_finished
 from pipeline.identity import Digests, changed_inputs, input_digests
@@ -77,8 +77,6 @@ def build_tasks(spec: PipelineSpec, digests: Optional[Digests] = None) -> list[S
                 spec_hash=digest,
                 wandb=spec.tracking.wandb,
                 max_retries=spec.cluster.max_retries,
-                time_limit_min=(slurm_time_to_minutes(stage.time or spec.cluster.time)
-                                if spec.cluster.executor == "slurm" else None),
             )
         )
     return tasks

@@ -41,12 +41,14 @@ from pipeline.modelfiles import BadModelFile, check_weights, has_chat_template, 
 REWARD_IMPORT_TIMEOUT_S = 30.0
 
 
-def check(spec: PipelineSpec, fetching: bool = False) -> None:
-    """Refuse (InvalidInput) what would fail after training started. `fetching`: called
-    by `prepare`, which downloads the hub ids the cache lacks, so they are not refused."""
+def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
+    """Refuse (InvalidInput) what would fail after training started. `executor`: where the
+    stages run (pipeline/executors/): whether `run` fetches the hub ids first, whether the
+    stages run with this python. `fetching`: called by `prepare`, which downloads the hub ids
+    the cache lacks, so they are not refused."""
     check_runs_dir(spec)
     cache = hf_cache(spec)
-    hub = Hub(offline_refused=spec.cluster.executor == "local" and not fetching, cache=cache)
+    hub = Hub(offline_refused=not (fetching or executor.fetches_before_run), cache=cache)
     for i, stage in enumerate(spec.stages):
         where = f"stages[{i}] ({stage.name})"
         if stage.model is not None:
@@ -59,7 +61,7 @@ def check(spec: PipelineSpec, fetching: bool = False) -> None:
         check_step_rows(spec, stage, where, found)
         if kinds.get(stage.kind).rollouts:  # its rewards read labels and may call your functions
             check_labels(stage, where, found)
-            check_reward_functions(stage, where, imported=not (spec.cluster.executor == "slurm" and spec.container))
+            check_reward_functions(stage, where, imported=executor.runs_this_python(spec))
     truncation.check(spec, cache)  # last: it tokenises rows, in a subprocess
 
 

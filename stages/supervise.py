@@ -2,7 +2,7 @@
 
     python -m stages.supervise RUN_DIR COMMAND...
 
-The local executor (pipeline/launch.py) starts each task of a stage job through
+The local executor (pipeline/executors/local.py) starts each task of a stage job through
 this: it runs COMMAND (submitit's `python -u -m submitit.core._submit ...`) as a
 child, passes on the signals the job controller sends (interrupt, terminate,
 submitit's USR2 for a time-out), and exits as the child did. When the child was

@@ -13,7 +13,8 @@ import torch
 
 from core import calibration, config as config_module
 from core.errors import InvalidInput
-from pipeline import calibrate, cli, launch
+from pipeline import calibrate, cli
+from pipeline.executors import slurm
 from stages import calibrate as measuring
 from tests.conftest import REPO, run_cli
 from tests.test_slurm_sbatch import login_node  # noqa: F401 -- a fixture: sbatch and srun on PATH, in a workdir
@@ -193,8 +194,8 @@ def test_the_slurm_job_is_one_task_with_the_clusters_section_and_every_core_of_t
     (login_node / "containers").mkdir()
     (login_node / "containers" / "pinned.sif").write_text("")
     spec = config_module.load_pipeline("llama34b_dpo")  # slurm, partition gpu, 8 GPUs x 12 cpus, a container
-    executor = calibrate.slurm_executor(spec)
-    script = launch.sbatch_script(executor)
+    executor = slurm.calibration_executor(spec)
+    script = slurm.sbatch_script(executor)
     assert "#SBATCH --partition=gpu" in script
     assert "#SBATCH --gpus-per-node=8" in script
     assert "#SBATCH --ntasks-per-node=1" in script

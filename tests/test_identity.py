@@ -8,7 +8,8 @@ import json
 import os
 
 from core import config as config_module
-from pipeline import graph, launch
+from pipeline import graph
+from pipeline.executors.base import write_spec
 from pipeline.identity import SAMPLE, Digests, file_digest
 from tests.conftest import run_cli, tiny_pipeline, write_pipeline
 
@@ -26,7 +27,7 @@ def chain(workdir) -> dict:
 
 def finish_all(spec) -> None:
     for task in graph.build_tasks(spec):
-        launch.write_spec(task)
+        write_spec(task)
         task.folder.result.write_text(json.dumps({"spec_hash": task.spec_hash}))
 
 

@@ -145,8 +145,8 @@ import torch, torch.distributed as dist
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", RANK="0", WORLD_SIZE="1")
 dist.init_process_group("nccl", rank=0, world_size=1)
-from core.runfolder import StageFolder
 from core import metrics as records
+from core.runfolder import StageFolder
 from stages import engine, tracking
 
 device = torch.device("cuda", 0)
