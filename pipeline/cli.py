@@ -1,7 +1,8 @@
 """python -m pipeline validate|plan|run|status|report|cancel|clean|prepare|calibrate|run-stage CONFIG
 
 CONFIG is a path to a pipeline file or the name of one under pipeline/configs/.
-Exit codes: 0 ok, 1 a stage failed, 2 invalid pipeline file or data, 3 does not fit.
+Exit codes: 0 ok, 1 a stage failed, 2 invalid pipeline file or data, 3 does not fit,
+130 / 143 stopped by Ctrl-C / SIGTERM (after saving at the signal).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from core import config as config_module
 from core import failure, metrics, runfolder
-from core.errors import InvalidInput, PipelineError
+from core.errors import Interrupted, InvalidInput, PipelineError
 from core.task import is_finished
 from pipeline import calibrate, executors, graph, launch, plan, preflight, prepare, scale, state
 from pipeline.executors.base import write_spec
@@ -282,6 +283,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except Interrupted as err:  # a stop the user asked for: no "error"
+        print(err.message, file=sys.stderr)
+        return err.exit_code
     except PipelineError as err:
         print(f"error: {err.message}", file=sys.stderr)
         return err.exit_code

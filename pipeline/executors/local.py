@@ -4,14 +4,13 @@ Each stage is a submitit LocalExecutor job (one process per task), its rank-0 lo
 streamed to the console, the next stage submitted when the previous one succeeded.
 The `run` holds the run folder's lock the whole time, records each stage in
 pipeline.json for `status`, and takes its stage processes down with it when it is
-interrupted or killed. cluster.time does not apply: a local stage has no time limit.
+interrupted (the stage saves at the signal first, as on Slurm: `_Stops`) or killed. cluster.time does not apply: a local stage has no time limit.
 A task that is to save and requeue exits 144 (stages/supervise.py), and submitit
 starts it again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -24,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from core import failure, metrics
+from core import failure, metrics, timeline
 from core.config import PipelineSpec
-from core.errors import InvalidInput, PipelineError, StageFailed
-from core.task import StageTask
+from core.errors import Interrupted, InvalidInput, PipelineError, StageFailed
+from core.task import StageTask, is_finished
 from pipeline import state
 from pipeline.executors.base import Executor, announce, check_fits, exports, run_state_of, with_log
 from pipeline.graph import PlannedStage
@@ -85,8 +84,8 @@ class LocalExecutor(Executor):
         return state.StageStatus(state=record.state, detail=f"{record.detail}; {state.resume_point(task)}", **base)
 
     def stop_run(self, running: state.Holder, pipeline: str) -> int:
-        """SIGTERM to the `run`, which stops its stage processes and records the stage as
-        interrupted; wait until it has let go of the run folder."""
+        """SIGTERM to the `run`, whose stage saves at the signal and stops, and which records
+        the stage as interrupted; wait until it has let go of the run folder."""
         if running.host != socket.gethostname():
             raise InvalidInput(f"pipeline '{pipeline}' is running locally on {running.host} (pid {running.pid}): "
                                "cancel it there")
@@ -105,35 +104,38 @@ class LocalExecutor(Executor):
 def run_local(executor: LocalExecutor, spec: PipelineSpec, planned: list[PlannedStage], config: str,
               echo=print) -> None:
     """Run the stages one after another on this machine, recording each in pipeline.json;
-    raises StageFailed. The caller holds the run folder's lock."""
+    raises StageFailed, or Interrupted when a signal stopped it (`_Stops`). The caller holds
+    the run folder's lock."""
     from stages.runner import StageJob
 
     pipeline_dir = spec.run_dir.resolve()
     run_state = run_state_of(spec, config)
-    for item in planned:
-        task = announce(executor, spec, item, echo)
-        if task is None:
-            continue
-        job = local_executor(spec, task).submit(StageJob(task))
-        record = _record_local(run_state, pipeline_dir, task, job)
-        verb = "resuming" if item.action == "resume" else "running"
-        echo(f"[{task.name}] {verb} {task.stage.kind} as local job {job.job_id} "
-             f"({task.processes_per_node} processes); log: {job.paths.stdout}")
-        try:
-            with _signals_as_interrupts():
-                _follow(job, echo)
-        except KeyboardInterrupt:
-            _stop(job)
-            _end_record(run_state, pipeline_dir, record, state.CANCELLED, "interrupted")
-            raise
-        # A recorded failure first: job.exception() waits for every task's result, and a
-        # killed task never writes one.
-        if failure.read(task.folder, job.job_id) or job.state != "FINISHED" or job.exception() is not None:
-            error = stage_failure(task, job)
-            _end_record(run_state, pipeline_dir, record, state.FAILED, error.message.splitlines()[0])
-            raise error
-        _end_record(run_state, pipeline_dir, record, state.FINISHED, "")
-        echo(f"[{task.name}] done: {task.folder.result}")
+    with _Stops() as stops:
+        for item in planned:
+            task = announce(executor, spec, item, echo)
+            if task is None:
+                continue
+            job = local_executor(spec, task).submit(StageJob(task))
+            record = _record_local(run_state, pipeline_dir, task, job)
+            verb = "resuming" if item.action == "resume" else "running"
+            echo(f"[{task.name}] {verb} {task.stage.kind} as local job {job.job_id} "
+                 f"({task.processes_per_node} processes); log: {job.paths.stdout}")
+            _follow(job, echo, stops, task.name)
+            if stops.received and not is_finished(task):
+                detail, message = stopped(task, job, stops, config)
+                _end_record(run_state, pipeline_dir, record, state.CANCELLED, detail)
+                raise Interrupted(message, stops.received[0])
+            # A recorded failure first: job.exception() waits for every task's result, and a
+            # killed task never writes one.
+            if failure.read(task.folder, job.job_id) or job.state != "FINISHED" or job.exception() is not None:
+                error = stage_failure(task, job)
+                _end_record(run_state, pipeline_dir, record, state.FAILED, error.message.splitlines()[0])
+                raise error
+            _end_record(run_state, pipeline_dir, record, state.FINISHED, "")
+            echo(f"[{task.name}] done: {task.folder.result}")
+            if stops.received:
+                raise Interrupted(f"[{task.name}] finished as {stops.name} came; `python -m pipeline run {config}` "
+                                  "goes on with the next stage", stops.received[0])
 
 
 def _record_local(run_state: state.RunState, pipeline_dir: Path, task: StageTask, job) -> state.StageRecord:
@@ -151,33 +153,74 @@ def _end_record(run_state, pipeline_dir: Path, record: state.StageRecord, ended:
     state.save(pipeline_dir, run_state)
 
 
-@contextlib.contextmanager
-def _signals_as_interrupts():
-    """SIGTERM (`kill`) and SIGHUP (a closed terminal) stop a local run as Ctrl-C does:
-    its stage processes are stopped before it exits."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+class _Stops:
+    """How a local run stops, as a Slurm job does (a context manager around the chain).
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
+    Ctrl-C (SIGINT, to the terminal's whole process group), SIGTERM (`kill`, `pipeline
+    cancel`) and SIGHUP (a closed terminal) are noted here, not raised. At the first, every
+    process of the running stage's job gets SIGINT: the training loop saves at that step and
+    the stage exits without requeueing (stages/preemption.py); outside the loop it stops and
+    resumes from its newest checkpoint. At a second signal, the job is killed at once. The job's
+    shell and submitit's controller ignore SIGINT (`trap` in `local_parameters`): a Ctrl-C
+    reaches them too, and they must neither print a traceback nor kill a stage that is saving."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self):
+        self.received: list[int] = []
+        self.acted = 0  # how many of them `act` has acted on
+        self.at_once = False  # a second signal killed the job
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received[0]).name
+
+    def __enter__(self) -> "_Stops":
+        self.previous = {sig: signal.signal(sig, self._note) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
+    def _note(self, signum, frame) -> None:
+        self.received.append(signum)
 
-def _stop(job) -> None:
-    """Stop a local job's processes and wait (a while) until they are gone. The job's process
-    is a shell when there are setup lines, and a shell does not pass SIGINT on: every process
-    of the job gets it (submitit's controller then stops its tasks), and SIGKILL if it lingers."""
-    family = [int(job.job_id)] + _descendants(int(job.job_id))
-    job.cancel()
-    _signal_all(family, signal.SIGINT)
-    deadline = time.time() + STOP_WAIT_S
-    while _living(family) and time.time() < deadline:
-        job.done()  # reaps the job's own process once it ends
-        time.sleep(POLL_S)
-    _signal_all(_living(family), signal.SIGKILL)
+    def act(self, job, echo, stage: str) -> None:
+        """On the signals noted since the last call: ask the job to save and stop, or kill it."""
+        if self.acted == len(self.received):
+            return
+        family = [int(job.job_id)] + _descendants(int(job.job_id))
+        if self.acted == 0 and len(self.received) == 1:
+            echo(f"[{stage}] stopping ({self.name}): the stage saves a checkpoint at the end of this training "
+                 "step; Ctrl-C again stops at once without saving")
+            _signal_all(family, signal.SIGINT)
+        else:
+            self.at_once = True
+            _signal_all(family, signal.SIGKILL)
+            deadline = time.time() + STOP_WAIT_S
+            while _living(family) and time.time() < deadline:
+                job.done()  # reaps the job's own process
+                time.sleep(0.1)
+        self.acted = len(self.received)
+
+
+def stopped(task: StageTask, job, stops: _Stops, config: str) -> tuple[str, str]:
+    """What pipeline.json records of a stage a signal stopped, and the line `run` ends with."""
+    rerun = f"`python -m pipeline run {config}`"
+    latest = task.folder.latest_checkpoint()
+    resumes = f"{rerun} resumes from checkpoint {latest}" if latest else f"{rerun} starts it over (no checkpoint yet)"
+    history = timeline.attempts(task.folder)
+    last = history[-1] if history else None
+    if (not stops.at_once and last is not None and last.job_id == str(job.job_id)
+            and last.ended == timeline.STOPPED and last.at_step is not None):
+        where = task.folder.checkpoints / task.folder.checkpoint_tag(last.at_step)
+        return (f"interrupted ({stops.name}): saved at step {last.at_step}",
+                f"[{task.name}] stopped ({stops.name}): saved a checkpoint at step {last.at_step} in {where}; "
+                f"{rerun} resumes from it")
+    how = "at once, without saving" if stops.at_once else "outside its training loop"
+    return (f"interrupted ({stops.name}) {how}",
+            f"[{task.name}] stopped ({stops.name}) {how}; {resumes}")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -247,7 +290,9 @@ def local_parameters(spec: PipelineSpec, task: StageTask) -> dict:
     params = {
         "timeout_min": LOCAL_TIMEOUT_MIN,
         "tasks_per_node": task.processes_per_node,
-        "setup": list(spec.cluster.setup) + exports(env),
+        # SIGINT ignored by the job's shell and submitit's controller (see _Stops); the tasks
+        # take it back (stages/supervise.py).
+        "setup": ["trap '' INT"] + list(spec.cluster.setup) + exports(env),
     }
     gpus = spec.cluster.gpus_per_node
     if gpus:
@@ -284,10 +329,11 @@ def check_gpus(spec: PipelineSpec) -> None:
         )
 
 
-def _follow(job, echo) -> None:
-    """Print rank 0's new log lines until the job ends."""
+def _follow(job, echo, stops: _Stops, stage: str) -> None:
+    """Print rank 0's new log lines until the job ends; act on the signals `stops` notes."""
     position = 0
     while True:
+        stops.act(job, echo, stage)
         finished = job.done()
         path = Path(job.paths.stdout)
         if path.exists():
