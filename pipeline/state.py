@@ -232,6 +232,8 @@ def from_folder(task: StageTask) -> StageStatus:
     if not task.folder.spec.exists():
         return StageStatus(task.name, NOT_STARTED, "", task.run_dir)
     if graph.recorded_hash(task.folder.path) != task.spec_hash:
+        if not task.folder.holds_outputs():  # an earlier spec's, submitted and never started
+            return StageStatus(task.name, NOT_STARTED, "", task.run_dir)
         detail = "holds the outputs of an earlier spec: `run` moves them aside and starts over"
     else:
         detail = resume_point(task)
