@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import processes_with, run_cli, tiny_pipeline, write_pipeline
+from tests.conftest import processes_with, run_cli, states_in_report_and_status, tiny_pipeline, write_pipeline
 
 
 def processes_started_by(run_pid: int) -> list[int]:
@@ -134,6 +134,9 @@ def test_ctrl_c_or_sigterm_saves_at_the_signal_and_the_next_run_resumes_from_tha
     assert training_steps(metrics)[-1] == saved  # the step it was at when the signal came
     stage = stage_status(config, workdir)
     assert stage["state"] == "cancelled" and f"saved at step {saved}" in stage["detail"], stage
+    in_report, in_status = states_in_report_and_status(config, workdir)
+    assert in_report["sft"].startswith(f"cancelled, step {saved}/") and "ETA" not in in_report["sft"], in_report
+    assert in_status == {"sft": "cancelled"}
 
     # The next run resumes at the saved step (nothing redone), and stops at `kill` the same way.
     saved_again = stop(lambda run: run.send_signal(signal.SIGTERM), 128 + signal.SIGTERM)
