@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -449,6 +450,9 @@ class StageBase(TrainingKnobs):
     @field_validator("model")
     @classmethod
     def _check_builtin_model(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not value.strip():
+            raise ValueError(f"is empty ({json.dumps(value)}): give a model folder in Hugging Face format, a hub id or "
+                             f"{BUILTIN_PREFIX}{next(iter(BUILTIN_MODELS))}; or leave `model` out and give `from`")
         if value and value.startswith(BUILTIN_PREFIX) and value[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
             raise ValueError(f"no built-in model '{value}'; built-in: " + ", ".join(
                 BUILTIN_PREFIX + n for n in BUILTIN_MODELS))
@@ -911,7 +915,9 @@ class PipelineSpec(Strict):
                                      "not a reward model (kind: rm)")
         order = topological_order(self.stages)
         if order is None:
-            raise ValueError("the stages' `from` references form a cycle")
+            around = upstream_cycle(self.stages)
+            raise ValueError(f"the stages' `from` references form a cycle: {' -> '.join(around)} (each starts from "
+                             f"the next); one of them must start from a `model` instead")
         world = self.cluster.processes_per_node
         for i, stage in enumerate(self.stages):
             stage.check_layout(f"stages[{i}] ({stage.name})", world * stage.nodes)
@@ -926,6 +932,23 @@ class PipelineSpec(Strict):
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.name
+
+
+def upstream_cycle(stages) -> list[str]:
+    """The names around one cycle of upstream references, its first name again at the end
+    (e.g. [a, b, a]: a starts from b, b from a); [] when there is none."""
+    by_name = {s.name: s for s in stages}
+    finished: set[str] = set()
+    for start in stages:
+        path: list[str] = []
+        name: Optional[str] = start.name
+        while name is not None and name not in finished:
+            if name in path:
+                return path[path.index(name):] + [name]
+            path.append(name)
+            name = next((u for u in by_name[name].upstream if u in by_name and u not in finished), None)
+        finished.update(path)
+    return []
 
 
 def topological_order(stages) -> Optional[list]:
