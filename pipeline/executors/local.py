@@ -191,18 +191,19 @@ class _Stops:
         if self.acted == len(self.received):
             return
         family = [int(job.job_id)] + _descendants(int(job.job_id))
-        if self.acted == 0 and len(self.received) == 1:
+        first = self.acted == 0 and len(self.received) == 1
+        self.acted = len(self.received)
+        if first:
+            _signal_all(family, signal.SIGINT)  # before the line: after SIGHUP the terminal may not take it
             echo(f"[{stage}] stopping ({self.name}): the stage saves a checkpoint at the end of this training "
                  "step; Ctrl-C again stops at once without saving")
-            _signal_all(family, signal.SIGINT)
-        else:
-            self.at_once = True
-            _signal_all(family, signal.SIGKILL)
-            deadline = time.time() + STOP_WAIT_S
-            while _living(family) and time.time() < deadline:
-                job.done()  # reaps the job's own process
-                time.sleep(0.1)
-        self.acted = len(self.received)
+            return
+        self.at_once = True
+        _signal_all(family, signal.SIGKILL)
+        deadline = time.time() + STOP_WAIT_S
+        while _living(family) and time.time() < deadline:
+            job.done()  # reaps the job's own process
+            time.sleep(0.1)
 
 
 def stopped(task: StageTask, job, stops: _Stops, config: str) -> tuple[str, str]:
