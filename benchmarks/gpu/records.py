@@ -96,12 +96,16 @@ def _cores(folder: Path) -> int:
 DEFAULT_CORES = 16  # the lent GPU machine's (../shared/GPU.md), where a record has no env.json
 
 
-def planned(record: Record):
-    """The planner's Estimate of the recorded case (pipeline/plan/estimate.py)."""
+def planned(record: Record, calibration=None):
+    """The planner's Estimate of the recorded case (pipeline/plan/estimate.py); with a
+    calibration (pipeline/calibration.py), the rates it measured in place of the built-in ones."""
     from pipeline.plan.estimate import estimate_stage
 
     knobs, shape, lengths = _case(record)
-    return estimate_stage(knobs, shape, _hardware(record), lengths=lengths)
+    hardware = _hardware(record)
+    if calibration is not None:
+        hardware = dataclasses.replace(hardware, calibration=calibration)
+    return estimate_stage(knobs, shape, hardware, lengths=lengths)
 
 
 def _case(record: Record):
@@ -149,9 +153,10 @@ def _project_case(record: Record):
     return knobs, shape, RowLengths(tuple(per_row), f"{len(rows)} rows of {name}, made again", "words")
 
 
-def compare(record: Record) -> dict:
-    """The measured and planned step time and GPU peak of a record, and how far apart."""
-    estimate = planned(record)
+def compare(record: Record, calibration=None) -> dict:
+    """The measured and planned step time and GPU peak of a record, and how far apart (planned
+    with a calibration's rates when one is given)."""
+    estimate = planned(record, calibration)
     plan_step = estimate.time.step_s
     # torch's reserved peak leaves out the CUDA context, which the plan counts (it must fit too)
     context = sum(i.bytes for i in estimate.memory.items if i.category == "context")
@@ -203,17 +208,28 @@ def fit(found: list[Record]) -> dict:
 
 def main() -> None:
     """A table of every record against the plan (python -m benchmarks.gpu.records), or with
-    `fit` the rates the records give (python -m benchmarks.gpu.records fit)."""
+    `fit` the rates the records give (python -m benchmarks.gpu.records fit), or with
+    `--calibration FILE` the records of that file's GPU planned with the rates it measured."""
     import sys
 
     if sys.argv[1:] == ["fit"]:
         for name, value in fit(records()).items():
             print(f"{name:<34} {value:.4g}")
         return
+    calibration, found = None, records()
+    if sys.argv[1:2] == ["--calibration"] and len(sys.argv) == 3:
+        from pipeline import calibration as calibration_file
+
+        calibration = calibration_file.load(Path(sys.argv[2]))
+        gpu = calibration.gpu.catalogue if calibration.gpu else None
+        found = [r for r in found if r.gpu == gpu]
+        print(f"planned with {sys.argv[2]} ({calibration.node}, {calibration.date}), the records of {gpu}\n")
+    elif sys.argv[1:]:
+        raise SystemExit("usage: python -m benchmarks.gpu.records [fit | --calibration FILE]")
     print("| record | step s | plan step s | time | reserved GiB | plan GiB | memory |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for record in records():
-        c = compare(record)
+    for record in found:
+        c = compare(record, calibration)
         memory = f"{c['memory_error']:+.1%}" if c["memory_error"] is not None else "—"
         if "memory" in record.superseded:
             memory += " (superseded)"
