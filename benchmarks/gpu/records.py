@@ -82,6 +82,24 @@ def records(root: Path = RESULTS) -> list[Record]:
     return found
 
 
+def calibrations(root: Path = RESULTS) -> dict:
+    """The calibration files on record (`python -m pipeline calibrate` on a lent GPU, kept as
+    calibration-*.json beside that session's records), by catalogue GPU; the latest where a GPU
+    has several. The fit takes its records' matmul time at the rates these measured at the
+    records' own shapes."""
+    from pipeline import calibration as calibration_file
+
+    found = {}
+    for path in sorted(root.rglob("calibration-*.json")):
+        if any((parent / SUPERSEDED).is_file() for parent in path.parents if root in parent.parents or parent == root):
+            continue
+        measured = calibration_file.load(path)
+        if measured.gpu and measured.gpu.catalogue and measured.matmul:
+            if measured.gpu.catalogue not in found or measured.date > found[measured.gpu.catalogue].date:
+                found[measured.gpu.catalogue] = measured
+    return found
+
+
 def _superseded(folder: Path) -> dict:
     path = folder / SUPERSEDED_FIGURES
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -171,8 +189,11 @@ def compare(record: Record, calibration=None) -> dict:
 # --------------------------------------------------------------------------- the fit
 
 # The rates pipeline/plan/rates.py takes from the records, as the fit's columns: a column is
-# (name, the rate's unit, the feature it multiplies). Matmuls (measured ceiling) and the host
-# copies (datasheet) are not fitted: they are subtracted from the measured step first.
+# (name, the rate's unit, the feature it multiplies). Matmuls and the host copies are not
+# fitted: they are subtracted from the measured step first, the matmuls at the rates a
+# calibration on record measured at the record's shapes (calibrations(); else the GPU's 8192^3
+# rate), the copies at the built-in host link. The memory-bound columns are bytes over the
+# built-in copy bandwidth (pipeline/hardware.py copy_bandwidth_gbs), what a calibration measures.
 FITTED = (
     ("SDPA_MASKED_EFFICIENCY", "1/x", lambda w, r, k: w["attention_flops"] / r.peak_flops if k == "sdpa" else 0.0),
     ("LOSS_BYTES_PER_LOGIT", "B", lambda w, r, k: w["logits"] / r.hbm_bytes_per_s.value),
@@ -192,6 +213,7 @@ def fit(found: list[Record]) -> dict:
     from pipeline.plan.inputs import attention_kernel
     from pipeline.plan.timing import rates_for
 
+    measured = calibrations()
     rows, targets = [], []
     for record in found:
         estimate = planned(record)
@@ -199,7 +221,9 @@ def fit(found: list[Record]) -> dict:
         rates = rates_for(knobs, _hardware(record), *stage_models(knobs, _case(record)[1]))
         work = {**t.work, "zero_stage": knobs.zero_stage, "cores": record.cores}
         kernel = attention_kernel(knobs.attention, True)
-        known = t.compute_terms["matmul"] + t.work["host_copies_s"] + t.exposed_communication_s
+        matmul = (planned(record, measured[record.gpu]).time.compute_terms["matmul"] if record.gpu in measured
+                  else t.compute_terms["matmul"])
+        known = matmul + t.work["host_copies_s"] + t.exposed_communication_s
         rows.append([column(work, rates, kernel) / record.step_s for _, _, column in FITTED])
         targets.append((record.step_s - known) / record.step_s)
     solution, *_ = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)
