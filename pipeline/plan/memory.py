@@ -412,7 +412,18 @@ def _fragmentation(ledger: _Ledger, models: list[ModelUse]) -> None:
       layers' weight partitions (the 34B slice's reserved peak grew by 2x a layer's bf16 weights
       per layer, its allocated peak by 1x: one process, 1 and 2 layers; why is not known, and at
       several processes it is planned as the 1/W partition, which no record has checked).
-    Fitted to the GPU records (benchmarks/gpu/records.py)."""
+    Fitted to the GPU records (benchmarks/gpu/records.py).
+
+    Not modelled (2026-11-26, unresolved): ZeRO-1/2's step allocates more than the 4*N/W fp32
+    gradients counted above. DeepSpeed 0.19.8's stage_1_and_2.py step() first flattens the bf16
+    gradients (`self.flatten(self.averaged_gradients[i])`, b*N/W) and then copies that to fp32,
+    both alive at once: the allocated peak is the states + 6*N/W (the 1B: 25.38 GiB measured at
+    micro batch 2 and 4, ZeRO-1 and 2, states 18.42 + 6.9). Adding the b*N/W here to the step's
+    new segments fixes the small-activation cases (SFT micro batch 2: -5.6% -> +3.3%) but puts
+    the large-activation ones past +10% (no checkpointing +12.7%, DPO live +12.6%, project-dpo
+    +11.8%, micro batch 8 +10.2%): the step
+    reuses part of the blocks the backward freed, and which part is not known from the records
+    (their reserved peaks only)."""
     knobs, phases = ledger.knobs, ledger.phase_bytes
     largest = max(phases.values(), default=0)
     step = "optimizer step"
