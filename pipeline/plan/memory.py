@@ -331,11 +331,14 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
             add(f"{role} fp32 gradients for the step (replacing the {prec} partition)", "gradients", device,
                 "optimizer step", (4 - b) * per_rank)
         else:
-            # DeepSpeed 0.19.8's step flattens the low-precision partition into a new tensor and
-            # copies that to fp32: both are alive at once (measured, _fragmentation).
+            # DeepSpeed 0.19.8's step flattens the partition into a new tensor and copies that to
+            # fp32: in bf16/fp16 both are alive at once, and the flat one is freed before Adam runs,
+            # its block still reserved (measured, _fragmentation); in fp32 the copy is the flat
+            # tensor itself (.to() of the same dtype).
             add(f"{role} fp32 gradients for the step", "gradients", device, "optimizer step", 4 * per_rank)
-            add(f"{role} flat {prec} gradient partition the step makes first", "gradients", device,
-                "optimizer step", b * per_rank)
+            if b != 4:
+                add(f"{role} flat {prec} gradient partition the step makes first (freed before Adam, "
+                    f"its block still reserved)", "workspace", device, "optimizer step", b * per_rank)
             if ledger.on_gpu:
                 add(f"{role} second {prec} gradient partition, reduction stream (overlap_comm), kept cached",
                     "workspace", device, "always", b * per_rank)
