@@ -97,11 +97,11 @@ def gemms(spec: PipelineSpec) -> list[Gemm]:
             raise InvalidInput(f"stages[{index}] ({stage.name}).{field_name}: {err}") from None
         knobs = Knobs.from_stage(stage)
         tokens = stage_models(knobs, shape)[1].train_tokens(knobs)
-        h = shape.hidden
-        linears = [("qkv", h, shape.q_width + 2 * shape.kv_width), ("o", shape.q_width, h),
-                   ("mlp gate+up", h, 2 * shape.intermediate), ("mlp down", shape.intermediate, h)]
+        # Each linear layer apart, as transformers' models run them (q, k, v, gate and up are
+        # separate nn.Linear modules) and as `plan` looks them up (pipeline/plan/rates.py).
+        linears = [(name.removesuffix("_proj"), k, n) for name, (k, n) in shape.linear_dims().items()]
         if kinds.get(stage.kind).trained_head == "lm":  # a reward model's head is Linear(hidden, 1): nothing to time
-            linears.append(("lm head", h, shape.vocab))
+            linears.append(("lm head", shape.hidden, shape.vocab))
         for name, k, n in linears:
             for gemm in (Gemm(f"{name} fwd", model, tokens, k, n, knobs.precision, "nt"),
                          Gemm(f"{name} dX", model, tokens, n, k, knobs.precision, "nn"),
