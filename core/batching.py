@@ -191,3 +191,21 @@ def token_budget(stage, sequences_per_row: int) -> int:
     """Tokens per process per packed micro batch: micro_batch_tokens, else what a padded
     micro batch of micro_batch_size rows of max_len tokens would hold."""
     return stage.micro_batch_tokens or stage.micro_batch_size * stage.max_len * sequences_per_row
+
+
+def rows_per_step(global_batch_size: Optional[int], micro_batch_size: int, processes: int) -> int:
+    """Rows (a rollout kind: sequences) in one optimizer step over all processes: global_batch_size,
+    else one micro batch per process."""
+    return global_batch_size or micro_batch_size * processes
+
+
+def accumulation_steps(global_batch_size: Optional[int], micro_batch_size: int, processes: int) -> int:
+    """Micro batches each process adds up per optimizer step; ValueError when global_batch_size
+    does not split into whole micro batches over the processes."""
+    per_pass = micro_batch_size * processes
+    rows = rows_per_step(global_batch_size, micro_batch_size, processes)
+    if rows % per_pass:
+        raise ValueError(f"global_batch_size {rows} is not a multiple of micro_batch_size x processes = "
+                         f"{micro_batch_size} x {processes}")
+    return rows // per_pass
+

@@ -121,11 +121,16 @@ class Calibration:
             return CPU_ONLY
         return self.gpu.catalogue or re.sub(r"[^a-z0-9.]+", "-", self.gpu.device_name.lower()).strip("-")
 
-    def matmul_tflops(self, m: int, k: int, n: int, dtype: str) -> Optional[float]:
+    def matmul_tflops(self, m: int, k: int, n: int, dtype: str, what: Optional[str] = None) -> Optional[float]:
         """The measured rate of the recorded GEMM nearest to m x k x n (by the sum of squared log
         ratios of the three dimensions: a GEMM twice as long in one dimension is as far as one
-        half as long) in `dtype`; None when none was recorded in that dtype."""
+        half as long) in `dtype`, among the products of the same pass when `what` names one
+        ("fwd", "dX", "dW": each pass has its own operand layout, and one shape can run at
+        different rates in two layouts) and any were recorded; None when none was recorded in
+        that dtype."""
         rates = [r for r in self.matmul if r.dtype == dtype]
+        if what:
+            rates = [r for r in rates if r.what.endswith(f" {what}")] or rates
         if not rates:
             return None
 

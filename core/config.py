@@ -11,6 +11,8 @@ This module must stay importable on a login node: no torch, no transformers.
 from __future__ import annotations
 
 import difflib
+import importlib
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -20,20 +22,23 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializeAsAny,
     ValidationError,
+    WrapValidator,
     field_validator,
     model_validator,
 )
 
+from core import kinds
+from core.batching import accumulation_steps, rows_per_step
 from core.errors import InvalidInput
+from core.kinds import StageKind
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "configs"  # the shipped pipeline files
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-llama",)
 BUILTIN_DATASETS = ("digits",)
-# Sequences in one data row of each stage kind: a preference row is a (chosen, rejected) pair.
-SEQUENCES_PER_ROW = {"sft": 1, "rm": 2, "dpo": 2, "ppo": 1}
 
 
 class Strict(BaseModel):
@@ -111,10 +116,17 @@ SBATCH_SET_BY_PIPELINE = {
 SECRET_NAME = re.compile(r"TOKEN|API_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 
 
+# Where the stages run, as the pipeline file names it: one module each under pipeline/executors/,
+# which alone knows what a name means (pipeline/executors/__init__.py maps each to its class).
+ExecutorName = Literal["local", "slurm"]
+# The executor of a pipeline.json record that names none: records were all Slurm jobs before local runs were recorded.
+UNNAMED_RECORD_EXECUTOR: ExecutorName = "slurm"
+
+
 class ClusterSpec(Strict):
     """Where and how the stages run."""
 
-    executor: Literal["local", "slurm"] = Field(
+    executor: ExecutorName = Field(
         "local",
         description="'local' runs each stage on this machine (as submitit local jobs); "
         "'slurm' submits each stage as a Slurm job.",
@@ -438,6 +450,9 @@ class StageBase(TrainingKnobs):
     @field_validator("model")
     @classmethod
     def _check_builtin_model(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not value.strip():
+            raise ValueError(f"is empty ({json.dumps(value)}): give a model folder in Hugging Face format, a hub id or "
+                             f"{BUILTIN_PREFIX}{next(iter(BUILTIN_MODELS))}; or leave `model` out and give `from`")
         if value and value.startswith(BUILTIN_PREFIX) and value[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
             raise ValueError(f"no built-in model '{value}'; built-in: " + ", ".join(
                 BUILTIN_PREFIX + n for n in BUILTIN_MODELS))
@@ -451,7 +466,7 @@ class StageBase(TrainingKnobs):
 
     @model_validator(mode="after")
     def _a_row_fits_a_micro_batch(self):
-        per_row = SEQUENCES_PER_ROW.get(getattr(self, "kind", "sft"), 1)
+        per_row = kinds.get(self.kind).sequences_per_row
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < self.max_len * per_row:
             raise ValueError(f"micro_batch_tokens {self.micro_batch_tokens} cannot hold one row of max_len "
                              f"{self.max_len} tokens{' x 2 (a pair)' if per_row == 2 else ''}: give at least "
@@ -462,6 +477,27 @@ class StageBase(TrainingKnobs):
     def upstream_references(self) -> list[tuple[str, str]]:
         """(field, stage name) of each upstream stage this stage names."""
         return [("from", self.from_)] if self.from_ else []
+
+    @property
+    def needs_reference(self) -> bool:
+        """Does the stage hold a frozen copy of its starting model? Its kind says (core/kinds.py)."""
+        return kinds.get(self.kind).frozen_reference
+
+    def plan_notes(self) -> list[str]:
+        """What the planner's time for this stage does not cover (a kind adds its own)."""
+        return []
+
+    def code_files(self) -> list[tuple[str, str]]:
+        """(field, file) of the user's code the stage runs (a reward function): part of its inputs."""
+        return []
+
+    def check_layout(self, where: str, processes: int) -> None:
+        """Raise ValueError (naming `where`.field) when the stage's batches cannot be laid out over
+        `processes`; what is common to every kind, then what a kind adds (override and call super)."""
+        try:
+            accumulation_steps(self.global_batch_size, self.micro_batch_size, processes)
+        except ValueError as err:
+            raise ValueError(f"{where}.global_batch_size: {err}") from None
 
     @property
     def upstream(self) -> list[str]:
@@ -475,6 +511,9 @@ class SFTStage(StageBase):
     kind: Literal["sft"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
 
 
+kinds.register(StageKind("sft", SFTStage, rows="completion", headline="final_eval_loss"))
+
+
 class RMStage(StageBase):
     """Reward model: a 1-label sequence classifier trained on chosen/rejected pairs."""
 
@@ -482,6 +521,9 @@ class RMStage(StageBase):
     margin: float = Field(
         0.0, ge=0, description="Bradley-Terry margin: the loss is -log sigmoid(r_chosen - r_rejected - margin)."
     )
+
+
+kinds.register(StageKind("rm", RMStage, rows="preference", headline="eval_accuracy", trained_head="scalar"))
 
 
 class DPOStage(StageBase):
@@ -510,6 +552,9 @@ class DPOStage(StageBase):
         if self.label_smoothing and self.loss_type != "sigmoid":
             raise ValueError("label_smoothing (conservative DPO) applies to loss_type sigmoid only")
         return self
+
+
+kinds.register(StageKind("dpo", DPOStage, rows="preference", headline="eval_reward_accuracy", frozen_reference=True))
 
 
 # Built-in rules that compare a completion with the row's label column (label_key).
@@ -748,8 +793,57 @@ class PPOStage(StageBase):
     def upstream_references(self) -> list[tuple[str, str]]:
         return super().upstream_references + ([("reward.model", self.reward.model)] if self.reward.model else [])
 
+    def code_files(self) -> list[tuple[str, str]]:
+        return [(f"reward.rules[{j}].function", rule.function.rpartition(":")[0])
+                for j, rule in enumerate(self.reward.rules) if rule.function]
 
-Stage = Annotated[Union[SFTStage, RMStage, DPOStage, PPOStage], Field(discriminator="kind")]
+    def plan_notes(self) -> list[str]:
+        if not self.dynamic_sampling:
+            return []
+        # How many groups come out uniform depends on the rewards, unknown before the run.
+        return [f"dynamic_sampling: the time is for one sampling round per rollout; each round that "
+                f"refills dropped groups adds its generation and scoring again (at most "
+                f"{self.dynamic_sampling_max_rounds} rounds; metrics.jsonl's sampling_rounds shows them)"]
+
+    def check_layout(self, where: str, processes: int) -> None:
+        super().check_layout(where, processes)
+        sequences = self.rollout_batch_size * self.n_samples_per_prompt
+        if self.rollout_batch_size % processes:
+            raise ValueError(
+                f"{where}.rollout_batch_size: {self.rollout_batch_size} prompts do "
+                f"not split evenly over {processes} processes"
+            )
+        per_step = rows_per_step(self.global_batch_size, self.micro_batch_size, processes)
+        if sequences % per_step:
+            raise ValueError(
+                f"{where}.rollout_batch_size: a rollout of {sequences} sequences "
+                f"(rollout_batch_size x n_samples_per_prompt) is not a multiple of the {per_step} "
+                "sequences of one optimizer step"
+            )
+
+
+kinds.register(StageKind("ppo", PPOStage, rows="prompt", headline="final_reward", frozen_reference=True,
+                         rollouts=True))
+
+
+def _stage_of_its_kind(value: Any, handler, info) -> Any:
+    """A stage is validated by its kind's schema (core/kinds.py): errors point into that schema's
+    fields, and a kind nobody declared is named with the ones there are."""
+    if isinstance(value, StageBase):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"a stage is a mapping with name, kind and its settings, not {type(value).__name__}")
+    if "kind" not in value:
+        raise ValueError(f"kind: required but missing; one of {', '.join(kinds.names())}")
+    try:
+        kind = kinds.get(value["kind"])
+    except KeyError as err:
+        raise ValueError(f"kind: {err.args[0]}") from None
+    return kind.schema.model_validate(value)
+
+
+# A stage of any registered kind, validated by that kind's schema and saved with all its fields.
+Stage = Annotated[SerializeAsAny[StageBase], WrapValidator(_stage_of_its_kind)]
 
 
 class PipelineSpec(Strict):
@@ -766,6 +860,12 @@ class PipelineSpec(Strict):
         default_factory=ApptainerSpec, description="How stage jobs run inside `container`."
     )
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Where and how stages run.")
+    plugins: list[str] = Field(
+        [],
+        description="Python modules (dotted names) that declare more stage kinds (core/kinds.py: a schema, "
+        "rows, headline, run), imported before the stages are read; they must be importable here and where "
+        "the stages run.",
+    )
     tracking: TrackingSpec = Field(
         default_factory=TrackingSpec,
         description="Experiment tracking besides metrics.jsonl and TensorBoard, e.g. {wandb: {project: my-lab}}.",
@@ -801,7 +901,7 @@ class PipelineSpec(Strict):
             if stage.name in seen:
                 raise ValueError(f"stages[{i}]: stage name '{stage.name}' is used twice")
             seen.add(stage.name)
-        kinds = {s.name: s.kind for s in self.stages}
+        kind_of = {s.name: s.kind for s in self.stages}
         for i, stage in enumerate(self.stages):
             for field, up in stage.upstream_references:
                 if up not in names:
@@ -810,36 +910,17 @@ class PipelineSpec(Strict):
                     raise ValueError(
                         f"stages[{i}] ({stage.name}).{field}: no stage named '{up}'{hint}; stages: {', '.join(names)}"
                     )
-                if field == "reward.model" and kinds[up] != "rm":
-                    raise ValueError(f"stages[{i}] ({stage.name}).reward.model: '{up}' is a {kinds[up]} stage, "
+                if field == "reward.model" and kinds.get(kind_of[up]).trained_head != "scalar":
+                    raise ValueError(f"stages[{i}] ({stage.name}).reward.model: '{up}' is a {kind_of[up]} stage, "
                                      "not a reward model (kind: rm)")
         order = topological_order(self.stages)
         if order is None:
-            raise ValueError("the stages' `from` references form a cycle")
+            around = upstream_cycle(self.stages)
+            raise ValueError(f"the stages' `from` references form a cycle: {' -> '.join(around)} (each starts from "
+                             f"the next); one of them must start from a `model` instead")
         world = self.cluster.processes_per_node
         for i, stage in enumerate(self.stages):
-            processes = world * stage.nodes
-            if stage.global_batch_size is not None:
-                per_step = stage.micro_batch_size * processes
-                if stage.global_batch_size % per_step:
-                    raise ValueError(
-                        f"stages[{i}] ({stage.name}).global_batch_size: {stage.global_batch_size} is not a "
-                        f"multiple of micro_batch_size x processes = {stage.micro_batch_size} x {processes}"
-                    )
-            if stage.kind == "ppo":
-                sequences = stage.rollout_batch_size * stage.n_samples_per_prompt
-                if stage.rollout_batch_size % processes:
-                    raise ValueError(
-                        f"stages[{i}] ({stage.name}).rollout_batch_size: {stage.rollout_batch_size} prompts do "
-                        f"not split evenly over {processes} processes"
-                    )
-                per_step = stage.global_batch_size or stage.micro_batch_size * processes
-                if sequences % per_step:
-                    raise ValueError(
-                        f"stages[{i}] ({stage.name}).rollout_batch_size: a rollout of {sequences} sequences "
-                        f"(rollout_batch_size x n_samples_per_prompt) is not a multiple of the {per_step} "
-                        "sequences of one optimizer step"
-                    )
+            stage.check_layout(f"stages[{i}] ({stage.name})", world * stage.nodes)
         return self
 
     def stage(self, name: str):
@@ -851,6 +932,23 @@ class PipelineSpec(Strict):
     @property
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.name
+
+
+def upstream_cycle(stages) -> list[str]:
+    """The names around one cycle of upstream references, its first name again at the end
+    (e.g. [a, b, a]: a starts from b, b from a); [] when there is none."""
+    by_name = {s.name: s for s in stages}
+    finished: set[str] = set()
+    for start in stages:
+        path: list[str] = []
+        name: Optional[str] = start.name
+        while name is not None and name not in finished:
+            if name in path:
+                return path[path.index(name):] + [name]
+            path.append(name)
+            name = next((u for u in by_name[name].upstream if u in by_name and u not in finished), None)
+        finished.update(path)
+    return []
 
 
 def topological_order(stages) -> Optional[list]:
@@ -935,10 +1033,25 @@ def load_pipeline(config: str) -> PipelineSpec:
         raise InvalidInput(f"{path}: malformed YAML: {err}") from None
     if not isinstance(raw, dict):
         raise InvalidInput(f"{path}: expected a mapping with name, cluster, defaults and stages at the top")
+    import_plugins(path, raw.get("plugins"))
     try:
         return PipelineSpec.model_validate(raw)
     except ValidationError as err:
         raise InvalidInput(format_validation_error(path, raw, err)) from None
+
+
+def import_plugins(path: Path, plugins: Any) -> None:
+    """Import the modules `plugins:` names, so the stage kinds they declare are known."""
+    if not plugins:
+        return
+    if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
+        raise InvalidInput(f"{path}: plugins: a list of Python module names, e.g. [my_lab.kto_stage]")
+    for i, name in enumerate(plugins):
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001  whatever the module raises, the user's message says where
+            raise InvalidInput(f"{path}: plugins[{i}]: cannot import '{name}' ({type(err).__name__}: {err}). "
+                               "Put its folder on PYTHONPATH, here and where the stages run") from None
 
 
 def format_validation_error(path: Path, raw: dict, err: ValidationError) -> str:
@@ -969,9 +1082,9 @@ def _describe_location(raw: dict, loc: tuple) -> tuple[str, Optional[str]]:
             if isinstance(node, dict) and "name" in node:
                 parts[-1] += f" ({node['name']})"
             continue
-        if model is PipelineSpec and parts and parts[-1].startswith("stages[") and key in STAGE_KIND_MODELS:
-            model = STAGE_KIND_MODELS[key]  # the discriminator tag pydantic inserts
-            continue
+        if model is PipelineSpec and parts and parts[-1].startswith("stages["):
+            kind = node.get("kind") if isinstance(node, dict) else None
+            model = kinds.get(kind).schema if kind in kinds.names() else StageBase  # the stage's own schema
         field = _field(model, key)
         if field is None:
             break
@@ -1005,5 +1118,3 @@ def _model_of(annotation: Any) -> Any:
             return found
     return None
 
-
-STAGE_KIND_MODELS = {"sft": SFTStage, "rm": RMStage, "dpo": DPOStage, "ppo": PPOStage}

@@ -29,3 +29,10 @@ def persistence_threshold(hidden: int) -> int:
     """ZeRO-3 keeps tensors of at most this many elements whole on every process:
     vectors (norms, 10 x hidden at most) stay whole, every matrix is partitioned."""
     return min(100_000, 10 * hidden)
+
+
+def offloads_optimizer(optimizer_offload: bool, zero_stage: int) -> bool:
+    """DeepSpeed moves the optimizer to host RAM only under ZeRO 1-3: with ZeRO-0, optimizer_offload
+    is ignored (the planner warns)."""
+    return bool(optimizer_offload) and zero_stage >= 1
+

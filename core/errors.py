@@ -4,6 +4,7 @@ Exit codes (the contract in README.md):
   2  the pipeline file or its input data is invalid
   3  a stage does not fit the GPUs it asked for
   1  a stage failed
+  128 + N  a run stopped by signal N (130: Ctrl-C, 143: SIGTERM), after saving what it could
 """
 
 from __future__ import annotations
@@ -39,3 +40,11 @@ class StageFailed(PipelineError):
     """A stage ran and failed; the message says where its log is."""
 
     exit_code = EXIT_FAILED
+
+
+class Interrupted(PipelineError):
+    """A run stopped by a signal (Ctrl-C, `kill`): the message says what was saved and how to resume."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum

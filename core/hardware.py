@@ -24,7 +24,16 @@ Where the numbers come from
   disables peer-to-peer so traffic bounces through host memory.
 - host_link_gbs: pinned host<->GPU copy rate over PCIe (Gen4 x16 ~20 GB/s in
   practice, Gen5 ~40, consumer boards sharing lanes ~12).
-- memory_bandwidth_gbs: HBM/GDDR bandwidth, for token-by-token generation.
+- memory_bandwidth_gbs: HBM/GDDR bandwidth, as the datasheet gives it.
+- measured_memory_bandwidth_gbs: what a GPU on record really moves: a 1 GiB device-to-device
+  copy, bytes read + written per second, the figure `python -m pipeline calibrate` measures
+  (H100 2,589 GB/s on 2026-11-26, 77% of the 3,350 datasheet). The planner's memory-bound
+  terms (the loss, the optimizer step, LoRA, decoding) are bytes over THIS figure: their
+  bytes-per-X constants (pipeline/plan/rates.py) are fitted on it, so a calibration of the
+  same kind of GPU changes them little. Other GPUs are planned at MEMORY_FRACTION of their
+  datasheet bandwidth, as MATMUL_FRACTION does for matmuls.
+- measured_host_link_gbs: the slower direction of a pinned 1 GiB host<->GPU copy where a
+  GPU on record measured it (H100 55.2 GB/s on 2026-11-26, PCIe Gen5); else host_link_gbs.
 - host_memory_gib / network_gbs: a typical node of that GPU (DGX A100 1 TB,
   DGX H100/H200 2 TB, 8x200 Gb/s InfiniBand; PCIe servers 256-512 GB, one
   100 Gb/s port). Real clusters differ: Slurm's `cluster.mem` overrides the RAM.
@@ -42,6 +51,9 @@ from typing import Literal, Optional
 
 GiB = 1024**3
 MATMUL_FRACTION = 0.72
+# A device copy's share of the datasheet bandwidth: 2,589 / 3,350 GB/s on the one GPU that
+# measured it (H100, benchmarks/results/h100-2026-11-26/calibration-h100.json).
+MEMORY_FRACTION = 0.77
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,14 @@ class GPU:
     host_memory_gib: float
     network_gbs: float  # per node, inter-node
     measured_matmul_tflops: Optional[float] = None
+    measured_memory_bandwidth_gbs: Optional[float] = None
+    measured_host_link_gbs: Optional[float] = None
+
+    @property
+    def copy_bandwidth_gbs(self) -> float:
+        """GB/s a device copy moves (read + write): measured where a record has it, else
+        MEMORY_FRACTION of the datasheet; the basis of the planner's memory-bound terms."""
+        return self.measured_memory_bandwidth_gbs or self.memory_bandwidth_gbs * MEMORY_FRACTION
 
     @property
     def memory_bytes(self) -> int:
@@ -77,7 +97,7 @@ _CATALOGUE = [
     GPU("a100-40gb", "NVIDIA A100 SXM4 40 GB", 39.4, 312.0, 312.0, 19.5, "nvlink", 200.0, 20.0, 1555.0, 1024, 200.0),
     GPU("a100-80gb", "NVIDIA A100 SXM4 80 GB", 79.3, 312.0, 312.0, 19.5, "nvlink", 200.0, 20.0, 2039.0, 1024, 200.0),
     GPU("h100-80gb", "NVIDIA H100 SXM5 80 GB", 79.2, 989.0, 989.0, 67.0, "nvlink", 350.0, 40.0, 3350.0, 2048, 400.0,
-        measured_matmul_tflops=708.0),
+        measured_matmul_tflops=708.0, measured_memory_bandwidth_gbs=2589.0, measured_host_link_gbs=55.2),
     GPU("h100-pcie", "NVIDIA H100 PCIe 80 GB", 79.2, 756.0, 756.0, 51.0, "pcie", 25.0, 40.0, 2000.0, 1024, 50.0),
     GPU("h200", "NVIDIA H200 SXM 141 GB", 139.8, 989.0, 989.0, 67.0, "nvlink", 350.0, 40.0, 4800.0, 2048, 400.0,
         measured_matmul_tflops=785.0),

@@ -14,6 +14,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Optional
 
+from core import kinds
 from core import metrics as records
 from core.runfolder import StageFolder
 from core.task import is_finished
@@ -46,7 +47,7 @@ def planned_numbers(plan_entry: dict) -> dict:
     gpu, host = plan_entry.get("gpu") or {}, plan_entry.get("host") or {}
     gib = lambda n: None if n is None else n / GiB  # noqa: E731
     return {
-        "unit": time_.get("unit", "optimizer step" if plan_entry.get("kind") != "ppo" else "rollout"),
+        "unit": time_.get("unit", kinds.get(plan_entry.get("kind", "sft")).unit),
         "gpu_mem_peak_gib": gib(gpu.get("peak_bytes")),  # null for a CPU run
         "host_mem_gib": gib(host.get("peak_bytes")),
         "step_s": time_.get("step_s"),
@@ -77,9 +78,9 @@ def measured_numbers(training: list[dict], kind: str) -> dict:
         values = [r[key] for r in training if r.get(key) is not None]
         return max(values) if values else None
 
-    rollout = kind == "ppo"
+    rollout = kinds.get(kind).rollouts
     return {
-        "unit": "rollout" if rollout else "optimizer step",
+        "unit": kinds.get(kind).unit,
         "gpu_mem_peak_gib": peak("gpu_mem_peak_gib"),
         "gpu_mem_reserved_gib": peak("gpu_mem_reserved_gib"),
         "host_mem_gib": peak("host_rss_gib"),
@@ -117,11 +118,6 @@ def _write_atomically(path: Path, payload: dict) -> None:
 
 # --------------------------------------------------------------------------- a whole run, in one table row
 
-# The number that says whether a stage of each kind worked (a key of its result.json).
-HEADLINE_RESULT = {"sft": "final_eval_loss", "rm": "eval_accuracy", "dpo": "eval_reward_accuracy",
-                   "ppo": "final_reward"}
-
-
 def run_summary(tasks) -> Optional[dict]:
     """A finished chain in a few words, from its stages' result.json (the README's measured
     columns): hardware, wall time of its stages, peak memory, each stage's headline result.
@@ -142,7 +138,7 @@ def run_summary(tasks) -> Optional[dict]:
     memory += [f"{max(host):.1f} GiB host per node"] if host else []
     headline = []
     for task, result in results:
-        key = HEADLINE_RESULT.get(task.stage.kind)
+        key = kinds.get(task.stage.kind).headline
         if key in result:
             headline.append(f"{task.name} {key}={records.number_text(result[key])}")
     finished = max(t.folder.result.stat().st_mtime for t in tasks)

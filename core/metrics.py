@@ -183,15 +183,15 @@ def progress(metrics_path: Path) -> Optional[Progress]:
 # --------------------------------------------------------------------------- trackers
 
 
-def check_trackers(spec) -> None:
-    """The trackers a pipeline asks for can be imported by the python its stages run with
-    (this one, unless they run in a container, which has to bring its own): InvalidInput (exit 2)."""
+def check_trackers(spec, here: bool) -> None:
+    """The trackers a pipeline asks for can be imported by the python its stages run with,
+    when that is this one (`here`; a container has to bring its own): InvalidInput (exit 2)."""
     import importlib.util
 
     from core.errors import InvalidInput
 
     wandb = spec.tracking.wandb
-    if wandb is None or (spec.container and spec.cluster.executor == "slurm"):
+    if wandb is None or not here:
         return
     if importlib.util.find_spec("wandb") is None:
         raise InvalidInput(

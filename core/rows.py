@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from core import kinds
 from core.errors import InvalidInput
 
 ROW_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -163,13 +164,15 @@ def _data_files(folder: Path, depth: int = 3) -> bool:
 
 
 def required_columns(kind: str, data) -> list[list[tuple[str, str]]]:
-    """Alternative sets of (column, field that names it) a row of this stage kind must have."""
-    if kind == "sft":
+    """Alternative sets of (column, field that names it) a row of this stage kind must have:
+    what its row format (core/kinds.py) reads."""
+    rows = kinds.get(kind).rows
+    if rows == "completion":
         return [
             [(data.prompt_key, "prompt_key"), (data.response_key, "response_key")],
             [(data.messages_key, "messages_key")],
         ]
-    if kind == "ppo":
+    if rows == "prompt":
         return [[(data.prompt_key, "prompt_key")]]
     return [[(data.prompt_key, "prompt_key"), (data.chosen_key, "chosen_key"), (data.rejected_key, "rejected_key")]]
 
@@ -178,11 +181,12 @@ def select_rows(rows: Iterable[dict], kind: str, data, source: str) -> tuple[lis
     """(usable rows, how many were skipped); raises InvalidInput naming the bad rows (1-based)
     unless the pipeline file asks to skip them (data.invalid_rows: skip)."""
     alternatives = required_columns(kind, data)
+    pairs = kinds.get(kind).rows == "preference"
     kept, problems = [], []
     for number, row in enumerate(rows, start=1):
         found = [_row_problem(row, columns) for columns in alternatives]
         problem = found[0] if all(found) else ""
-        if not problem and kind in ("rm", "dpo") and row[data.chosen_key].strip() == row[data.rejected_key].strip():
+        if not problem and pairs and row[data.chosen_key].strip() == row[data.rejected_key].strip():
             problem = f"chosen and rejected are identical ('{data.chosen_key}' = '{data.rejected_key}')"
         if problem:
             problems.append((number, problem))

@@ -22,7 +22,7 @@ and nowhere else.
         logs/                       the job's stdout/stderr, one file per process
         failures/rank-<N>.json      why process N failed (core/failure.py); blank while it runs
         reference_logps.pt          DPO's precomputed reference log-probs
-      <stage>.superseded-<time>/    a stage folder whose spec changed, moved aside (never deleted)
+      <stage>.superseded-<time>/    a stage folder with outputs whose spec changed, moved aside (never deleted)
     runs/calibration/               beside the run folders, shared by every pipeline of that runs_dir
       <gpu>.json                    what `calibrate` measured on a node with that catalogue GPU; cpu.json
                                     without a GPU (core/calibration.py)
@@ -215,6 +215,12 @@ class StageFolder:
         found = [p for folder in (self.path, self.checkpoints) for p in folder.glob(f"*{TEMPORARY_SUFFIX}")]
         latest = self.latest_checkpoint() or ""
         return found + [self.checkpoints / tag for tag in self.checkpoint_tags() if tag > latest]
+
+    def holds_outputs(self) -> bool:
+        """Whether the folder holds anything but what `run` writes before the stage starts
+        (spec.json, plan.json): a never-started stage's folder is reused, not superseded."""
+        before = {self.spec.name, self.plan.name}
+        return self.path.is_dir() and any(p.name not in before for p in self.path.iterdir())
 
     def superseded(self) -> Path:
         """A free name to move this folder aside to: <stage>.superseded-<time>[-n]."""

@@ -21,8 +21,19 @@ from typing import Optional
 
 BUILTIN_PREFIX = "builtin:"
 
-# Decoders the formula above describes exactly; others are estimated with it and flagged.
-LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "yi", "internlm2", "gemma", "gemma2", "olmo", "olmo2", "granite"}
+# Decoder families by transformers model_type, the one list: `exact` when the formula above
+# describes the family (others are estimated with it and flagged), `patched` when stages/compat.py's
+# load-time patches (rotary_fp32, logits_native_dtype, flash_varlen) cover its modelling module.
+MODEL_FAMILIES = {
+    "llama": {"exact": True, "patched": True},
+    "mistral": {"exact": True, "patched": True},
+    "qwen2": {"exact": True, "patched": True},
+    "mixtral": {"exact": False, "patched": True},  # mixture of experts: not the dense formula
+    **{t: {"exact": True, "patched": False}
+       for t in ("qwen3", "yi", "internlm2", "gemma", "gemma2", "olmo", "olmo2", "granite")},
+}
+LLAMA_LIKE = {t for t, family in MODEL_FAMILIES.items() if family["exact"]}
+PATCHED_FAMILIES = tuple(t for t, family in MODEL_FAMILIES.items() if family["patched"])
 
 # model_types whose q/k/v projections carry a bias
 QKV_BIAS_TYPES = {"qwen2"}

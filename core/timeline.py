@@ -29,6 +29,7 @@ QUEUED, RUNNING, REQUEUED, DONE = "queued", "running", "requeued", "done"
 STARTED, SAVED_AT_SIGNAL, RESUMED, HANG, REQUEUE = "started", "saved at signal", "resumed", "hang", "requeue"
 # Why an attempt of a stage's job ended and the job started again.
 TIME_LIMIT, PREEMPTED, HUNG, UNEXPLAINED = "time limit", "preempted", "hang", "ended without a word (node failure?)"
+STOPPED = "stopped"  # SIGINT: a user's Ctrl-C, or a local `run` stopping (stages/preemption.py)
 
 
 def restart_count() -> int:
@@ -57,7 +58,9 @@ def signal_reason(signal_name: str, elapsed_s: float, time_limit_min: Optional[f
     """Why Slurm signalled a job `elapsed_s` into its attempt. SIGTERM is preemption (or scancel).
     USR2 comes both ahead of the time limit (--signal) and on preemption where the site sends
     it: judged as submitit does for its own requeue count (cluster.max_requeues), a time limit
-    once the attempt has run 80% of its limit or is within 10 minutes of it."""
+    once the attempt has run 80% of its limit or is within 10 minutes of it. SIGINT is a stop."""
+    if signal_name == "SIGINT":
+        return STOPPED
     if signal_name != "SIGUSR2" or not time_limit_min:
         return PREEMPTED
     limit_s = 60.0 * time_limit_min
@@ -72,7 +75,7 @@ class Attempt:
     started: float
     restart: int = 0  # Slurm's restart count of this start
     resumed_from: Optional[int] = None  # the step resumed from; None: from the start
-    ended: Optional[str] = None  # TIME_LIMIT, PREEMPTED, HUNG or UNEXPLAINED; None: the newest, or the job's last
+    ended: Optional[str] = None  # TIME_LIMIT, PREEMPTED, STOPPED, HUNG or UNEXPLAINED; None: the newest, or the job's last
     signal: Optional[str] = None
     at_step: Optional[int] = None  # the step saved at the signal, or the hung step
 

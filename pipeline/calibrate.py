@@ -2,8 +2,8 @@
 node, at the pipeline file's own shapes, and write it to a calibration file.
 
 Here, torch-free: what to measure (Request: the GEMMs of each model the file trains, at a micro
-batch's tokens, in the stages' precision), where (this machine, or one Slurm job with the file's
-cluster section), and the file (core/calibration.py). On the node, stages/calibrate.py
+batch's tokens, in the stages' precision), where (its executor's: this machine, or one Slurm job
+with the file's cluster section), and the file (core/calibration.py). On the node, stages/calibrate.py
 measures.
 
 Without a GPU here, a local calibration measures what a CPU can (the CPU Adam rate) and writes
@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from core import calibration, hardware, runfolder
+from core import calibration, hardware, kinds, runfolder
 from core.calibration import Calibration
-from core.config import PipelineSpec, slurm_time_to_minutes
-from core.errors import InvalidInput, PipelineError
+from core.config import PipelineSpec
+from core.errors import InvalidInput
 from core.shapes import resolve_shape
-from pipeline import launch
 from pipeline.hfcache import hf_cache
 from pipeline.plan.estimate import stage_models
 from pipeline.plan.inputs import Knobs
@@ -32,9 +31,6 @@ from pipeline.plan.planner import _stage_model_name
 # The square product every calibration times beside the file's shapes: the matmul ceiling
 # people quote, comparable between nodes and pipelines.
 REFERENCE_SIZE = 8192
-# The Slurm job's time limit: the measurements take a few minutes (CPU Adam's first JIT build
-# ~1 minute of it); a shorter cluster.time wins.
-SLURM_TIME_MIN = 30
 
 
 @dataclass(frozen=True)
@@ -101,11 +97,11 @@ def gemms(spec: PipelineSpec) -> list[Gemm]:
             raise InvalidInput(f"stages[{index}] ({stage.name}).{field_name}: {err}") from None
         knobs = Knobs.from_stage(stage)
         tokens = stage_models(knobs, shape)[1].train_tokens(knobs)
-        h = shape.hidden
-        linears = [("qkv", h, shape.q_width + 2 * shape.kv_width), ("o", shape.q_width, h),
-                   ("mlp gate+up", h, 2 * shape.intermediate), ("mlp down", shape.intermediate, h)]
-        if stage.kind != "rm":  # a reward model's head is Linear(hidden, 1): nothing to time
-            linears.append(("lm head", h, shape.vocab))
+        # Each linear layer apart, as transformers' models run them (q, k, v, gate and up are
+        # separate nn.Linear modules) and as `plan` looks them up (pipeline/plan/rates.py).
+        linears = [(name.removesuffix("_proj"), k, n) for name, (k, n) in shape.linear_dims().items()]
+        if kinds.get(stage.kind).trained_head == "lm":  # a reward model's head is Linear(hidden, 1): nothing to time
+            linears.append(("lm head", shape.hidden, shape.vocab))
         for name, k, n in linears:
             for gemm in (Gemm(f"{name} fwd", model, tokens, k, n, knobs.precision, "nt"),
                          Gemm(f"{name} dX", model, tokens, n, k, knobs.precision, "nn"),
@@ -125,19 +121,19 @@ def request(spec: PipelineSpec, quick: bool, require_gpu: bool) -> Request:
 # --------------------------------------------------------------------------- where it runs
 
 
-def calibrate(spec: PipelineSpec, executor: str, quick: bool = False, require_gpu: bool = False,
+def calibrate(spec: PipelineSpec, executor, quick: bool = False, require_gpu: bool = False,
               out: Optional[Path] = None, echo=print) -> tuple[Calibration, Path]:
-    """Measure on this machine (executor "local") or in one Slurm job ("slurm"), write the file
-    (`out`, else <runs_dir>/calibration/<GPU>.json) and return it with its path."""
-    # On Slurm a GPU pipeline's job that finds no GPU is a wrong partition, not a CPU calibration.
-    asked = request(spec, quick, require_gpu or (executor == "slurm" and spec.cluster.gpus_per_node > 0))
+    """Measure where `executor` (pipeline/executors/) runs the stages: this machine, or one job
+    of the cluster; write the file (`out`, else <runs_dir>/calibration/<GPU>.json) and return
+    it with its path."""
+    # Where a job is given the GPUs asked for, a GPU pipeline's job that finds none ran on the
+    # wrong nodes (e.g. partition): not a CPU calibration.
+    asked = request(spec, quick, require_gpu or (executor.grants_asked_gpus and spec.cluster.gpus_per_node > 0))
     _check_writable(out.parent if out else runfolder.calibration_folder(Path(spec.runs_dir)))
-    if executor == "slurm":
-        measured = _measure_on_slurm(spec, asked, echo)
-    else:
-        from stages.calibrate import measure  # imports torch as it measures: only the measuring process does
+    # Torch-free at import (it imports torch as it measures); pickled by reference for a job.
+    from stages.calibrate import measure
 
-        measured = measure(asked)
+    measured = executor.measure_node(spec, measure, asked, echo)
     result = calibration.from_json(measured, f"the measurement of {measured.get('node')}")
     path = out or runfolder.calibration_file(Path(spec.runs_dir), result.name)  # named after the GPU found
     calibration.save(result, path)
@@ -152,53 +148,6 @@ def _check_writable(folder: Path) -> None:
         raise InvalidInput(f"{folder}: cannot write the calibration file there: {err.strerror or err}") from None
     if not os.access(folder, os.W_OK):
         raise InvalidInput(f"{folder}: cannot write the calibration file there: permission denied")
-
-
-def _measure_on_slurm(spec: PipelineSpec, asked: Request, echo) -> dict:
-    """Submit the calibration job, wait for it and return what it measured."""
-    from stages.calibrate import measure  # torch-free at import; pickled by reference, run on the node
-
-    launch.check_slurm_ready(spec)
-    try:
-        job = slurm_executor(spec).submit(measure, asked)
-    except Exception as err:  # noqa: BLE001 -- sbatch's refusal, reported to the user
-        raise InvalidInput(f"sbatch refused the calibration job: {launch.first_lines(err)}") from None
-    echo(f"submitted calibration job {job.job_id}; waiting for it (log: {job.paths.stdout})")
-    try:
-        return job.result()
-    except KeyboardInterrupt:
-        job.cancel(check=False)
-        echo(f"cancelled calibration job {job.job_id}")
-        raise
-    except Exception as err:  # noqa: BLE001 -- the job failed: its log says why
-        raise PipelineError(f"calibration job {job.job_id} failed: {launch.first_lines(err)}\n"
-                            f"  log: {job.paths.stderr}") from None
-
-
-def slurm_executor(spec: PipelineSpec):
-    """A submitit SlurmExecutor for the calibration job: the pipeline's python (or its image,
-    binding the folder we run in, the job's submitit folder and this code) and slurm_parameters."""
-    import submitit
-
-    logs = runfolder.calibration_logs(Path(spec.runs_dir))
-    code = launch.code_root()
-    binds = launch.bind_list(spec, [Path.cwd().resolve(), logs.resolve()] + ([code] if code else []))
-    executor = submitit.SlurmExecutor(folder=logs, python=launch.python_command(spec, binds))
-    executor.update_parameters(**slurm_parameters(spec))
-    return executor
-
-
-def slurm_parameters(spec: PipelineSpec) -> dict:
-    """submitit parameters of the calibration job: the cluster section a stage job gets
-    (launch.cluster_parameters), on one node, as one task holding every core the stage's
-    processes would hold (so cores // processes_per_node is one stage process's share)."""
-    cluster = spec.cluster
-    params = launch.cluster_parameters(spec)
-    params.update(job_name=f"{spec.name}.calibrate", nodes=1, ntasks_per_node=1,
-                  time=min(SLURM_TIME_MIN, slurm_time_to_minutes(cluster.time)))
-    if cluster.cpus_per_task is not None:
-        params["cpus_per_task"] = cluster.cpus_per_task * cluster.processes_per_node
-    return params
 
 
 # --------------------------------------------------------------------------- what it says

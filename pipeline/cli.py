@@ -1,7 +1,8 @@
 """python -m pipeline validate|plan|run|status|report|cancel|clean|prepare|calibrate|run-stage CONFIG
 
 CONFIG is a path to a pipeline file or the name of one under pipeline/configs/.
-Exit codes: 0 ok, 1 a stage failed, 2 invalid pipeline file or data, 3 does not fit.
+Exit codes: 0 ok, 1 a stage failed, 2 invalid pipeline file or data, 3 does not fit,
+130 / 143 stopped by Ctrl-C / SIGTERM (after saving at the signal).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from pathlib import Path
 
 from core import config as config_module
 from core import failure, metrics, runfolder
-from core.errors import InvalidInput, PipelineError
+from core.errors import Interrupted, InvalidInput, PipelineError
 from core.task import is_finished
-from pipeline import calibrate, graph, launch, plan, preflight, prepare, scale, slurm, state
+from pipeline import calibrate, executors, graph, launch, plan, preflight, prepare, scale, state
+from pipeline.executors.base import write_spec
 from pipeline.hfcache import hf_cache
 
 CANCEL_WAIT_S = 120
@@ -44,10 +46,10 @@ def target(args) -> str:
 
 def cmd_validate(args) -> int:
     spec = load(args)
-    preflight.check(spec)
-    metrics.check_trackers(spec)
-    if spec.cluster.executor == "local":
-        launch.check_local_gpus(spec)
+    where = executors.executor_for(spec.cluster.executor)
+    preflight.check(spec, where)
+    metrics.check_trackers(spec, where.runs_this_python(spec))
+    where.check_validate(spec)
     tasks = graph.build_tasks(spec)
     print(f"{config_module.resolve_config_path(args.config)}: valid pipeline '{spec.name}', "
           f"{len(tasks)} stage{'s' if len(tasks) > 1 else ''}:")
@@ -70,26 +72,12 @@ def cmd_plan(args) -> int:
 
 def cmd_run(args) -> int:
     spec = load(args)
-    preflight.check(spec)
-    metrics.check_trackers(spec)
+    where = executors.executor_for(spec.cluster.executor)
+    preflight.check(spec, where)
+    metrics.check_trackers(spec, where.runs_this_python(spec))
     rerun = frozenset(name.strip() for value in args.rerun for name in value.split(",") if name.strip())
     outcome = launch.run(spec, target(args), executor=args.executor, force=args.force, rerun=rerun)
-    pipeline_dir = spec.run_dir.resolve()
-    if outcome.executor == "local":
-        print(f"\npipeline '{spec.name}' finished; outputs under {pipeline_dir}:")
-        for item in outcome.planned:
-            summary = json.loads(item.task.folder.result.read_text())
-            numbers = {k: v for k, v in summary.items() if isinstance(v, float)}
-            print(f"  {item.task.name:<12} {item.task.folder.model}  "
-                  + "  ".join(f"{k}={v:.4g}" for k, v in numbers.items()))
-    elif not outcome.jobs:
-        print(f"\npipeline '{spec.name}': every stage finished earlier; nothing submitted. Run folder: {pipeline_dir}")
-    else:
-        listed = ", ".join(f"{name}={job}" for name, job in outcome.jobs.items())
-        count = len(outcome.jobs)
-        print(f"\npipeline '{spec.name}': submitted {count} Slurm job{'s' if count > 1 else ''} ({listed}); "
-              f"run folder: {pipeline_dir}")
-        print(f"  follow: python -m pipeline status {target(args)}    stop: python -m pipeline cancel {target(args)}")
+    outcome.executor.say_done(spec, outcome.planned, outcome.jobs, target(args))
     return 0
 
 
@@ -98,7 +86,7 @@ def cmd_status(args) -> int:
     pipeline_dir = spec.run_dir.resolve()
     run_state = state.load(pipeline_dir)
     running = state.holder(pipeline_dir)
-    statuses = state.stage_statuses(graph.build_tasks(spec), run_state, running)
+    statuses = executors.stage_statuses(graph.build_tasks(spec), run_state, running)
     if run_state is not None:
         state.refresh(run_state, statuses)
         state.save_unless_held(pipeline_dir, run_state)
@@ -139,21 +127,23 @@ def cmd_cancel(args) -> int:
     spec = load(args, build=False)
     pipeline_dir = spec.run_dir.resolve()
     running = state.holder(pipeline_dir)
-    if running is not None and running.doing == launch.RUNNING_LOCALLY:
-        return launch.stop_local_run(running, spec.name)
+    holder = executors.holding(running)
+    stopped = holder.stop_run(running, spec.name) if holder is not None else None
+    if stopped is not None:  # a `run` that runs the chain itself, stopped
+        return stopped
     run_state = state.load(pipeline_dir)
-    live = state.live_jobs(run_state)
+    live = executors.live_jobs(run_state)
     if not live:
         print(f"pipeline '{spec.name}': no live Slurm job or local run to cancel ({pipeline_dir})")
         return 0
-    slurm.cancel([info.job_id for _, info in live])
-    for name, info in live:
-        run_state.stages[name].state = state.CANCELLED
-        run_state.stages[name].detail = "cancelled by `pipeline cancel`"
-        print(f"  {name:<12} cancelled job {info.job_id} (was {info.state})")
+    executors.cancel(live)
+    for job in live:
+        run_state.stages[job.stage].state = state.CANCELLED
+        run_state.stages[job.stage].detail = "cancelled by `pipeline cancel`"
+        print(f"  {job.stage:<12} cancelled job {job.job_id} (was {job.state})")
     state.save(pipeline_dir, run_state)
-    # Wait for Slurm to stop the processes, so a `run` right after is not refused.
-    ending = slurm.wait_until_ended([info.job_id for _, info in live], timeout_s=CANCEL_WAIT_S)
+    # Wait for the scheduler to stop the processes, so a `run` right after is not refused.
+    ending = executors.wait_until_ended(live, timeout_s=CANCEL_WAIT_S)
     if ending:
         print(f"  jobs {', '.join(ending)} are still ending after {CANCEL_WAIT_S} s; `status` shows when they are gone")
     return 0
@@ -187,7 +177,7 @@ def _gib(n: int) -> str:
 
 def cmd_prepare(args) -> int:
     spec = load(args)
-    preflight.check(spec, fetching=True)
+    preflight.check(spec, executors.executor_for(spec.cluster.executor), fetching=True)
     prepare.fetch(spec, hf_cache(spec), echo=launch.default_echo)
     return 0
 
@@ -197,9 +187,10 @@ def cmd_calibrate(args) -> int:
     if args.scale_model:
         raise InvalidInput("calibrate measures the node at the real models' shapes: leave out --scale-model")
     spec = load(args)
-    executor = "local" if args.local else "slurm" if args.slurm else spec.cluster.executor
+    where = executors.executor_for(next((name for name in executors.EXECUTORS if getattr(args, name)),
+                                        spec.cluster.executor))
     out = Path(args.out) if args.out else None
-    result, path = calibrate.calibrate(spec, executor, quick=args.quick, require_gpu=args.require_gpu, out=out,
+    result, path = calibrate.calibrate(spec, where, quick=args.quick, require_gpu=args.require_gpu, out=out,
                                        echo=launch.default_echo)
     print(calibrate.summary(result, path, spec))
     return 0
@@ -223,8 +214,9 @@ def cmd_run_stage(args) -> int:
     if recorded not in (None, task.spec_hash):
         raise InvalidInput(f"{task.run_dir} holds the outputs of a different spec of stage {task.name}; "
                            "move it aside, or use `python -m pipeline run`, which does")
+    task = executors.executor_for(spec.cluster.executor).job_task(spec, task)
     if failure.task_rank() == 0:
-        launch.write_spec(task)
+        write_spec(task)
     from stages.runner import run_stage
 
     run_stage(task)
@@ -260,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"with --scale-model: the head dimension (hidden size = heads x D; default "
                        f"{scale.DEFAULT_HEAD_DIM})")
         p.set_defaults(func=func)
-    commands["run"].add_argument("--executor", choices=["local", "slurm"], help="override cluster.executor")
+    commands["run"].add_argument("--executor", choices=executors.NAMES, help="override cluster.executor")
     commands["run"].add_argument("--force", action="store_true", help="run even where the plan says a stage does not fit")
     commands["run"].add_argument("--rerun", action="append", default=[], metavar="STAGE",
                                  help="run STAGE (and what starts from it) again from scratch even if finished; "
@@ -276,10 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        help="write the calibration file here (default: "
                                        "<runs_dir>/calibration/<GPU>.json, cpu.json without a GPU)")
     where = commands["calibrate"].add_mutually_exclusive_group()
-    where.add_argument("--slurm", action="store_true",
-                       help="measure in one Slurm job with the file's cluster section (default when "
-                       "cluster.executor is slurm)")
-    where.add_argument("--local", action="store_true", help="measure this machine, whatever cluster.executor says")
+    for name, executor in executors.EXECUTORS.items():
+        where.add_argument(f"--{name}", action="store_true", help=executor.calibrate_help)
     commands["calibrate"].add_argument("--quick", action="store_true",
                                        help="smaller copies and CPU Adam, fewer repeats: under a minute, noisier")
     commands["calibrate"].add_argument("--require-gpu", action="store_true",
@@ -293,6 +283,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except Interrupted as err:  # a stop the user asked for: no "error"
+        print(err.message, file=sys.stderr)
+        return err.exit_code
     except PipelineError as err:
         print(f"error: {err.message}", file=sys.stderr)
         return err.exit_code

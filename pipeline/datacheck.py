@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from core import kinds
+from core.batching import accumulation_steps, rows_per_step
 from core.config import RULES_NEEDING_LABELS, PipelineSpec
 from core.errors import InvalidInput
 from core.rows import SUPPORTED_DATA, dataset_folder, is_row_file, read_rows, required_columns, select_rows
@@ -56,7 +58,7 @@ def check_data(stage, where: str, hub: Hub) -> DataFound:
     if found.records:
         source, rows = found.records[0]
         found.rows, found.source = len(rows), source
-        found.chats = stage.kind == "sft" and any(data.prompt_key not in r or data.response_key not in r for r in rows)
+        found.chats = kinds.get(stage.kind).rows == "completion" and any(data.prompt_key not in r or data.response_key not in r for r in rows)
     return found
 
 
@@ -145,7 +147,7 @@ def _check_dataset_folder(stage, path: Path, where: str, found: DataFound) -> No
         found.columns.append((source, columns))
         if found.rows is None:
             found.rows, found.source = count, source
-            found.chats = stage.kind == "sft" and not {data.prompt_key, data.response_key} <= set(columns)
+            found.chats = kinds.get(stage.kind).rows == "completion" and not {data.prompt_key, data.response_key} <= set(columns)
 
 
 def check_step_rows(spec: PipelineSpec, stage, where: str, found: DataFound) -> None:
@@ -161,12 +163,12 @@ def check_step_rows(spec: PipelineSpec, stage, where: str, found: DataFound) -> 
     if data.max_rows is not None and data.max_rows < train:
         train, detail = data.max_rows, detail + f", cut to max_rows {data.max_rows}"
     processes = spec.cluster.processes_per_node * stage.nodes
-    if stage.kind == "ppo":
+    if kinds.get(stage.kind).rollouts:
         needed, unit = stage.rollout_batch_size, f"one rollout takes: rollout_batch_size {stage.rollout_batch_size}"
         fix = "lower rollout_batch_size (a multiple of the processes)"
     else:
-        needed = stage.global_batch_size or stage.micro_batch_size * processes
-        accumulation = needed // (stage.micro_batch_size * processes)
+        needed = rows_per_step(stage.global_batch_size, stage.micro_batch_size, processes)
+        accumulation = accumulation_steps(stage.global_batch_size, stage.micro_batch_size, processes)
         unit = (f"one optimizer step takes: {needed} = micro_batch_size {stage.micro_batch_size} x gradient "
                 f"accumulation {accumulation} x {processes} processes")
         fix = "lower micro_batch_size or global_batch_size"

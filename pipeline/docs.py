@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from core import config as c
+from core import kinds
 
 START, END = "<!-- reference:start -->", "<!-- reference:end -->"
 PIPELINES_START, PIPELINES_END = "<!-- pipelines:start -->", "<!-- pipelines:end -->"
@@ -58,10 +59,10 @@ def reference_markdown() -> str:
         _table("Training knobs (in a stage, or under `defaults:` for all stages)", c.TrainingKnobs),
         _table("`lora:`", c.LoraSpec, "lora."),
     ]
-    for kind, model in c.STAGE_KIND_MODELS.items():
-        extra = [n for n in model.model_fields if n not in common]
+    for kind in kinds.all_kinds():
+        extra = [n for n in kind.schema.model_fields if n not in common]
         if extra:
-            sections.append(_table(f"`kind: {kind}`", model, skip=common))
+            sections.append(_table(f"`kind: {kind.name}`", kind.schema, skip=common))
     sections += [
         _table("`reward:` (kind: ppo)", c.RewardSpec, "reward."),
         _table("`reward.rules:` (each term)", c.RewardRule),

@@ -4,7 +4,8 @@ Each stage's outputs live in <runs_dir>/<pipeline>/<stage>/. A stage's spec
 hash covers its spec, the content of what it reads (pipeline/identity.py) and its
 upstream stages' hashes. A stage whose result.json carries the same spec hash is
 finished and skipped; a stage whose folder holds the outputs of a different spec
-has them moved aside (never deleted) and starts over, and so does every stage
+has them moved aside (never deleted; a folder with nothing but the spec.json and plan.json
+of a stage that never started is reused) and starts over, and so does every stage
 downstream of one that runs again, or that `run --rerun` names; anything else is
 (re)submitted, and the stage itself resumes from its newest checkpoint. Each
 decision comes with its reason, which `run` prints.
@@ -19,8 +20,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel
 
-from core.config import PipelineSpec, slurm_time_to_minutes, topological_order
-from core.runfolder import StageFolder
+from core.config import PipelineSpec, topological_order
+from core.runfolder import StageFolder, remove
 from core.task import StageTask, is_finished
 from pipeline.identity import Digests, changed_inputs, input_digests
 
@@ -77,8 +78,6 @@ def build_tasks(spec: PipelineSpec, digests: Optional[Digests] = None) -> list[S
                 spec_hash=digest,
                 wandb=spec.tracking.wandb,
                 max_retries=spec.cluster.max_retries,
-                time_limit_min=(slurm_time_to_minutes(stage.time or spec.cluster.time)
-                                if spec.cluster.executor == "slurm" else None),
             )
         )
     return tasks
@@ -113,6 +112,11 @@ def plan_actions(tasks: list[StageTask], dry_run: bool = False, rerun: frozenset
             else:
                 reason = _why_changed(task)
             fresh.add(task.name)
+            if not task.folder.holds_outputs():  # never started: nothing to keep, the folder is reused
+                if not dry_run:
+                    remove(task.folder.spec)  # an earlier spec's, never run
+                planned.append(PlannedStage(task=task, action="run"))
+                continue
             aside = None if dry_run else str(_move_aside(run_dir))
             planned.append(PlannedStage(task=task, action="run", moved_aside=aside, reason=reason))
     return planned

@@ -56,10 +56,8 @@ def stage_inputs(stage) -> list[Input]:
         add("data.eval_split", data.eval_split)
     if not stage.from_:
         add("model", stage.model)
-    reward = getattr(stage, "reward", None)
-    for j, rule in enumerate(reward.rules if reward is not None else []):
-        if rule.function:
-            add(f"reward.rules[{j}].function", rule.function.rpartition(":")[0])
+    for field, path in stage.code_files():
+        add(field, path)
     return found
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from core import kinds
 from core.errors import InvalidInput
 from core.rows import is_row_file, read_rows
 from core.shapes import BUILTIN_PREFIX, cached_config
@@ -60,7 +61,7 @@ def sample(data, kind: str, model: str, cache: Optional[HFCache] = None, limit: 
     if not rows:
         return RowLengths((), source)
     count, counter = token_counter(model, cache.hub if cache else None)
-    if data.chat_template or kind == "sft" and any(data.messages_key in r for r in rows):
+    if data.chat_template or kinds.get(kind).rows == "completion" and any(data.messages_key in r for r in rows):
         counter += " (chat template tokens not counted)"
     lengths = _row_lengths(rows, kind, data, count)
     if not lengths:
@@ -109,7 +110,7 @@ def _by_characters(texts: list[str], special: bool) -> list[int]:
 def _row_lengths(rows: list[dict], kind: str, data, count) -> list[tuple[int, ...]]:
     """Each usable row's sequence lengths, as stages/data.py tokenizes it (before max_len)."""
     text = lambda value: value if isinstance(value, str) else ""  # noqa: E731
-    if kind == "sft":
+    if kinds.get(kind).rows == "completion":
         plain, chats = [], []
         for r in rows:
             if isinstance(r.get(data.prompt_key), str) and isinstance(r.get(data.response_key), str):

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from core import kinds
 from core.config import BUILTIN_PREFIX, PipelineSpec
 from core.errors import InvalidInput
 from core.shapes import ShapeNotFound, cached_config, resolve_shape
@@ -40,12 +41,14 @@ from pipeline.modelfiles import BadModelFile, check_weights, has_chat_template, 
 REWARD_IMPORT_TIMEOUT_S = 30.0
 
 
-def check(spec: PipelineSpec, fetching: bool = False) -> None:
-    """Refuse (InvalidInput) what would fail after training started. `fetching`: called
-    by `prepare`, which downloads the hub ids the cache lacks, so they are not refused."""
+def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
+    """Refuse (InvalidInput) what would fail after training started. `executor`: where the
+    stages run (pipeline/executors/): whether `run` fetches the hub ids first, whether the
+    stages run with this python. `fetching`: called by `prepare`, which downloads the hub ids
+    the cache lacks, so they are not refused."""
     check_runs_dir(spec)
     cache = hf_cache(spec)
-    hub = Hub(offline_refused=spec.cluster.executor == "local" and not fetching, cache=cache)
+    hub = Hub(offline_refused=not (fetching or executor.fetches_before_run), cache=cache)
     for i, stage in enumerate(spec.stages):
         where = f"stages[{i}] ({stage.name})"
         if stage.model is not None:
@@ -56,9 +59,9 @@ def check(spec: PipelineSpec, fetching: bool = False) -> None:
         found = check_data(stage, where, hub)
         check_chat_template(stage, root, where, found.chats, cache)
         check_step_rows(spec, stage, where, found)
-        if stage.kind == "ppo":
+        if kinds.get(stage.kind).rollouts:  # its rewards read labels and may call your functions
             check_labels(stage, where, found)
-            check_reward_functions(stage, where, imported=not (spec.cluster.executor == "slurm" and spec.container))
+            check_reward_functions(stage, where, imported=executor.runs_this_python(spec))
     truncation.check(spec, cache)  # last: it tokenises rows, in a subprocess
 
 
@@ -159,7 +162,8 @@ def check_upstream(spec: PipelineSpec, stage, where: str, cache: HFCache) -> Non
                 f"without the model it adapts, which transformers cannot load as the model this stage starts "
                 f"from. Set lora.merge: true in stage '{name}' (the default: adapters merged into the model)"
             )
-        if field_name == "from" and upstream.kind == "rm" and stage.kind != "rm":
+        if (field_name == "from" and kinds.get(upstream.kind).trained_head == "scalar"
+                and kinds.get(stage.kind).trained_head == "lm"):
             shape = shape_of(root_model(spec, upstream), cache)
             if shape is None or not shape.tied_embeddings:
                 raise InvalidInput(

@@ -4,13 +4,16 @@ each stage's final metrics, plan versus measured, and per stage the training and
 curves, throughput and memory over time. Works on a chain that is still running: it shows
 what the folders hold so far.
 
-Reads only the run folder (metrics.jsonl, result.json, plan.json, events.jsonl) and
-pipeline.json; plots with matplotlib's Agg backend (no display needed).
+Reads the run folder (metrics.jsonl, result.json, plan.json, events.jsonl) and
+pipeline.json; each stage's state is the one `status` shows (pipeline/executors/:
+the same call), so the two never disagree. Plots with matplotlib's Agg backend (no
+display needed).
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import io
 import os
@@ -22,7 +25,7 @@ from typing import Optional
 from core import measured, runfolder, timeline
 from core import metrics as records
 from core.task import is_finished
-from pipeline import graph, state
+from pipeline import executors, graph, state
 
 COLORS = {timeline.QUEUED: "#c7c7c7", timeline.RUNNING: "#4c72b0", timeline.REQUEUED: "#dd8452"}
 COMPARED_LABELS = {
@@ -40,7 +43,9 @@ def write_report(spec, plots_dir: Optional[Path] = None) -> Path:
     plot is also saved there as <pipeline>-<plot>.png (e.g. for a README)."""
     pipeline_dir = spec.run_dir.resolve()
     tasks = graph.build_tasks(spec)
-    page = render(spec.name, tasks, state.load(pipeline_dir))
+    run_state = state.load(pipeline_dir)
+    page = render(spec.name, tasks, run_state,
+                  executors.stage_statuses(tasks, run_state, state.holder(pipeline_dir)))
     path = runfolder.report_file(pipeline_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -62,12 +67,16 @@ def save_plots(page: str, name: str, folder: Path) -> list[Path]:
     return saved
 
 
-def render(name: str, tasks: list, run_state: Optional[state.RunState]) -> str:
+def render(name: str, tasks: list, run_state: Optional[state.RunState],
+           statuses: Optional[list[state.StageStatus]] = None) -> str:
+    """The page; `statuses`: each stage's as `status` has it (default: from pipeline.json and
+    the folders, with no `run` holding them)."""
     import matplotlib
 
     matplotlib.use("Agg")
     submitted = {n: r.submitted_at for n, r in run_state.stages.items()} if run_state else {}
-    stages = [_StageData(task, submitted.get(task.name)) for task in tasks]
+    statuses = statuses if statuses is not None else executors.stage_statuses(tasks, run_state)
+    stages = [_StageData(task, submitted.get(task.name), status) for task, status in zip(tasks, statuses)]
     parts = [f"<h1>pipeline {_e(name)}</h1>",
              f"<p>Run folder {_e(tasks[0].pipeline_dir)} &middot; report written {time.strftime('%Y-%m-%d %H:%M:%S')}"
              f"{'' if all(s.finished for s in stages) else ' &middot; <b>partial</b>: stages still to finish'}</p>",
@@ -87,8 +96,8 @@ def render(name: str, tasks: list, run_state: Optional[state.RunState]) -> str:
 class _StageData:
     """What one stage's folder holds."""
 
-    def __init__(self, task, submitted_at: Optional[str]):
-        self.task, self.name, self.kind = task, task.name, task.stage.kind
+    def __init__(self, task, submitted_at: Optional[str], status: state.StageStatus):
+        self.task, self.name, self.kind, self.status = task, task.name, task.stage.kind, status
         folder = task.folder
         self.records = records.read(folder.metrics)
         self.training = records.training(self.records)
@@ -101,11 +110,15 @@ class _StageData:
 
     @property
     def state(self) -> str:
-        if self.finished:
-            return "done"
+        """`status`'s state and why; the step reached, with an ETA only while it runs."""
+        said = self.status.state
+        if self.status.state == state.FINISHED:
+            return said
         if self.progress is not None:
-            return self.progress.text()
-        return "started" if self.timeline.segments else "not started"
+            if self.status.state == state.RUNNING:
+                return f"{said}, {self.progress.text()}"
+            said += f", {dataclasses.replace(self.progress, eta_s=None, time=None).text()}"  # where it stopped
+        return f"{said}: {self.status.detail}" if self.status.detail else said
 
     def comparison(self) -> dict:
         if self.result is not None and "measured" in self.result:

@@ -45,7 +45,8 @@ def check(spec: PipelineSpec, cache: HFCache) -> None:
         # preflight does not start a subprocess (torch and transformers imports, ~4 s) for them.
         if tokenizer is not None and not stage.data.is_builtin and Path(stage.data.path).exists():
             jobs.append({"where": f"stages[{i}] ({stage.name})", "model": str(tokenizer),
-                         "stage": stage.model_dump(mode="json", by_alias=True)})
+                         "stage": stage.model_dump(mode="json", by_alias=True),
+                         "declared_in": type(stage).__module__})  # a plug-in kind registers when imported
     if not jobs:
         return
     env = {**os.environ, **cache.env(), "HF_HUB_OFFLINE": "1",

@@ -85,18 +85,15 @@ from typing import Optional
 
 import torch
 
+from core.shapes import PATCHED_FAMILIES
+
 log = logging.getLogger("stages")
 
 OFF_SWITCH = "POST_TRAIN_COMPAT_OFF"
 PATCHES = ("rotary_fp32", "causal_mask_cap", "flash_varlen", "logits_native_dtype")
 
-# Model families the load-time patches cover (rotary_fp32, logits_native_dtype, flash_varlen).
-_MODEL_MODULES = (
-    "transformers.models.llama.modeling_llama",
-    "transformers.models.mistral.modeling_mistral",
-    "transformers.models.mixtral.modeling_mixtral",
-    "transformers.models.qwen2.modeling_qwen2",
-)
+# The modelling modules of the families the load-time patches cover (core/shapes.py's list).
+_MODEL_MODULES = tuple(f"transformers.models.{t}.modeling_{t}" for t in PATCHED_FAMILIES)
 # The constructors zero.Init intercepts (DeepSpeed 0.13 to 0.19).
 _CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
 

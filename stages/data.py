@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from core import batching, tiny
+from core import batching, kinds, tiny
 from core.config import BUILTIN_PREFIX, DataSpec
 from core.errors import InvalidInput
 from core.rows import is_row_file, read_rows, select_rows
@@ -183,11 +183,10 @@ def tokenize_pair(row: dict, tokenizer, data: DataSpec, max_len: int) -> dict:
 # rows (train and eval together) lose tokens or are dropped, the stage is refused.
 # pipeline/truncation.py runs the same tokenized_splits in a subprocess at validate time.
 
-NOTHING_TO_LEARN = {
-    "sft": "no response token left",
-    "rm": "no response token left, or chosen and rejected no longer differ",
-    "dpo": "no response token left, or chosen and rejected no longer differ",
-    "ppo": "the prompt fills max_len",
+NOTHING_TO_LEARN = {  # by the kind's row format (core/kinds.py)
+    "completion": "no response token left",
+    "preference": "no response token left, or chosen and rejected no longer differ",
+    "prompt": "the prompt fills max_len",
 }
 
 
@@ -225,14 +224,15 @@ class TokenizedSplit:
 def tokenize(rows: list[dict], kind: str, tokenizer, data: DataSpec, max_len: int,
              max_new_tokens: int = 0) -> TokenizedSplit:
     """The rows tokenised and cut to max_len, those with nothing to learn left out, and the counts."""
-    if kind == "ppo":
+    rows_format = kinds.get(kind).rows
+    if rows_format == "prompt":
         prompts = encode_prompts(tokenizer, [row[data.prompt_key] for row in rows], data)
         tokens = [{"input_ids": ids} for ids in prompts]
         lengths = [len(ids) + max_new_tokens for ids in prompts]
         cut = [n > max_len for n in lengths]
         empty = [len(ids) >= max_len for ids in prompts]
     else:
-        sequences = (_sft_sequences if kind == "sft" else _pair_sequences)(rows, tokenizer, data)
+        sequences = (_sft_sequences if rows_format == "completion" else _pair_sequences)(rows, tokenizer, data)
         tokens = [_cut(s, max_len) for s in sequences]
         lengths = [max(len(ids) for ids, _ in s) for s in sequences]
         cut = [n > max_len for n in lengths]
@@ -260,7 +260,7 @@ class TokenizedSplits:
         parts = [self.train.truncation, self.eval.truncation]
         measured, rows = sum(t.measured for t in parts), sum(t.rows for t in parts)
         sample = f", measured on a random {measured} of {rows} rows" if measured < rows else ""
-        return f"max_len {self.max_len}{sample} (nothing to learn: {NOTHING_TO_LEARN[kind]}): " + "; ".join(
+        return f"max_len {self.max_len}{sample} (nothing to learn: {NOTHING_TO_LEARN[kinds.get(kind).rows]}): " + "; ".join(
             f"{name}: {t.cut} of {t.measured} rows lose tokens, {t.dropped} have nothing to learn"
             for name, t in zip(("train", "eval"), parts))
 
@@ -276,7 +276,8 @@ def tokenized_splits(stage, tokenizer, builtin_root: Path, where: str = "", samp
         rng = random.Random(stage.seed)
         train, held_out = (rng.sample(rows, max(1, round(len(rows) * sample / sum(counts))))
                            for rows in (train, held_out))
-    max_new_tokens = getattr(stage, "max_new_tokens", 0)  # ppo's room for a completion
+    prompts = kinds.get(stage.kind).rows == "prompt"
+    max_new_tokens = stage.max_new_tokens if prompts else 0  # a prompt's room for its completion
     parts = [tokenize(rows, stage.kind, tokenizer, stage.data, stage.max_len, max_new_tokens)
              for rows in (train, held_out)]
     for part, rows in zip(parts, counts):
@@ -288,7 +289,7 @@ def tokenized_splits(stage, tokenizer, builtin_root: Path, where: str = "", samp
     if splits.train.truncation.dropped or splits.eval.truncation.dropped:
         log.warning("%s: dropped %d train and %d eval rows with nothing to learn within max_len %d (%s)", where,
                     splits.train.truncation.dropped, splits.eval.truncation.dropped, stage.max_len,
-                    NOTHING_TO_LEARN[stage.kind])
+                    NOTHING_TO_LEARN[kinds.get(stage.kind).rows])
     return splits
 
 
@@ -298,7 +299,7 @@ def check_truncation(stage, splits: TokenizedSplits, where: str) -> None:
     parts = (splits.train.truncation, splits.eval.truncation)
     measured, affected = sum(t.measured for t in parts), sum(t.affected for t in parts)
     limit = stage.max_truncated_share
-    ppo = stage.kind == "ppo"
+    ppo = kinds.get(stage.kind).rows == "prompt"
     if affected > limit * measured + 1e-9:
         lengths = sorted(n for t in parts for n in t.lengths)
         enough = lengths[len(lengths) - int(limit * len(lengths) + 1e-9) - 1]  # cuts at most the share allowed
@@ -509,10 +510,12 @@ class TokenRows:
 def main() -> int:
     """python -m stages.data < REQUEST: pipeline/truncation.py's measurement, in a process of
     its own because it imports transformers (and torch). REQUEST is JSON: {"sample": N,
-    "stages": [{"where": ..., "stage": the Stage as JSON, "model": the model whose tokenizer
+    "stages": [{"where": ..., "stage": the Stage as JSON, "declared_in": the module of its kind's
+    schema, imported first (a plug-in kind registers itself), "model": the model whose tokenizer
     the stage starts with}]}. Prints one JSON line last: {"stages": [{"where", "summary",
     "affected"}]}, or {"error": the message} with exit 2 when a stage is refused. Writes
     nothing but a temporary folder (the built-ins, when named)."""
+    import importlib
     import json
     import sys
     import tempfile
@@ -528,6 +531,7 @@ def main() -> int:
         tokenizers: dict = {}
         try:
             for job in request["stages"]:
+                importlib.import_module(job.get("declared_in", "core.config"))
                 stage = TypeAdapter(Stage).validate_python(job["stage"])
                 if job["model"] not in tokenizers:
                     tokenizers[job["model"]] = models.load_tokenizer(_tokenizer_folder(job["model"], Path(scratch)))

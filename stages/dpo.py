@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from core import kinds
 from core.failure import saving
 from core.flops import sequence_flops
 from core.runfolder import temporary
@@ -24,6 +25,7 @@ from stages import data, engine, models
 from stages.losses import dpo_loss, token_logprobs
 
 
+@kinds.implements("dpo")
 def run(task, ctx) -> dict:
     stage = task.stage
 

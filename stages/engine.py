@@ -1,9 +1,12 @@
 """The training engine every stage shares: DeepSpeed config and start-up, the
 training loop, resumable checkpoints, metrics, and export to Hugging Face format.
 
-A stage supplies three things to `train`: a loss on one micro batch, an
-evaluation, and its micro batches; the loop does the rest the same way for
-every stage, which is what makes resume and metrics uniform.
+Every trainable stage runs on one loop (`run`): resume, metrics, the log, eval and
+save intervals, save-and-requeue at a signal, the hang watchdog and progress are the
+same for every stage, which is what makes resume and metrics uniform. A stage brings
+only its unit of work (`Work`): a supervised stage hands `train` a loss on one micro
+batch, an evaluation and its micro batches (`Loop`); RL hands `run` its rollout and
+update (stages/ppo.py).
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from core import timeline
 from core import batching
-from core.deepspeed_settings import bucket_elements, persistence_threshold
+from core.batching import accumulation_steps
+from core.deepspeed_settings import bucket_elements, offloads_optimizer, persistence_threshold
 from core.errors import InvalidInput
 from core.failure import saving
 from core.runfolder import temporary
@@ -37,15 +41,7 @@ log = logging.getLogger("stages")
 
 
 def gradient_accumulation(stage, world_size: int) -> int:
-    if stage.global_batch_size is None:
-        return 1
-    per_pass = stage.micro_batch_size * world_size
-    if stage.global_batch_size % per_pass:
-        raise ValueError(
-            f"global_batch_size {stage.global_batch_size} is not a multiple of "
-            f"micro_batch_size x processes = {stage.micro_batch_size} x {world_size}"
-        )
-    return stage.global_batch_size // per_pass
+    return accumulation_steps(stage.global_batch_size, stage.micro_batch_size, world_size)
 
 
 def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool) -> dict:
@@ -66,10 +62,11 @@ def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool) -> 
             stage3_prefetch_bucket_size=bucket,
             stage3_gather_16bit_weights_on_model_save=False,
         )
-    if stage.optimizer_offload and stage.zero_stage >= 1:
+    offloads = offloads_optimizer(stage.optimizer_offload, stage.zero_stage)
+    if offloads:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
     adam = {"lr": stage.learning_rate, "betas": list(stage.betas), "eps": 1e-8, "weight_decay": stage.weight_decay}
-    if not (stage.optimizer_offload and stage.zero_stage >= 1):
+    if not offloads:
         # torch's AdamW (fused into one kernel on GPU), not DeepSpeed's FusedAdam, which nvcc
         # compiles at the first step on every fresh node. Offload steps with DeepSpeed's CPU Adam.
         adam["torch_adam"] = True
@@ -261,9 +258,117 @@ def set_rng_states(states: dict) -> None:
 # --------------------------------------------------------------------------- the loop
 
 
+class Work(Protocol):
+    """What the loop (`run`) advances, one unit at a time: a supervised stage's optimizer step
+    (`OptimizerSteps`), or an RL rollout and its update (stages/ppo.py: several optimizer steps).
+
+    Unit u ends at optimizer step min(total_steps, (u + 1) x steps_per_unit): metrics, the
+    intervals, checkpoints and the schedule count optimizer steps; resume, signals and the
+    watchdog act between units.
+    """
+
+    engine: object  # the DeepSpeed engine whose checkpoint `latest` names
+    others: dict  # engines saved inside the same checkpoint (name -> engine), e.g. a critic
+    total_steps: int
+    steps_per_unit: int
+    log_interval: int  # optimizer steps between training records (and after the last unit)
+
+    def advance(self, unit: int, window: Window) -> None:
+        """Train unit `unit` (0-based), adding what it trained on to the window."""
+
+    def record(self) -> dict:
+        """The stage's numbers for the training record after the unit just advanced."""
+
+    def evaluate(self) -> dict:
+        """Evaluation metrics (names without `eval_`), the same on every rank."""
+
+    def state(self) -> dict:
+        """What a checkpoint keeps besides the engines, the step and the initial evaluation."""
+
+    def resume(self, state: dict) -> None:
+        """Take back `state()` from a checkpoint."""
+
+
+def crossed(interval: int, previous: int, step: int) -> bool:
+    """Whether a unit that took the optimizer steps from `previous` to `step` reached a multiple
+    of `interval` (0: never): the one rule for the log, eval and save intervals."""
+    return bool(interval) and step // interval > previous // interval
+
+
+def run(work: Work, stage, ctx) -> dict:
+    """Run (or resume) the units of `work`; returns initial and final eval metrics and the steps."""
+    checkpoints = Checkpoints(ctx.folder, stage.keep_checkpoints, ctx.is_main, ctx.rank)
+    metrics = Metrics(ctx, work.total_steps)
+
+    state = checkpoints.load(work.engine, work.others)
+    if state is None:
+        start_step = 0
+        initial = work.evaluate()
+        metrics.truncate_after(-1)
+        metrics.write(_evaluation(0, initial))
+    else:
+        start_step = state["step"]
+        # An RL checkpoint from before this loop kept its initial evaluation under its own name.
+        initial = state["initial_eval"] if "initial_eval" in state else {"reward": state["initial_reward"]}
+        work.resume(state)
+        metrics.truncate_after(start_step)
+
+    with preemption.Signals(ctx) as signals:
+        loop_started = time.time()
+        step = _units(work, stage, ctx, checkpoints, metrics, signals, initial, start_step)
+        log.info(signals.cost_line(time.time() - loop_started))
+
+    final = work.evaluate()
+    metrics.write(_evaluation(step, final))
+    metrics.close()
+    return {"initial": initial, "final": final, "steps": step}
+
+
+def _units(work, stage, ctx, checkpoints, metrics, signals, initial, start_step: int) -> int:
+    """The units after `start_step`; at a signal, save and requeue (never returns then)."""
+    window = Window(ctx)
+    step = logged = saved = start_step
+    hangs = watchdog.Watchdog(ctx, stage.hang_factor, stage.hang_min_s, ctx.task.max_retries,
+                              signals.submitit_handler).start()
+    per_unit = work.steps_per_unit
+    for unit in range(-(-start_step // per_unit), -(-work.total_steps // per_unit)):
+        hangs.step_started(step + 1)
+        unit_started = time.time()
+        work.advance(unit, window)
+        unit_s = time.time() - unit_started
+        hangs.step_ended()
+        previous, step = step, min(work.total_steps, (unit + 1) * per_unit)
+        last = step == work.total_steps
+        if crossed(work.log_interval, previous, step) or last:
+            # The first window after a resume may be short: it starts at the resumed step.
+            metrics.write({"step": step, **window.close(step - logged), **work.record()})
+            logged = step
+        paused = time.time()  # evaluation and saving are not training time
+        if crossed(stage.eval_interval, previous, step) and not last:
+            metrics.write(_evaluation(step, work.evaluate()))
+        client_state = {"step": step, "initial_eval": initial, **work.state()}
+        # The last step is saved too: a job stopped in the final evaluation or the export
+        # resumes there, not save_interval steps back, and the export can be checked against it.
+        if stage.save_interval and (crossed(stage.save_interval, previous, step) or last):
+            checkpoints.save(work.engine, step, client_state, work.others)
+            saved = step
+        signal_name = signals.requested(unit + 1, unit_s, last=last)
+        if signal_name:
+            metrics.close()
+            at_signal = {**client_state, "signal": signal_name}
+            signals.save_and_requeue(signal_name, step, None if saved == step else
+                                     lambda: checkpoints.save(work.engine, step, at_signal, work.others))
+        window.started += time.time() - paused
+    return step
+
+
+def _evaluation(step: int, results: dict) -> dict:
+    return {"step": step, **{f"eval_{k}": v for k, v in results.items()}}
+
+
 @dataclass
 class Loop:
-    """What a stage hands to `train`.
+    """What a supervised stage (SFT, RM, DPO) hands to `train`.
 
     `loss(batch, micro, step)` returns this micro batch's share of the step's mean
     loss over the whole global batch (every process, every micro batch: e.g. its
@@ -282,87 +387,59 @@ class Loop:
 
 
 def train(engine, loop: Loop, stage, ctx) -> dict:
-    """Run (or resume) the optimizer steps; returns initial and final eval metrics."""
-    checkpoints = Checkpoints(ctx.folder, stage.keep_checkpoints, ctx.is_main, ctx.rank)
-    metrics = Metrics(ctx, loop.total_steps)
-
-    state = checkpoints.load(engine)
-    if state is None:
-        start_step = 0
-        initial = loop.evaluate()
-        metrics.truncate_after(-1)
-        metrics.write({"step": 0, **{f"eval_{k}": v for k, v in initial.items()}})
-    else:
-        start_step, initial = state["step"], state["initial_eval"]
-        metrics.truncate_after(start_step)
-
-    engine.train()
-    with preemption.Signals(ctx) as signals:
-        loop_started = time.time()
-        step = _steps(engine, loop, stage, ctx, checkpoints, metrics, signals, initial, start_step)
-        log.info(signals.cost_line(time.time() - loop_started))
-
-    final = loop.evaluate()
-    metrics.write({"step": step, **{f"eval_{k}": v for k, v in final.items()}})
-    metrics.close()
-    return {"initial": initial, "final": final, "steps": step}
+    """Run (or resume) a supervised stage's optimizer steps on the loop; returns initial and final
+    eval metrics."""
+    return run(OptimizerSteps(engine, loop, stage.log_interval), stage, ctx)
 
 
-def _steps(engine, loop, stage, ctx, checkpoints, metrics, signals, initial, start_step: int) -> int:
-    """The optimizer steps after `start_step`; at a signal, save and requeue (never returns then)."""
-    world, window = dist.get_world_size(), Window(ctx)
-    step = saved = start_step
-    hangs = watchdog.Watchdog(ctx, stage.hang_factor, stage.hang_min_s, ctx.task.max_retries,
-                              signals.submitit_handler).start()
-    while step < loop.total_steps:
-        epoch, offset = divmod(step, loop.steps_per_epoch)
-        for planned in loop.steps(epoch)[offset:]:
-            hangs.step_started(step + 1)
-            step_started = time.time()
-            last = len(planned.micro_batches) - 1
-            for j, micro in enumerate(planned.micro_batches):
-                # Packed steps vary in micro batch count: the last one is the boundary, and
-                # the shares are already means over the step (no division by accumulation).
-                engine.set_gradient_accumulation_boundary(j == last)
-                batch = loop.batch(micro)
-                with batch.apart():
-                    loss, shares = loop.loss(batch, micro, planned)
-                    # DeepSpeed averages gradients over processes; the shares add up over them.
-                    engine.backward(loss * world, scale_wrt_gas=False)
-                engine.step()
-                window.add(batch, shares, loop.flops(batch) if micro.weight else 0.0)
-            step += 1
-            hangs.step_ended()
-            step_s = time.time() - step_started
-            if step % stage.log_interval == 0 or step == loop.total_steps:
-                # The first window after a resume may be short: it starts at the resumed step.
-                in_window = min(_steps_in_window(step, stage.log_interval), step - start_step)
-                record = {"step": step, **window.close(in_window)}
-                record["lr"] = engine.get_lr()[0]
-                norm = engine.get_global_grad_norm()
-                if norm is not None:
-                    record["grad_norm"] = float(norm)
-                record["epoch"] = epoch
-                metrics.write(record)
-            paused = time.time()  # evaluation and saving are not training time
-            if stage.eval_interval and step % stage.eval_interval == 0 and step < loop.total_steps:
-                metrics.write({"step": step, **{f"eval_{k}": v for k, v in loop.evaluate().items()}})
-                engine.train()
-            # The last step is saved too: a job stopped in the final evaluation or the export
-            # resumes there, not save_interval steps back, and the export can be checked against it.
-            if stage.save_interval and (step % stage.save_interval == 0 or step == loop.total_steps):
-                checkpoints.save(engine, step, {"step": step, "initial_eval": initial})
-                saved = step
-            signal_name = signals.requested(step, step_s, last=step >= loop.total_steps)
-            if signal_name:
-                metrics.close()
-                state = {"step": step, "initial_eval": initial, "signal": signal_name}
-                signals.save_and_requeue(signal_name, step,
-                                         None if saved == step else lambda: checkpoints.save(engine, step, state))
-            window.started += time.time() - paused
-            if step >= loop.total_steps:
-                break
-    return step
+class OptimizerSteps:
+    """A supervised stage's `Work`: a unit is one optimizer step over the micro batches the
+    stage's `Loop` plans for it."""
+
+    steps_per_unit = 1
+
+    def __init__(self, engine, loop: Loop, log_interval: int):
+        self.engine, self.loop, self.log_interval = engine, loop, log_interval
+        self.others: dict = {}
+        self.total_steps = loop.total_steps
+        self.epoch, self.planned = -1, []  # the epoch of the last step, and that epoch's steps
+
+    def advance(self, step: int, window: Window) -> None:
+        epoch, offset = divmod(step, self.loop.steps_per_epoch)
+        if epoch != self.epoch:
+            self.epoch, self.planned = epoch, self.loop.steps(epoch)
+        planned = self.planned[offset]
+        engine, world = self.engine, dist.get_world_size()
+        engine.train()  # evaluation leaves the model in eval mode, loading too
+        last = len(planned.micro_batches) - 1
+        for j, micro in enumerate(planned.micro_batches):
+            # Packed steps vary in micro batch count: the last one is the boundary, and
+            # the shares are already means over the step (no division by accumulation).
+            engine.set_gradient_accumulation_boundary(j == last)
+            batch = self.loop.batch(micro)
+            with batch.apart():
+                loss, shares = self.loop.loss(batch, micro, planned)
+                # DeepSpeed averages gradients over processes; the shares add up over them.
+                engine.backward(loss * world, scale_wrt_gas=False)
+            engine.step()
+            window.add(batch, shares, self.loop.flops(batch) if micro.weight else 0.0)
+
+    def record(self) -> dict:
+        record = {"lr": self.engine.get_lr()[0]}
+        norm = self.engine.get_global_grad_norm()
+        if norm is not None:
+            record["grad_norm"] = float(norm)
+        record["epoch"] = self.epoch
+        return record
+
+    def evaluate(self) -> dict:
+        return self.loop.evaluate()
+
+    def state(self) -> dict:
+        return {}
+
+    def resume(self, state: dict) -> None:
+        pass
 
 
 class Window:
@@ -432,10 +509,6 @@ def _device_peak_flops(ctx) -> Optional[float]:
 
     gpu = gpu_for_device(torch.cuda.get_device_name(ctx.device))
     return gpu.peak_tflops(ctx.task.stage.precision) * 1e12 if gpu else None
-
-
-def _steps_in_window(step: int, interval: int) -> int:
-    return step % interval or interval
 
 
 def all_reduce_sums(values) -> list[float]:

@@ -1,7 +1,8 @@
 """Reinforcement learning from a reward: GRPO (the default), Dr. GRPO, GSPO, RLOO, REINFORCE++,
 or PPO with a critic.
 
-The loop: rollout -> update -> log -> save. A rollout (stages/rollout.py) samples completions
+Each unit of the engine's loop (engine.run: resume, metrics, intervals, signals, the watchdog) is
+one rollout and its update (`Rollouts`). A rollout (stages/rollout.py) samples completions
 for a batch of prompts, scores them (rules and/or a reward model), takes the frozen models'
 views of them and computes advantages over the whole rollout. The update makes ppo_epochs
 passes over it in optimizer steps of global_batch_size sequences, each cut into micro batches of its
@@ -27,16 +28,17 @@ from typing import Callable, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from core import batching
+from core import batching, kinds
 from core.config import RULES_NEEDING_LABELS
 from core.errors import InvalidInput
 from core.flops import rollout_sequence_flops
 from core.rewards import RuleReward
-from stages import data, engine, generation, models, preemption, watchdog
+from stages import data, engine, generation, models
 from stages import losses as L
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, logprobs_of, values_of
 
 
+@kinds.implements("ppo")
 def run(task, ctx) -> dict:
     stage = task.stage
     torch.manual_seed(stage.seed + ctx.rank)
@@ -47,76 +49,17 @@ def run(task, ctx) -> dict:
     schedule = Schedule.of(stage, ctx.world_size, ds_config, len(prompts))
     rl_models = load_models(task, ctx, model_path, tokenizer, ds_config, schedule.total_steps)
     sampler = generation.engine_for(stage, rl_models.actor.module, ctx.device)  # before anything trains
-    maker = RolloutMaker(stage, ctx, rl_models, RuleReward.from_specs(stage.reward.rules))
-    flop_models = rollout_flop_models(task, model_path, rl_models)
-    window = engine.Window(ctx)  # a rollout's tokens, FLOPs, time and memory
-    kl_control = (L.AdaptiveKLController(stage.kl_coef, stage.kl_target, 10_000) if stage.kl_target
-                  else L.FixedKLController(stage.kl_coef))
-    checkpoints = engine.Checkpoints(ctx.folder, stage.keep_checkpoints, ctx.is_main, ctx.rank)
-    metrics = engine.Metrics(ctx, schedule.total_steps)
-    others = {"critic": rl_models.critic} if rl_models.critic is not None else None
+    rollouts = Rollouts(stage, ctx, rl_models, schedule, prompts, eval_prompts,
+                        rollout_flop_models(task, model_path, rl_models))
 
-    state = checkpoints.load(rl_models.actor, others)
-    if state is None:
-        start, step, initial_reward = 0, 0, maker.held_out_reward(eval_prompts)
-        metrics.truncate_after(-1)
-        metrics.write({"step": 0, "eval_reward": initial_reward})
-    else:
-        start, step, initial_reward = state["rollout"], state["step"], state["initial_reward"]
-        maker.moments.load_state_dict(state["moments"])
-        kl_control.value = state["kl_coef"]  # every rank's generators (the sampler's): Checkpoints.load
-        metrics.truncate_after(step)
-
-    signals = preemption.Signals(ctx).start()  # a signal: save after this rollout, requeue
-    # A rollout and its update (evaluation and saves not) far slower than the ones before is a hang.
-    hangs = watchdog.Watchdog(ctx, stage.hang_factor, stage.hang_min_s, task.max_retries,
-                              signals.submitit_handler).start()
-    for index in range(start, schedule.total_rollouts):
-        hangs.step_started(step + 1)
-        started = time.time()
-        window.restart()
-        rollout = maker.make(lambda round_: [prompts[i] for i in schedule.prompt_rows(index, round_, ctx)],
-                             kl_control.value)
-        flops = sum(rollout_sequence_flops(flop_models, len(s), stage.ppo_epochs) for s in rollout.sequences)
-        window.add(rollout, {}, flops)
-        trained_at = time.time()
-        trained = update(rl_models, rollout, stage, ctx, kl_control.value, index)
-        timing = {"train_s": time.time() - trained_at, "rollout_s": time.time() - started}
-        hangs.step_ended()
-        previous, step = step, min(schedule.total_steps, (index + 1) * schedule.steps_per_rollout)
-
-        kl_per_sequence = rollout_kl(rollout)
-        if kl_per_sequence is not None:
-            kl_control.update(kl_per_sequence, stage.rollout_batch_size * stage.n_samples_per_prompt)
-        metrics.write({**rollout_record(step, index, rollout, trained, kl_per_sequence, kl_control.value, timing,
-                                        rl_models.actor.get_lr()[0], stage), **window.close(step - previous)})
-        last = index + 1 == schedule.total_rollouts
-        if crossed(stage.eval_interval, previous, step) and not last:
-            metrics.write({"step": step, "eval_reward": maker.held_out_reward(eval_prompts)})
-        resume_state = {"rollout": index + 1, "step": step, "initial_reward": initial_reward,
-                        "moments": maker.moments.state_dict(), "kl_coef": kl_control.value}
-        # The last rollout is saved too (as in stages/engine.py): a stop in the final evaluation
-        # or the export resumes there.
-        periodic = bool(stage.save_interval) and (crossed(stage.save_interval, previous, step) or last)
-        if periodic:
-            checkpoints.save(rl_models.actor, step, resume_state, others)
-        signal_name = signals.requested(index + 1, time.time() - started, last=last)
-        if signal_name:
-            metrics.close()
-            signals.save_and_requeue(
-                signal_name, step, None if periodic else lambda: checkpoints.save(rl_models.actor, step, resume_state, others))
-    signals.stop()
-
-    final_reward = maker.held_out_reward(eval_prompts)
-    metrics.write({"step": step, "eval_reward": final_reward})
-    metrics.close()
+    outcome = engine.run(rollouts, stage, ctx)
     engine.export(rl_models.actor, tokenizer, stage, ctx.folder.model, ctx.is_main)
     if rl_models.critic is not None:
         engine.export(rl_models.critic, tokenizer, critic_stage(stage), ctx.folder.critic, ctx.is_main)
     return {
-        "initial_reward": initial_reward,
-        "final_reward": final_reward,
-        "steps": step,
+        "initial_reward": outcome["initial"]["reward"],
+        "final_reward": outcome["final"]["reward"],
+        "steps": outcome["steps"],
         "rollouts": schedule.total_rollouts,
         "train_prompts": len(prompts),
         "eval_prompts": len(eval_prompts),
@@ -124,6 +67,56 @@ def run(task, ctx) -> dict:
         "generation": sampler,
         "reference": None if rl_models.reference is None else stage.reference,  # null: none loaded (kl_coef 0)
     }
+
+
+class Rollouts:
+    """RL's unit of work on the engine's loop (engine.Work): one rollout and its update, which
+    is steps_per_rollout optimizer steps. A checkpoint keeps the reward normaliser's statistics
+    and the KL coefficient (every rank's generators, the sampler's: engine.Checkpoints)."""
+
+    log_interval = 1  # one metrics.jsonl line per rollout
+
+    def __init__(self, stage, ctx, rl_models: Models, schedule: Schedule, prompts: list[Prompt],
+                 eval_prompts: list[Prompt], flop_models: list):
+        self.stage, self.ctx, self.models, self.schedule = stage, ctx, rl_models, schedule
+        self.prompts, self.eval_prompts, self.flop_models = prompts, eval_prompts, flop_models
+        self.engine = rl_models.actor
+        self.others = {"critic": rl_models.critic} if rl_models.critic is not None else {}
+        self.total_steps, self.steps_per_unit = schedule.total_steps, schedule.steps_per_rollout
+        self.maker = RolloutMaker(stage, ctx, rl_models, RuleReward.from_specs(stage.reward.rules))
+        self.kl_control = (L.AdaptiveKLController(stage.kl_coef, stage.kl_target, 10_000) if stage.kl_target
+                           else L.FixedKLController(stage.kl_coef))
+        self.latest: dict = {}  # the last rollout's record
+
+    def advance(self, index: int, window: engine.Window) -> None:
+        stage, schedule = self.stage, self.schedule
+        started = time.time()
+        rollout = self.maker.make(
+            lambda round_: [self.prompts[i] for i in schedule.prompt_rows(index, round_, self.ctx)],
+            self.kl_control.value)
+        window.add(rollout, {}, sum(rollout_sequence_flops(self.flop_models, len(s), stage.ppo_epochs)
+                                    for s in rollout.sequences))
+        trained_at = time.time()
+        trained = update(self.models, rollout, stage, self.ctx, self.kl_control.value, index)
+        timing = {"train_s": time.time() - trained_at, "rollout_s": time.time() - started}
+        kl_per_sequence = rollout_kl(rollout)
+        if kl_per_sequence is not None:
+            self.kl_control.update(kl_per_sequence, stage.rollout_batch_size * stage.n_samples_per_prompt)
+        self.latest = rollout_record(index, rollout, trained, kl_per_sequence, self.kl_control.value, timing,
+                                     self.engine.get_lr()[0], stage)
+
+    def record(self) -> dict:
+        return self.latest
+
+    def evaluate(self) -> dict:
+        return {"reward": self.maker.held_out_reward(self.eval_prompts)}
+
+    def state(self) -> dict:
+        return {"moments": self.maker.moments.state_dict(), "kl_coef": self.kl_control.value}
+
+    def resume(self, state: dict) -> None:
+        self.maker.moments.load_state_dict(state["moments"])
+        self.kl_control.value = state["kl_coef"]
 
 
 # --------------------------------------------------------------------------- set-up
@@ -335,14 +328,13 @@ def rollout_kl(rollout: Rollout) -> Optional[float]:
     return total / max(count, 1.0)
 
 
-def rollout_record(step: int, index: int, rollout: Rollout, trained: dict, kl: Optional[float], kl_coef: float,
-                   timing: dict, lr: float, stage) -> dict:
+def rollout_record(index: int, rollout: Rollout, trained: dict, kl: Optional[float], kl_coef: float, timing: dict,
+                   lr: float, stage) -> dict:
     """One metrics.jsonl line per rollout: each number already a mean over its updates. Without a
     reference there is no KL to it: no `kl` (approx_kl, the update's KL to the sampling policy, stays)."""
     stats = rollout.stats
     sampled = stage.rollout_batch_size * stage.n_samples_per_prompt
     return {
-        "step": step,
         "rollout": index + 1,
         "reward": stats.reward,
         **{f"reward_{k}": v for k, v in stats.terms.items()},
@@ -359,7 +351,3 @@ def rollout_record(step: int, index: int, rollout: Rollout, trained: dict, kl: O
         "train_tokens_per_s": stage.ppo_epochs * stats.tokens / max(timing["train_s"], 1e-9),
         "lr": lr,
     }
-
-
-def crossed(interval: int, previous: int, step: int) -> bool:
-    return bool(interval) and step // interval > previous // interval

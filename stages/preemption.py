@@ -12,9 +12,12 @@ one-number all-reduce (MAX) of every rank's note, so a signal that reached any r
 known to all at the same step; they all save that step's checkpoint and then `requeue`:
 rank 0 hands the signal to submitit's own handler (requeue and exit), the others exit.
 Resume is therefore only ever at an optimizer-step boundary, never inside gradient
-accumulation. Outside the loop (loading, the final evaluation, export) submitit's
-handlers are in place as before: the job requeues at once and resumes from the newest
-checkpoint.
+accumulation. SIGINT is a user's stop (Ctrl-C, or a local `run` stopping:
+pipeline/executors/local.py): the same save at the step, then every rank exits with
+STOPPED_EXIT_CODE instead of requeueing, and the next `run` resumes from that step.
+Outside the loop (loading, the final evaluation, export) submitit's handlers are in
+place as before: the job requeues at once (or, at SIGINT, stops) and resumes from the
+newest checkpoint.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ import torch
 import torch.distributed as dist
 
 from core import timeline
+from stages.supervise import STOPPED_EXIT_CODE
 
 log = logging.getLogger("stages")
 
-CAUGHT = (signal.SIGUSR2, signal.SIGTERM)
+CAUGHT = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+STOP = "SIGINT"  # the one caught signal that stops the stage instead of requeueing it
 CHECK_BUDGET = 0.01  # the check may cost at most this share of a step ...
 MOST_STEPS_BETWEEN_CHECKS = 16  # ... but a signal waits at most this many steps to be seen
 
@@ -48,7 +53,7 @@ def steps_between_checks(check_s: float, step_s: float) -> int:
 
 
 class Signals:
-    """USR2/SIGTERM noted (not acted on) while the training loop runs; a context manager."""
+    """USR2/SIGTERM/SIGINT noted (not acted on) while the training loop runs; a context manager."""
 
     def __init__(self, ctx):
         self.device, self.rank, self.folder = ctx.device, ctx.rank, ctx.folder
@@ -65,9 +70,12 @@ class Signals:
         return self
 
     def stop(self) -> None:
-        """Back to submitit's handlers; one that arrived after the loop's last check acts now."""
+        """Back to submitit's handlers; one that arrived after the loop's last check acts now
+        (the job resumes from its newest checkpoint)."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        if self.received == signal.SIGINT:
+            self._stop_after(None)
         if self.received is not None:
             _call(self.previous.get(signal.SIGUSR2), signal.SIGUSR2)
 
@@ -121,7 +129,7 @@ class Signals:
 
     def save_and_requeue(self, name: str, step: int, save: Optional[Callable[[], None]]) -> None:
         """At the step every rank learnt of signal `name`: `save` (None: this step is saved
-        already), then requeue. Never returns."""
+        already), then requeue, or stop at SIGINT. Never returns."""
         if save is not None:
             started = time.time()
             save()
@@ -130,7 +138,18 @@ class Signals:
             timeline.record(self.folder, timeline.SAVED_AT_SIGNAL, signal=name, step=step,
                             reason=timeline.signal_reason(name, timeline.attempt_seconds(self.folder),
                                                           self.time_limit_min))
+        if name == STOP:
+            self._stop_after(step)
         self.requeue(self.rank, step)
+
+    def _stop_after(self, step: Optional[int]) -> None:
+        """A user's stop: every rank exits with STOPPED_EXIT_CODE, no requeue."""
+        since = f"{time.time() - self.received_at:.1f} s after the signal" if self.received_at else "on another rank's signal"
+        if step is not None:
+            log.warning("checkpoint at step %d saved %s: stopping (%s); the next run resumes from it", step, since, STOP)
+        else:
+            log.warning("%s after the last step: stopping; the next run resumes from the newest checkpoint", STOP)
+        _leave(STOPPED_EXIT_CODE)
 
     def requeue(self, rank: int, step: int) -> None:
         """After the checkpoint: rank 0 requeues through submitit and exits; the others exit."""

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from core import kinds
 from core.flops import sequence_flops
 from stages import data, engine, models
 from stages.losses import reward_pair_loss
 
 
+@kinds.implements("rm")
 def run(task, ctx) -> dict:
     stage = task.stage
 

@@ -1,7 +1,7 @@
 """One rollout of RL: sample completions, score them, the frozen models' views of them, advantages.
 
-stages/ppo.py runs the loop rollout -> update -> log -> save; this module makes the rollout and
-hands it over as a typed `Rollout`. Three phases, each timed (metrics: generate_s, score_s):
+stages/ppo.py trains on one rollout after another (each a unit of the engine's loop); this module
+makes the rollout and hands it over as a typed `Rollout`. Three phases, each timed (metrics: generate_s, score_s):
 
 1. sampling: `generate` (stages/generation.py: padded `generate`, or transformers' continuous
    batching) is the one function that turns prompts into completions. With

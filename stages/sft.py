@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from core import kinds
 from core.flops import sequence_flops
 from stages import data, engine, models
 from stages.losses import token_logprobs
 
 
+@kinds.implements("sft")
 def run(task, ctx) -> dict:
     stage = task.stage
 

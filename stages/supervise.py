@@ -2,7 +2,7 @@
 
     python -m stages.supervise RUN_DIR COMMAND...
 
-The local executor (pipeline/launch.py) starts each task of a stage job through
+The local executor (pipeline/executors/local.py) starts each task of a stage job through
 this: it runs COMMAND (submitit's `python -u -m submitit.core._submit ...`) as a
 child, passes on the signals the job controller sends (interrupt, terminate,
 submitit's USR2 for a time-out), and exits as the child did. When the child was
@@ -31,6 +31,11 @@ from core.runfolder import StageFolder
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 REQUEUE_EXIT_CODE = 144  # submitit's local executor: the task asks to be started again
+# A task stopped at a user's interrupt (SIGINT: Ctrl-C, or the local `run` stopping): it saved
+# at the signal in the training loop (stages/preemption.py), or was interrupted outside it and
+# resumes from its newest checkpoint. Not a failure: nothing to record.
+STOPPED_EXIT_CODE = 128 + signal.SIGINT
+STOPPED = (STOPPED_EXIT_CODE, -signal.SIGINT)
 
 
 def main(argv: list[str]) -> int:
@@ -44,7 +49,7 @@ def main(argv: list[str]) -> int:
     code = child.wait()
     recorded = failure.read_record(folder.failure_record(rank))
     # (A record of another job is stale: e.g. written by a stage process of a killed earlier run.)
-    if code not in (0, REQUEUE_EXIT_CODE) and (recorded is None or recorded.job_id != failure.task_job_id()):
+    if code not in (0, REQUEUE_EXIT_CODE, *STOPPED) and (recorded is None or recorded.job_id != failure.task_job_id()):
         after = oom_kill_count()
         oom_killed = code == -signal.SIGKILL and None not in (oom_kills, after) and after > oom_kills
         failure.write(folder, failure.died(rank, code, oom_killed, log=_log_path(folder, rank)))
@@ -52,7 +57,10 @@ def main(argv: list[str]) -> int:
 
 
 def _die_with_parent() -> None:
-    """In the child: be killed when this watcher dies (e.g. SIGKILLed with the job), never orphaned."""
+    """In the child: be killed when this watcher dies (e.g. SIGKILLed with the job), never orphaned;
+    and take SIGINT as python does by default, although the local job's controller ignores it
+    (pipeline/executors/local.py): the stage stops at an interrupt outside its training loop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):

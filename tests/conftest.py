@@ -65,6 +65,19 @@ def run_cli(*args, cwd: Path, timeout=900) -> subprocess.CompletedProcess:
     )
 
 
+def states_in_report_and_status(config: Path, cwd: Path) -> tuple[dict, dict]:
+    """{stage: its state cell in report.html's final-metrics table} and {stage: `status`'s state}."""
+    import html
+    import re
+
+    assert run_cli("report", config, cwd=cwd).returncode == 0
+    statuses = json.loads(run_cli("status", config, "--json", cwd=cwd).stdout)
+    page = (Path(statuses["run_dir"]) / "report.html").read_text()
+    table = page.split("<h2>Final metrics</h2>")[1].split("</table>")[0]
+    cells = re.findall(r"<tr><td>([^<]*)</td><td>[^<]*</td><td>([^<]*)</td>", table)
+    return {name: html.unescape(cell) for name, cell in cells}, {s["name"]: s["state"] for s in statuses["stages"]}
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

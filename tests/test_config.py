@@ -6,7 +6,7 @@ import pytest
 
 from core.config import CONFIGS_DIR, load_pipeline, slurm_time_to_minutes
 from core.errors import InvalidInput
-from tests.conftest import tiny_pipeline, write_pipeline
+from tests.conftest import run_cli, tiny_pipeline, write_pipeline
 
 
 def load(tmp_path, spec: dict):
@@ -111,12 +111,24 @@ def test_upstream_stage_must_exist(tmp_path):
     assert "no stage named 'stf'" in message and "did you mean 'sft'" in message
 
 
-def test_stages_that_start_from_each_other_in_a_cycle_are_rejected(tmp_path):
+def test_stages_that_start_from_each_other_in_a_cycle_are_rejected_naming_them(tmp_path):
+    data = {"path": "builtin:digits"}
     spec = tiny_pipeline(stages=[
-        {"name": "a", "kind": "sft", "from": "b", "data": {"path": "builtin:digits"}},
-        {"name": "b", "kind": "sft", "from": "a", "data": {"path": "builtin:digits"}},
+        {"name": "x", "kind": "sft", "model": "builtin:tiny-llama", "data": data},
+        {"name": "y", "kind": "sft", "from": "x", "data": data},
+        {"name": "a", "kind": "sft", "from": "c", "data": data},
+        {"name": "b", "kind": "sft", "from": "a", "data": data},
+        {"name": "c", "kind": "sft", "from": "b", "data": data},
     ])
-    assert "cycle" in error_of(tmp_path, spec)
+    assert "form a cycle: a -> c -> b -> a (each starts from the next)" in error_of(tmp_path, spec)
+
+
+def test_an_empty_model_is_refused_showing_the_value(tmp_path):
+    spec = tiny_pipeline()
+    spec["stages"][0]["model"] = ""
+    result = run_cli("validate", write_pipeline(tmp_path, spec), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert 'stages[0] (sft).model: is empty (""): give a model folder' in result.stderr
 
 
 def test_a_stage_needs_exactly_one_starting_point(tmp_path):

@@ -121,7 +121,8 @@ def test_bad_input_found_inside_a_stage_is_reported_as_bad_input_exit_2(tmp_path
     from submitit import LocalJob
 
     from core import config
-    from pipeline import graph, launch
+    from pipeline import graph
+    from pipeline.executors import local
 
     spec = config.PipelineSpec.model_validate({**tiny_pipeline(), "runs_dir": str(tmp_path / "runs")})
     task = graph.build_tasks(spec)[0]
@@ -132,7 +133,7 @@ def test_bad_input_found_inside_a_stage_is_reported_as_bad_input_exit_2(tmp_path
             raise InvalidInput("data/rows.jsonl: every row loses its response to max_len 48")
         except InvalidInput as err:
             failure.record_exception(task.folder, rank, err, log=None)
-    error = launch.stage_failure(task, LocalJob(folder=task.folder.logs, job_id="4242", tasks=[0, 1]))
+    error = local.stage_failure(task, LocalJob(folder=task.folder.logs, job_id="4242", tasks=[0, 1]))
     assert isinstance(error, InvalidInput) and error.exit_code == 2
     assert error.message == "stage sft: data/rows.jsonl: every row loses its response to max_len 48"
 
@@ -215,8 +216,8 @@ def test_a_task_the_out_of_memory_killer_ends_is_recorded_as_host_out_of_memory(
 DISK_SCRIPT = r"""
 import json, os, subprocess, sys
 from pathlib import Path
-from core.runfolder import StageFolder
 from core import failure, tiny
+from core.runfolder import StageFolder
 from stages import compat, distributed, engine, models
 from tests.test_engine import stage
 from tests.test_failures import fill

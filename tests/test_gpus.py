@@ -23,10 +23,11 @@ def test_a_stage_task_that_asked_for_gpus_and_finds_none_fails_instead_of_traini
 
 def local_executor_for(workdir, cluster: dict):
     from core.config import load_pipeline
-    from pipeline import graph, launch
+    from pipeline import graph
+    from pipeline.executors import local
 
     spec = load_pipeline(str(write_pipeline(workdir, tiny_pipeline(cluster=cluster))))
-    return launch.local_executor(spec, graph.build_tasks(spec)[0])
+    return local.local_executor(spec, graph.build_tasks(spec)[0])
 
 
 def test_the_gpus_asked_for_reach_submitit_one_process_each(workdir, monkeypatch):

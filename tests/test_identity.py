@@ -8,7 +8,9 @@ import json
 import os
 
 from core import config as config_module
-from pipeline import graph, launch
+from core import measured
+from pipeline import graph
+from pipeline.executors.base import write_spec
 from pipeline.identity import SAMPLE, Digests, file_digest
 from tests.conftest import run_cli, tiny_pipeline, write_pipeline
 
@@ -26,7 +28,7 @@ def chain(workdir) -> dict:
 
 def finish_all(spec) -> None:
     for task in graph.build_tasks(spec):
-        launch.write_spec(task)
+        write_spec(task)
         task.folder.result.write_text(json.dumps({"spec_hash": task.spec_hash}))
 
 
@@ -53,6 +55,31 @@ def test_a_changed_input_reruns_its_stage_and_what_starts_from_it_saying_why(wor
     assert plan["sft"] == ("run", f"data.path ({workdir / 'sft.jsonl'}) changed")
     assert plan["dpo"] == plan["rl"] == ("run", "upstream sft starts over")
     assert sorted(p.name.split(".")[0] for p in (workdir / "runs" / "t").glob("*.superseded-*")) == ["dpo", "rl", "sft"]
+
+
+def test_only_a_folder_with_outputs_is_superseded_a_never_started_one_is_reused(workdir):
+    """An sft interrupted before dpo and rl started: run wrote their plan.json (and, as Slurm
+    does on submitting them, rl's spec.json); sft's data then changes."""
+    config = write_pipeline(workdir, chain(workdir))
+    spec = config_module.load_pipeline(str(config))
+    tasks = {t.name: t for t in graph.build_tasks(spec)}
+    write_spec(tasks["sft"])
+    tasks["sft"].folder.metrics.write_text('{"step": 1, "loss": 2.0}\n')  # trained a little
+    measured.save_plans(graph.plan_actions(list(tasks.values())), {"stages": [{"stage": n} for n in tasks]})
+    write_spec(tasks["rl"])
+
+    (workdir / "sft.jsonl").write_text('{"prompt": "1 2", "response": "4"}\n' * 20)
+    states = lambda: [s["state"] for s in json.loads(run_cli("status", config, "--json", cwd=workdir).stdout)["stages"]]  # noqa: E731
+    assert states() == ["not finished", "not started", "not started"]  # rl: an earlier spec, never started
+    plan = {p.task.name: p for p in graph.plan_actions(graph.build_tasks(spec))}
+    assert plan["sft"].moved_aside and plan["sft"].reason.startswith("data.path")
+    assert [(plan[n].action, plan[n].moved_aside) for n in ("dpo", "rl")] == [("run", None), ("run", None)]
+    run_dir = workdir / "runs" / "t"
+    assert [p.name.split(".")[0] for p in run_dir.glob("*.superseded-*")] == ["sft"]
+    assert sorted(p.name for p in (run_dir / "rl").iterdir()) == ["plan.json"]  # the stale spec.json is gone
+    status = json.loads(run_cli("status", config, "--json", cwd=workdir).stdout)
+    assert [s["state"] for s in status["stages"]] == ["not started"] * 3, status
+    assert [s["path"].split("/")[-1].split(".")[0] for s in status["superseded"]] == ["sft"]
 
 
 def test_rerun_asks_for_a_stage_and_what_starts_from_it(workdir):

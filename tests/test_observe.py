@@ -12,7 +12,7 @@ from core import metrics as records
 from core.config import PipelineSpec
 from core.errors import InvalidInput
 from pipeline import docs
-from tests.conftest import run_cli, tiny_pipeline, write_pipeline
+from tests.conftest import run_cli, states_in_report_and_status, tiny_pipeline, write_pipeline
 
 
 def test_eta_is_the_pace_so_far_times_the_steps_left():
@@ -145,8 +145,8 @@ import torch, torch.distributed as dist
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", RANK="0", WORLD_SIZE="1")
 dist.init_process_group("nccl", rank=0, world_size=1)
-from core.runfolder import StageFolder
 from core import metrics as records
+from core.runfolder import StageFolder
 from stages import engine, tracking
 
 device = torch.device("cuda", 0)
@@ -239,3 +239,37 @@ def test_the_report_of_a_chain_still_running_shows_what_its_folders_hold_so_far(
                                                         "sft memory"]
     assert "step 15/40 (38%)" in page  # sft's state in the final metrics table
     assert page.count("No metrics yet") == 1  # dpo
+
+
+def test_report_and_status_agree_on_each_stage_after_a_cancel_a_kill_and_before_a_start(workdir):
+    """Three stages: one a local `run` recorded as cancelled, one whose `run` was killed while it
+    trained (its record still says running), one never started; the first two wrote a training
+    record with an ETA. The report says what `status` says of each, with no ETA for any."""
+    import json
+    import socket
+
+    from core.config import load_pipeline
+    from pipeline import state
+    from pipeline.executors.local import LocalExecutor
+    from pipeline.graph import build_tasks
+
+    sft = {"kind": "sft", "model": "builtin:tiny-llama", "data": {"path": "builtin:digits"}, "max_steps": 40}
+    config = write_pipeline(workdir, tiny_pipeline(stages=[{"name": n, **sft} for n in ("cancelled", "killed", "later")]))
+    spec = load_pipeline(str(config))
+    run_state = state.RunState(pipeline=spec.name, config=str(config))
+    for task, ended in zip(build_tasks(spec)[:2], (state.CANCELLED, state.RUNNING)):
+        task.folder.path.mkdir(parents=True)
+        task.folder.spec.write_text(json.dumps({"spec_hash": task.spec_hash}))
+        task.folder.metrics.write_text(json.dumps({"step": 15, "loss": 1.0, "eta_s": 40.0, "total_steps": 40,
+                                                   "time": 1000.0}) + "\n")
+        run_state.stages[task.name] = state.StageRecord(
+            job_id="1", executor=LocalExecutor.name, host=socket.gethostname(), state=ended,
+            detail="interrupted (SIGINT): saved at step 15" if ended == state.CANCELLED else "",
+            spec_hash=task.spec_hash, submitted_at=state.now(), logs=str(task.folder.logs))
+    state.save(spec.run_dir.resolve(), run_state)
+
+    in_report, in_status = states_in_report_and_status(config, workdir)
+    assert in_status == {"cancelled": "cancelled", "killed": "failed", "later": "not started"}
+    for name, said in in_status.items():
+        assert in_report[name].split(",")[0].split(":")[0] == said and "ETA" not in in_report[name], in_report
+    assert in_report["cancelled"].startswith("cancelled, step 15/40 (38%): interrupted (SIGINT): saved at step 15")

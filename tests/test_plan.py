@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from core import hardware, shapes
+from core import hardware, kinds, shapes
 from core.config import CONFIGS_DIR, LoraSpec, PipelineSpec, load_pipeline
 from core.errors import EXIT_DOES_NOT_FIT, EXIT_INVALID, DoesNotFit, InvalidInput
 from pipeline import plan
@@ -29,12 +29,14 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 def stage(**fields):
-    """A stage spec as the planner reads it (plain attributes, schema defaults)."""
-    spec = dict(name="s", kind="sft", precision="bf16", zero_stage=2, optimizer_offload=False,
-                gradient_checkpointing=False, attention="flash_attention_2", lora=None, max_len=2048,
-                micro_batch_size=1, global_batch_size=None, epochs=1, max_steps=None, nodes=1)
+    """A stage spec as the pipeline file would give it (its kind's schema, validated)."""
+    spec = dict(name="s", kind="sft", model="builtin:tiny-llama", data={"path": "builtin:digits"}, precision="bf16",
+                zero_stage=2, optimizer_offload=False, gradient_checkpointing=False, attention="flash_attention_2",
+                lora=None, max_len=2048, micro_batch_size=1, global_batch_size=None, epochs=1, max_steps=None, nodes=1)
+    if fields.get("kind") == "ppo":
+        spec["reward"] = {"rules": [{"rule": "exact_match"}]}
     spec.update(fields)
-    return SimpleNamespace(**spec)
+    return kinds.get(spec["kind"]).schema.model_validate(spec)
 
 
 def node(gpu="a100-80gb", gpus=8, **fields):

@@ -67,3 +67,16 @@ def test_the_fitted_rates_are_what_the_records_give():
     assert set(written) == set(fitted)
     for name, value in written.items():
         assert value == pytest.approx(fitted[name], rel=0.03), name
+
+
+def test_a_record_planned_with_a_calibration_takes_the_rates_it_measured():
+    """`python -m benchmarks.gpu.records --calibration FILE`: the same case, the node's rates."""
+    from core import calibration
+    from tests.test_calibrate import a_calibration
+
+    record = next(r for r in RECORDS if r.gpu == "h100-80gb" and r.kind == "project")
+    measured = calibration.from_json(a_calibration(memory_bandwidth_gbs=2589.0 / 2), "a test")
+    built_in, calibrated = records.planned(record).time, records.planned(record, measured).time
+    assert built_in.calibration is None and calibrated.calibration == "calibrated on gpu07, 2026-11-26"
+    # the loss's bytes per logit over half the copy bandwidth the H100's records measured: twice as long
+    assert calibrated.compute_terms["loss"] == pytest.approx(2 * built_in.compute_terms["loss"], rel=1e-6)

@@ -101,6 +101,76 @@ def test_rng_states_round_trip():
     assert again[0] == expected[0] and again[1] == expected[1] and torch.equal(again[2], expected[2])
 
 
+class JsonEngine:
+    """A stand-in for a DeepSpeed engine: its checkpoint is the client state, as JSON."""
+
+    def save_checkpoint(self, folder, tag, client_state=None, save_latest=False):
+        (Path(folder) / tag).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / tag / "client.json").write_text(json.dumps(client_state))
+
+    def load_checkpoint(self, folder, tag):
+        return folder, json.loads((Path(folder) / tag / "client.json").read_text())
+
+
+class FourStepUnits:
+    """engine.Work whose units are 4 optimizer steps each (an RL rollout's update), 10 in all."""
+
+    steps_per_unit, total_steps, log_interval = 4, 10, 1
+
+    def __init__(self):
+        self.engine, self.others = JsonEngine(), {"critic": JsonEngine()}
+        self.advanced, self.evaluations, self.resumed = [], 0, None
+
+    def advance(self, unit, window):
+        self.advanced.append(unit)
+        window.add(SimpleNamespace(real_tokens=1, processed_tokens=1), {"loss": torch.tensor(float(unit))}, 0.0)
+
+    def record(self):
+        return {"lr": 0.1, "unit": self.advanced[-1]}
+
+    def evaluate(self):
+        self.evaluations += 1
+        return {"score": float(self.evaluations)}
+
+    def state(self):
+        return {"units": len(self.advanced)}
+
+    def resume(self, state):
+        self.resumed = state["units"]
+
+
+def test_units_of_several_optimizer_steps_log_evaluate_and_save_by_step_and_resume_at_the_next_unit(
+        one_process_group, tmp_path):
+    from core import metrics as records
+    from core.runfolder import StageFolder
+    from stages import engine
+
+    folder = StageFolder(tmp_path / "rl")
+    folder.path.mkdir()
+    task = SimpleNamespace(name="rl", wandb=None, max_retries=2, time_limit_min=None, processes_per_node=1)
+    ctx = SimpleNamespace(folder=folder, is_main=True, rank=0, device=torch.device("cpu"), on_gpu=False,
+                          world_size=1, task=task)
+    stage = SimpleNamespace(keep_checkpoints=5, eval_interval=3, save_interval=5, hang_factor=0, hang_min_s=300.0)
+
+    work = FourStepUnits()
+    assert engine.run(work, stage, ctx) == {"initial": {"score": 1.0}, "final": {"score": 4.0}, "steps": 10}
+    # The last unit is cut at total_steps; an interval counts when a unit's steps reach a multiple of it.
+    assert work.advanced == [0, 1, 2]
+    written = records.read(folder.metrics)
+    training = [(r["step"], r["unit"], r["loss"]) for r in written if "lr" in r]
+    assert training == [(4, 0, 0.0), (8, 1, 0.25), (10, 2, 1.0)]  # window means are per optimizer step
+    assert [r["step"] for r in written if "eval_score" in r] == [0, 4, 8, 10]  # 3 in (0, 4], 6 in (4, 8], the end
+    assert folder.checkpoint_tags() == ["step-00000008", "step-00000010"]  # 5 in (4, 8], and the last
+    assert (folder.checkpoints / "step-00000008" / "critic" / "client.json").exists()
+
+    # Stopped after step 8: the resumed run trains the third unit only, with the state saved at step 8.
+    folder.latest_marker.write_text("step-00000008")
+    again = FourStepUnits()
+    assert engine.run(again, stage, ctx) == {"initial": {"score": 1.0}, "final": {"score": 1.0}, "steps": 10}
+    assert again.advanced == [2] and again.resumed == 2
+    assert [(r["step"], r["unit"]) for r in records.read(folder.metrics) if "lr" in r] == [(4, 0), (8, 1), (10, 2)]
+
+
 def events_folder(tmp_path, *events) -> "StageFolder":
     """A stage folder whose events.jsonl holds `events` (dicts), one second apart."""
     from core.runfolder import StageFolder

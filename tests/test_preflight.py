@@ -12,17 +12,26 @@ import sys
 import pytest
 
 from core.config import load_pipeline
+from core.config import load_pipeline
+from core.errors import InvalidInput
 from core.errors import InvalidInput
 from core.rows import read_rows
 from pipeline import preflight
+from pipeline.executors import executor_for
 from pipeline.hfcache import hf_cache
 from pipeline.modelfiles import BadModelFile, check_weights
 from tests.conftest import tiny_pipeline, write_pipeline
 
 
+def check(tmp_path, spec) -> None:
+    """preflight.check of the pipeline file `spec`, for its own executor."""
+    loaded = load_pipeline(str(write_pipeline(tmp_path, spec)))
+    preflight.check(loaded, executor_for(loaded.cluster.executor))
+
+
 def refusal(tmp_path, spec) -> str:
     with pytest.raises(InvalidInput) as info:
-        preflight.check(load_pipeline(str(write_pipeline(tmp_path, spec))))
+        check(tmp_path, spec)
     return info.value.message
 
 
@@ -119,8 +128,7 @@ def folder_spec(path, **data):
 
 def test_a_dataset_dict_folder_with_its_splits_passes(tmp_path, saved_datasets):
     # 20 train rows; eval from the test split: 20 >= 8 x 2 processes
-    preflight.check(load_pipeline(str(write_pipeline(tmp_path, folder_spec(saved_datasets / "dict",
-                                                                             eval_split="test")))))
+    check(tmp_path, folder_spec(saved_datasets / "dict", eval_split="test"))
 
 
 def test_a_split_the_dataset_folder_lacks_lists_the_ones_it_has(tmp_path, saved_datasets):
@@ -234,8 +242,8 @@ def test_preflight_of_every_kind_of_input_imports_no_gpu_library(tmp_path, saved
         {"name": "rl", "kind": "ppo", "from": "sft2", "data": {"path": "rows.jsonl"}, "rollout_batch_size": 16,
          "micro_batch_size": 8, "max_new_tokens": 8, "reward": {"rules": [{"rule": "exact_match"}, {"function": "mine.py:score"}]}},
     ])
-    code = ("import sys; from core import config; from pipeline import preflight; "
-            "preflight.check(config.load_pipeline(sys.argv[1])); "
+    code = ("import sys; from core import config; from pipeline import preflight; from pipeline.executors import executor_for; "
+            "spec = config.load_pipeline(sys.argv[1]); preflight.check(spec, executor_for(spec.cluster.executor)); "
             "print(sorted(m for m in ('torch', 'transformers', 'deepspeed', 'datasets') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code, str(write_pipeline(tmp_path, spec))], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)

@@ -18,7 +18,8 @@ import sys
 import pytest
 
 from core import config as config_module
-from pipeline import graph, launch
+from pipeline import graph
+from pipeline.executors import slurm
 from tests.conftest import REPO, run_cli, tiny_pipeline, write_pipeline
 
 GOLDEN = REPO / "tests" / "golden" / "dpo-2n8g-container.sbatch"
@@ -77,7 +78,7 @@ def tasks_of(spec_dict):
 
 
 def batch_script(spec, task, after):
-    return launch.sbatch_script(launch.slurm_executor(spec, task, after))
+    return slurm.sbatch_script(slurm.slurm_executor(spec, task, after))
 
 
 def test_the_batch_script_of_a_two_node_container_stage_matches_the_golden_file(login_node):
@@ -92,7 +93,7 @@ def test_the_batch_script_of_a_two_node_container_stage_matches_the_golden_file(
 
 def test_a_container_stage_runs_python_inside_apptainer_with_gpus_and_binds(login_node):
     spec, tasks = tasks_of(REPRESENTATIVE)
-    command = shlex.split(launch.job_python(spec, tasks["dpo"]))
+    command = shlex.split(slurm.job_python(spec, tasks["dpo"]))
     assert command[:3] == ["apptainer", "exec", "--nv"]
     assert command[-2:] == [str(login_node / "images" / "pinned.sif"), "python"]
     binds = command[command.index("--bind") + 1].split(",")
@@ -114,7 +115,7 @@ def test_data_and_runs_outside_the_submit_folder_are_bound_too(login_node, tmp_p
     spec_dict["stages"] = [REPRESENTATIVE["stages"][0],
                            {**REPRESENTATIVE["stages"][1], "data": {"path": str(elsewhere / "data" / "prefs.jsonl")}}]
     spec, tasks = tasks_of(spec_dict)
-    command = shlex.split(launch.job_python(spec, tasks["dpo"]))
+    command = shlex.split(slurm.job_python(spec, tasks["dpo"]))
     binds = command[command.index("--bind") + 1].split(",")
     assert binds[:4] == [str(login_node), str(elsewhere / "runs" / "llama34b-dpo"), "/shared/hf-cache",
                          str(elsewhere / "data")]
@@ -123,13 +124,13 @@ def test_data_and_runs_outside_the_submit_folder_are_bound_too(login_node, tmp_p
 def test_without_gpus_the_container_gets_no_nv(login_node):
     spec_dict = {**REPRESENTATIVE, "cluster": {**REPRESENTATIVE["cluster"], "gpus_per_node": 0}}
     spec, tasks = tasks_of(spec_dict)
-    assert "--nv" not in shlex.split(launch.job_python(spec, tasks["dpo"]))
+    assert "--nv" not in shlex.split(slurm.job_python(spec, tasks["dpo"]))
 
 
 def test_without_a_container_the_job_runs_this_python(login_node):
     spec_dict = {k: v for k, v in REPRESENTATIVE.items() if k != "container"}
     spec, tasks = tasks_of(spec_dict)
-    assert launch.job_python(spec, tasks["dpo"]) == shlex.quote(sys.executable)
+    assert slurm.job_python(spec, tasks["dpo"]) == shlex.quote(sys.executable)
     assert "apptainer" not in batch_script(spec, tasks["dpo"], after=[])
 
 

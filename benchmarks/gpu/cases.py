@@ -84,6 +84,11 @@ MEMORY = [
     _memory("mem-sft-mb8", 55, micro_batch_size=8),
     _memory("mem-sft-z0", 50, zero_stage=0),
     _memory("mem-sft-mb2", 50, micro_batch_size=2),
+    # Settings no record had before the H100 session of 2026-11-26 (out-of-sample checks of the
+    # planner's fit): ZeRO-1's optimizer step (planned at ZeRO-2's bytes per parameter) and DPO
+    # with its live reference at half the micro batch.
+    _memory("mem-sft-z1", 50, zero_stage=1),
+    _memory("mem-dpo-live-mb2", 60, kind="dpo", reference="live", micro_batch_size=2),
 ]
 
 # The 34B slice (benchmarks/gpu/slice.py): each stage at the largest layer count that fits

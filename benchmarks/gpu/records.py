@@ -82,6 +82,24 @@ def records(root: Path = RESULTS) -> list[Record]:
     return found
 
 
+def calibrations(root: Path = RESULTS) -> dict:
+    """The calibration files on record (`python -m pipeline calibrate` on a lent GPU, kept as
+    calibration-*.json beside that session's records), by catalogue GPU; the latest where a GPU
+    has several. The fit takes its records' matmul time at the rates these measured at the
+    records' own shapes."""
+    from core import calibration as calibration_file
+
+    found = {}
+    for path in sorted(root.rglob("calibration-*.json")):
+        if any((parent / SUPERSEDED).is_file() for parent in path.parents if root in parent.parents or parent == root):
+            continue
+        measured = calibration_file.load(path)
+        if measured.gpu and measured.gpu.catalogue and measured.matmul:
+            if measured.gpu.catalogue not in found or measured.date > found[measured.gpu.catalogue].date:
+                found[measured.gpu.catalogue] = measured
+    return found
+
+
 def _superseded(folder: Path) -> dict:
     path = folder / SUPERSEDED_FIGURES
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -96,12 +114,16 @@ def _cores(folder: Path) -> int:
 DEFAULT_CORES = 16  # the lent GPU machine's (../shared/GPU.md), where a record has no env.json
 
 
-def planned(record: Record):
-    """The planner's Estimate of the recorded case (pipeline/plan/estimate.py)."""
+def planned(record: Record, calibration=None):
+    """The planner's Estimate of the recorded case (pipeline/plan/estimate.py); with a
+    calibration (core/calibration.py), the rates it measured in place of the built-in ones."""
     from pipeline.plan.estimate import estimate_stage
 
     knobs, shape, lengths = _case(record)
-    return estimate_stage(knobs, shape, _hardware(record), lengths=lengths)
+    hardware = _hardware(record)
+    if calibration is not None:
+        hardware = dataclasses.replace(hardware, calibration=calibration)
+    return estimate_stage(knobs, shape, hardware, lengths=lengths)
 
 
 def _case(record: Record):
@@ -149,9 +171,10 @@ def _project_case(record: Record):
     return knobs, shape, RowLengths(tuple(per_row), f"{len(rows)} rows of {name}, made again", "words")
 
 
-def compare(record: Record) -> dict:
-    """The measured and planned step time and GPU peak of a record, and how far apart."""
-    estimate = planned(record)
+def compare(record: Record, calibration=None) -> dict:
+    """The measured and planned step time and GPU peak of a record, and how far apart (planned
+    with a calibration's rates when one is given)."""
+    estimate = planned(record, calibration)
     plan_step = estimate.time.step_s
     # torch's reserved peak leaves out the CUDA context, which the plan counts (it must fit too)
     context = sum(i.bytes for i in estimate.memory.items if i.category == "context")
@@ -166,8 +189,11 @@ def compare(record: Record) -> dict:
 # --------------------------------------------------------------------------- the fit
 
 # The rates pipeline/plan/rates.py takes from the records, as the fit's columns: a column is
-# (name, the rate's unit, the feature it multiplies). Matmuls (measured ceiling) and the host
-# copies (datasheet) are not fitted: they are subtracted from the measured step first.
+# (name, the rate's unit, the feature it multiplies). Matmuls and the host copies are not
+# fitted: they are subtracted from the measured step first, the matmuls at the rates a
+# calibration on record measured at the record's shapes (calibrations(); else the GPU's 8192^3
+# rate), the copies at the built-in host link. The memory-bound columns are bytes over the
+# built-in copy bandwidth (core/hardware.py copy_bandwidth_gbs), what a calibration measures.
 FITTED = (
     ("SDPA_MASKED_EFFICIENCY", "1/x", lambda w, r, k: w["attention_flops"] / r.peak_flops if k == "sdpa" else 0.0),
     ("LOSS_BYTES_PER_LOGIT", "B", lambda w, r, k: w["logits"] / r.hbm_bytes_per_s.value),
@@ -187,6 +213,7 @@ def fit(found: list[Record]) -> dict:
     from pipeline.plan.inputs import attention_kernel
     from pipeline.plan.timing import rates_for
 
+    measured = calibrations()
     rows, targets = [], []
     for record in found:
         estimate = planned(record)
@@ -194,7 +221,9 @@ def fit(found: list[Record]) -> dict:
         rates = rates_for(knobs, _hardware(record), *stage_models(knobs, _case(record)[1]))
         work = {**t.work, "zero_stage": knobs.zero_stage, "cores": record.cores}
         kernel = attention_kernel(knobs.attention, True)
-        known = t.compute_terms["matmul"] + t.work["host_copies_s"] + t.exposed_communication_s
+        matmul = (planned(record, measured[record.gpu]).time.compute_terms["matmul"] if record.gpu in measured
+                  else t.compute_terms["matmul"])
+        known = matmul + t.work["host_copies_s"] + t.exposed_communication_s
         rows.append([column(work, rates, kernel) / record.step_s for _, _, column in FITTED])
         targets.append((record.step_s - known) / record.step_s)
     solution, *_ = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)
@@ -203,17 +232,28 @@ def fit(found: list[Record]) -> dict:
 
 def main() -> None:
     """A table of every record against the plan (python -m benchmarks.gpu.records), or with
-    `fit` the rates the records give (python -m benchmarks.gpu.records fit)."""
+    `fit` the rates the records give (python -m benchmarks.gpu.records fit), or with
+    `--calibration FILE` the records of that file's GPU planned with the rates it measured."""
     import sys
 
     if sys.argv[1:] == ["fit"]:
         for name, value in fit(records()).items():
             print(f"{name:<34} {value:.4g}")
         return
+    calibration, found = None, records()
+    if sys.argv[1:2] == ["--calibration"] and len(sys.argv) == 3:
+        from core import calibration as calibration_file
+
+        calibration = calibration_file.load(Path(sys.argv[2]))
+        gpu = calibration.gpu.catalogue if calibration.gpu else None
+        found = [r for r in found if r.gpu == gpu]
+        print(f"planned with {sys.argv[2]} ({calibration.node}, {calibration.date}), the records of {gpu}\n")
+    elif sys.argv[1:]:
+        raise SystemExit("usage: python -m benchmarks.gpu.records [fit | --calibration FILE]")
     print("| record | step s | plan step s | time | reserved GiB | plan GiB | memory |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for record in records():
-        c = compare(record)
+    for record in found:
+        c = compare(record, calibration)
         memory = f"{c['memory_error']:+.1%}" if c["memory_error"] is not None else "—"
         if "memory" in record.superseded:
             memory += " (superseded)"

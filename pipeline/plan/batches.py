@@ -19,8 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional
 
-from core.batching import line_tokens, pack_lines, pack_rows, round_robin
-from core.batching import token_budget
+from core.batching import line_tokens, pack_lines, pack_rows, round_robin, rows_per_step, token_budget
 from pipeline.lengths import RowLengths
 from pipeline.plan.inputs import Knobs
 
@@ -106,8 +105,8 @@ def simulate(knobs: Knobs, world: int, sequences_per_row: int, flat: bool, lengt
     attention kernel takes packed sequences on one line (flash attention)."""
     sampled = lengths.rows if lengths is not None and lengths.sampled else ()
     budget = token_budget(knobs, sequences_per_row) if knobs.packs else None
-    return _simulate(sampled, knobs.max_len, sequences_per_row, knobs.global_batch_size or knobs.micro_batch_size * world,
-                     knobs.micro_batch_size, world, budget, flat, lengths)
+    rows = rows_per_step(knobs.global_batch_size, knobs.micro_batch_size, world)
+    return _simulate(sampled, knobs.max_len, sequences_per_row, rows, knobs.micro_batch_size, world, budget, flat, lengths)
 
 
 @functools.lru_cache(maxsize=256)

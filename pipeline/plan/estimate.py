@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from core.config import SEQUENCES_PER_ROW
 from pipeline.lengths import RowLengths
 from pipeline.plan.batches import Batches, simulate
 from pipeline.plan.inputs import (
@@ -58,17 +57,8 @@ def estimate_stage(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional
 def stage_models(knobs: Knobs, shape: ModelShape, ppo: Optional[PPOWorkload] = None) -> tuple[list[ModelUse], Workload]:
     """The models a stage of this kind holds, and what it computes per row.
     A PPO stage's other models and rollout sizes come in `ppo`."""
-    kind = knobs.kind
-    if kind == "sft":
-        models = [ModelUse("policy", shape, "lm", trained=True)]
-    elif kind == "rm":
-        models = [ModelUse("reward model", shape, "scalar", trained=True)]
-    elif kind == "dpo":
-        if knobs.reference not in REFERENCE_PLACEMENTS:
-            raise ValueError(f"reference must be one of {', '.join(REFERENCE_PLACEMENTS)}, not '{knobs.reference}'")
-        models = [ModelUse("policy", shape, "lm", trained=True),
-                  ModelUse("reference", shape, "lm", trained=False, placement=knobs.reference)]
-    elif kind == "ppo":
+    kind = knobs.stage_kind
+    if kind.rollouts:
         ppo = ppo or PPOWorkload()
         models = ppo_models(shape, ppo.critic_shape, ppo.reward_shape, knobs.reference, ppo.reward_placement)
         new_tokens = min(ppo.new_tokens or knobs.max_len // 2, knobs.max_len)
@@ -79,9 +69,12 @@ def stage_models(knobs: Knobs, shape: ModelShape, ppo: Optional[PPOWorkload] = N
             micro_batch_in_sequences=True, train_passes=ppo.train_passes, scoring_batch=scoring,
             rows_per_rollout=ppo.rollout_rows or knobs.micro_batch_size,
         )
-    else:
-        raise ValueError(f"the planner does not know stage kind '{kind}'")
-    return models, Workload(SEQUENCES_PER_ROW[kind], knobs.max_len)
+    models = [ModelUse(kind.trained_role, shape, kind.trained_head, trained=True)]
+    if kind.frozen_reference:
+        if knobs.reference not in REFERENCE_PLACEMENTS:
+            raise ValueError(f"reference must be one of {', '.join(REFERENCE_PLACEMENTS)}, not '{knobs.reference}'")
+        models.append(ModelUse("reference", shape, "lm", trained=False, placement=knobs.reference))
+    return models, Workload(kind.sequences_per_row, knobs.max_len)
 
 
 def ppo_models(actor: ModelShape, critic: Optional[ModelShape], reward: Optional[ModelShape],

@@ -9,7 +9,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from core.config import SEQUENCES_PER_ROW
+from core.batching import rows_per_step
 from core.shapes import ModelShape
 from pipeline.lengths import RowLengths
 from pipeline.plan.estimate import Estimate, estimate_stage
@@ -46,16 +46,16 @@ def _candidate_changes(knobs: Knobs, hw: Hardware) -> list[tuple[str, dict, str,
             change["zero_stage"] = 2
             text += " (with zero_stage: 2)"
         out.append(("offload", change, text, False))
-    if knobs.kind in ("dpo", "ppo") and knobs.reference is not None:
-        # PPO's reference must score fresh samples: it cannot be precomputed.
-        for placement in ("offload", "precompute") if knobs.kind == "dpo" else ("offload",):
+    if knobs.stage_kind.frozen_reference and knobs.reference is not None:
+        # A rollout's reference must score fresh samples: it cannot be precomputed.
+        for placement in ("offload",) if knobs.stage_kind.rollouts else ("offload", "precompute"):
             if REFERENCE_PLACEMENTS.index(placement) > REFERENCE_PLACEMENTS.index(knobs.reference):
                 out.append(("reference", {"reference": placement}, f"reference: {placement}", False))
-    rows = knobs.global_batch_size or knobs.micro_batch_size * knobs.nodes * hw.processes_per_node
+    rows = rows_per_step(knobs.global_batch_size, knobs.micro_batch_size, knobs.nodes * hw.processes_per_node)
     smaller = knobs.micro_batch_size // 2
     if knobs.packs and knobs.micro_batch_tokens:  # the budget, not micro_batch_size, sizes a micro batch
         fewer = knobs.micro_batch_tokens // 2
-        if fewer >= knobs.max_len * SEQUENCES_PER_ROW[knobs.kind]:
+        if fewer >= knobs.max_len * knobs.stage_kind.sequences_per_row:
             out.append(("micro", {"micro_batch_tokens": fewer}, f"micro_batch_tokens: {fewer}", False))
     elif smaller >= 1 and rows % (smaller * knobs.nodes * hw.processes_per_node) == 0:
         out.append(("micro", {"micro_batch_size": smaller, "global_batch_size": rows},

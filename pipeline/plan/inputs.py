@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from core import hardware
+from core import hardware, kinds
 from core.batching import token_budget  # torch-free: the budget the stages pack micro batches by
+from core.deepspeed_settings import offloads_optimizer
+from core.kinds import StageKind
 from core.shapes import ModelShape
 
 GiB = 1024**3
@@ -40,7 +42,7 @@ class Knobs:
 
     @classmethod
     def from_stage(cls, stage) -> "Knobs":
-        lora = getattr(stage, "lora", None)
+        lora = stage.lora
         return cls(
             kind=stage.kind,
             precision=stage.precision,
@@ -52,8 +54,8 @@ class Knobs:
             lora_targets=tuple(lora.target_modules) if lora else (),
             max_len=stage.max_len,
             micro_batch_size=stage.micro_batch_size,
-            packing=bool(getattr(stage, "packing", True)),
-            micro_batch_tokens=getattr(stage, "micro_batch_tokens", None),
+            packing=stage.packing,
+            micro_batch_tokens=stage.micro_batch_tokens,
             global_batch_size=stage.global_batch_size,
             epochs=stage.epochs,
             max_steps=stage.max_steps,
@@ -67,21 +69,26 @@ class Knobs:
 
     @property
     def offloads(self) -> bool:
-        """DeepSpeed offloads the optimizer only with ZeRO 1-3 (stages/engine.py)."""
-        return self.optimizer_offload and self.zero_stage >= 1
+        """DeepSpeed offloads the optimizer only with ZeRO 1-3 (core/deepspeed_settings.py)."""
+        return offloads_optimizer(self.optimizer_offload, self.zero_stage)
+
+    @property
+    def stage_kind(self) -> StageKind:
+        return kinds.get(self.kind)
 
     @property
     def packs(self) -> bool:
-        """sft, rm and dpo pack micro batches by a token budget unless packing is off; PPO pads."""
-        return self.packing and self.kind in ("sft", "rm", "dpo")
+        """Kinds that read their rows pack micro batches by a token budget unless packing is off;
+        a rollout's sequences are batched by length."""
+        return self.packing and self.stage_kind.packs
 
 
 def reference_placement(stage) -> Optional[str]:
-    """Where a stage's frozen reference waits (dpo, ppo; "live" for the others, which hold none),
-    or None for a ppo stage without one (PPOStage.needs_reference: no KL term)."""
-    if not getattr(stage, "needs_reference", True):
-        return None
-    return getattr(stage, "reference", "live") or "live"
+    """Where a stage's frozen reference waits (kinds that keep one; "live" for the others, which
+    hold none), or None for one that needs none (PPOStage.needs_reference: no KL term)."""
+    if not kinds.get(stage.kind).frozen_reference:
+        return "live"
+    return stage.reference if stage.needs_reference else None
 
 
 def attention_kernel(attention: str, on_gpu: bool) -> str:

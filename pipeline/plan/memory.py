@@ -10,7 +10,8 @@
                 fp32 training: DeepSpeed copies the partition); ZeRO-0: 12*N with
                 bf16/fp16 (master + m + v), 8*N in fp32 (torch AdamW, no master)
     step        while the optimizer steps, the fp32 copy of the gradients:
-                ZeRO-0 bf16 4*N; ZeRO-1/2 4*N/W (with LoRA's single parameter
+                ZeRO-0 bf16 4*N; ZeRO-1/2 4*N/W plus the flat b*N/W copy it is made
+                from (measured, _fragmentation; with LoRA's single parameter
                 group the b*N/W partition is freed as it is made); ZeRO-3 4*N/W per
                 sub-group of about 1e9 elements, and it releases the persistent
                 whole copies first; fp32 ZeRO-0 needs none.
@@ -24,7 +25,8 @@
   precision (stages/models.py casts peft's fp32 adapters, which ZeRO-3 would
   otherwise keep in fp32).
 - buffers: ZeRO-1/2 gradient buckets during backward (reduce_bucket_size elements,
-  two with overlap_comm); ZeRO-3 one persistent bucket, the gathered weights of
+  two with overlap_comm), and on GPUs a second gradient partition kept on the reduction
+  stream; ZeRO-3 one persistent bucket, the gathered weights of
   the layer being computed plus the prefetched next one, and that layer's full
   gradients before they are reduce-scattered.
 - activations, the attention mask and logits of a micro batch: see
@@ -269,7 +271,7 @@ def _frozen_model(ledger: _Ledger, use: ModelUse) -> None:
             add(f"{role} weights offloaded ({prec}, whole copy per process)", "weights", "host", "always", total)
             add(f"{role} weights moved in for its forward", "weights", device, fwd_phase, total)
     passes = frozen_forward(use, knobs, ledger.workload, ledger.kernel)
-    if knobs.kind == "dpo":
+    if not knobs.stage_kind.rollouts:  # it runs between the policy's forward and backward on the same rows
         policy = ModelUse("policy", shape, "lm")
         passes += held_while_reference_runs(policy, knobs, ledger.workload, ledger.kernel)
     for name, category, amount in passes:
@@ -329,7 +331,17 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
             add(f"{role} fp32 gradients for the step (replacing the {prec} partition)", "gradients", device,
                 "optimizer step", (4 - b) * per_rank)
         else:
+            # DeepSpeed 0.19.8's step flattens the partition into a new tensor and copies that to
+            # fp32: in bf16/fp16 both are alive at once, and the flat one is freed before Adam runs,
+            # its block still reserved (measured, _fragmentation); in fp32 the copy is the flat
+            # tensor itself (.to() of the same dtype).
             add(f"{role} fp32 gradients for the step", "gradients", device, "optimizer step", 4 * per_rank)
+            if b != 4:
+                add(f"{role} flat {prec} gradient partition the step makes first (freed before Adam, "
+                    f"its block still reserved)", "workspace", device, "optimizer step", b * per_rank)
+            if ledger.on_gpu:
+                add(f"{role} second {prec} gradient partition, reduction stream (overlap_comm), kept cached",
+                    "workspace", device, "always", b * per_rank)
         add(f"{role} fp32 master + Adam m, v ({'host, ' if off else ''}{shard_note})", "optimizer", where,
             "always", 12 * per_rank)
     # communication buffers
@@ -346,7 +358,11 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
     elif z in (1, 2):
         # Allocated at the first gradient's hook, after the loss's backward freed the logits, and
         # released when the backward ends; overlap_comm double-buffers on GPUs (stages/engine.py).
-        add(f"{role} gradient buckets", "buffers", device, layers_phase(role), bucket * b * (2 if ledger.on_gpu else 1))
+        buckets = bucket * b * (2 if ledger.on_gpu else 1)
+        add(f"{role} gradient buckets", "buffers", device, layers_phase(role), buckets)
+        if ledger.on_gpu and not off and not knobs.lora_rank:
+            add(f"{role} the gradient bucket pair's freed blocks, cached apart from the step's tensors", "workspace",
+                device, "optimizer step", buckets)
 
 
 def loss_phase(role: str) -> str:
@@ -404,20 +420,48 @@ def _fragmentation(ledger: _Ledger, models: list[ModelUse]) -> None:
 
     - FRAGMENTATION of the largest phase's allocations: blocks split and cached as a micro
       batch's tensors come and go.
-    - The optimizer step allocates new segments while the forward and backward's freed blocks
-      stay cached, so the step phase reserves the largest forward/backward phase besides them:
-      a full fine-tune's flat fp32 gradient partition (ZeRO-1/2/3 stepping on the GPU: one
-      tensor larger than any block freed before; per-tensor buffers (ZeRO-0) and LoRA's small
-      ones reuse the cache), and under ZeRO-3 with optimizer offload a copy of the trained
-      layers' weight partitions (the 34B slice's reserved peak grew by 2x a layer's bf16 weights
-      per layer, its allocated peak by 1x: one process, 1 and 2 layers; why is not known, and at
-      several processes it is planned as the 1/W partition, which no record has checked).
+    - ZeRO-1/2 stepping on the GPU (full fine-tune), measured on the H100 on 2026-11-26 with an
+      allocator probe (benchmarks/gpu/stepmem_session.sh; benchmarks/results/h100-2026-11-26/
+      stepmem/; the 1B, one process, expandable segments as stages/distributed.py sets them):
+      DeepSpeed 0.19.8's step flattens the bf16 partition into a new tensor (b*N/W, 2.30 GiB),
+      copies it to fp32 (4*N/W, 4.60 GiB), frees the flat copy, and at the first step torch's
+      AdamW creates m and v (8*N/W) after them; the fp32 copy is freed at the step's end. So the
+      first step leaves a 6*N/W hole (flat + fp32) under m and v, and every later step puts its
+      flat and fp32 tensors into that hole again (no byte newly reserved at steps 2 and 3 in any
+      of six cases); the forward and backward reuse it too (without checkpointing fully: 39.53 GiB
+      = 16.18 resting + 18.72, the first step's activation footprint, + 4.61). The step does not
+      stack on the passes' freed blocks, as this function planned before (+6..+7% on the cases
+      without checkpointing and DPO with a live reference); it costs the states + (b+4)*N/W, the
+      two step items of _trained_model_states. Besides, on the reduction stream (overlap_comm)
+      a segment of two bf16 partitions (4.61 GiB in all six) stays reserved: the gradients and a
+      second partition-sized buffer made at the second micro batch (counted in _trained_model_states;
+      every ZeRO-1/2 record accumulates 2 or 8 micro batches, 1 is not measured). And the freed
+      blocks of the gradient bucket pair (2 x 0.93 GiB, every backward) may sit in a segment of
+      their own, apart from the step's larger tensors: micro batch 4 held a 1.97 GiB main-stream
+      segment with them and the logits (reserved peak 29.81 = 23.22 + 4.61 + 1.97), micro batch 2
+      had them in the main segment's tail, where the step used them (28.01 = 23.40 + 4.61).
+      Counted, on the safe side, in the step phase (_trained_model_states). Not counted: a later step's activations that
+      do not fit the hole (micro batch 8: 1.5 GiB of its 6.9 left unused, and a 0.39 GiB side
+      segment; planned -4.1%).
+      Reserved peaks under the probe, micro batch 2 / 4 / 8 / no checkpointing / DPO live /
+      DPO precompute: 28.02 / 29.81 / 32.04 / 39.53 / 34.91 / 32.35 GiB (the records: 28.0 /
+      29.8 / 32.3 / 39.5 / 35.1 / 32.3). The first step sets the peak at micro batch 2 and 4,
+      a later step's forward and backward at 8, without checkpointing and in DPO.
+    - ZeRO-3 stepping on the GPU: the optimizer step allocates new segments while the forward
+      and backward's freed blocks stay cached, so the step phase reserves the largest
+      forward/backward phase besides them (the flat fp32 gradient partition of a sub-group, one
+      tensor larger than any block freed before; not re-measured with the probe). Under ZeRO-3
+      with optimizer offload, a copy of the trained layers' weight partitions too (the 34B slice's
+      reserved peak grew by 2x a layer's bf16 weights per layer, its allocated peak by 1x: one
+      process, 1 and 2 layers; why is not known, and at several processes it is planned as the
+      1/W partition, which no record has checked). Per-tensor buffers (ZeRO-0) and LoRA's small
+      ones reuse the cache.
     Fitted to the GPU records (benchmarks/gpu/records.py)."""
     knobs, phases = ledger.knobs, ledger.phase_bytes
     largest = max(phases.values(), default=0)
     step = "optimizer step"
     new_segments = 0
-    if knobs.zero_stage >= 1 and not knobs.offloads and not knobs.lora_rank and step in phases:
+    if knobs.zero_stage == 3 and not knobs.offloads and not knobs.lora_rank and step in phases:
         new_segments = sum(i.bytes for i in ledger.items if i.phase == step and i.category == "gradients")
     if knobs.zero_stage == 3 and knobs.offloads:
         trained = [use for use in models if use.trained]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from core import calibration as calibration_file
+from core import kinds
 from core.errors import DoesNotFit, InvalidInput
 from core.rows import is_row_file
 from core.shapes import ModelShape, resolve_shape
@@ -65,7 +66,7 @@ def plan_stage(stage, shape: ModelShape, hw: Hardware, rows: Optional[int] = Non
         warnings.append(f"model_type '{shape.model_type}' is estimated as a Llama-style decoder; sizes may differ")
     if shape.max_positions and knobs.max_len > shape.max_positions:
         warnings.append(f"max_len {knobs.max_len} exceeds the model's max_position_embeddings {shape.max_positions}")
-    if knobs.optimizer_offload and knobs.zero_stage == 0:
+    if knobs.optimizer_offload and not knobs.offloads:
         warnings.append("optimizer_offload needs zero_stage 1-3; with zero_stage 0 it is ignored")
     if hw.on_gpu and hw.gpu is None:
         warnings.append("cluster.gpu is not set: GPU memory and time cannot be checked")
@@ -75,11 +76,7 @@ def plan_stage(stage, shape: ModelShape, hw: Hardware, rows: Optional[int] = Non
         warnings.append(f"{hw.processes_per_node} processes per node on {hw.gpus_per_node} GPUs")
     if estimate.time is not None:
         warnings += estimate.time.notes
-    if getattr(stage, "dynamic_sampling", False):
-        # How many groups come out uniform depends on the rewards, unknown before the run.
-        warnings.append(f"dynamic_sampling: the time is for one sampling round per rollout; each round that "
-                        f"refills dropped groups adds its generation and scoring again (at most "
-                        f"{stage.dynamic_sampling_max_rounds} rounds; metrics.jsonl's sampling_rounds shows them)")
+    warnings += stage.plan_notes()
     suggestions = suggest(knobs, shape, hw, rows, ppo, lengths) if estimate.fits is False else []
     without = settings_relaxed(knobs, shape, hw, rows, ppo, lengths) if estimate.fits else []
     trained = sum(sum(trainable_tensors(m, knobs)[0]) for m in models if m.trained)
@@ -161,7 +158,7 @@ def signal_lead(spec, stage) -> int:
         return spec.cluster.requeue_signal_s
     knobs = Knobs.from_stage(stage)
     shape = resolve_shape(_stage_model_name(spec, stage), hf_cache(spec).hub)
-    ppo = ppo_workload(spec, stage) if stage.kind == "ppo" else None
+    ppo = ppo_workload(spec, stage) if knobs.stage_kind.rollouts else None
     models, _ = stage_models(knobs, shape, ppo)
     try:
         estimated = estimate_stage(knobs, shape, hardware_of(spec), ppo=ppo).time
@@ -192,9 +189,10 @@ def plan_pipeline(spec, rows_by_stage: Optional[dict] = None, calibration: Optio
             rows = rows_by_stage.get(stage.name)
             if rows is not None and stage.data.max_rows is not None:
                 rows = min(rows, stage.data.max_rows)
-            ppo = ppo_workload(spec, stage) if stage.kind == "ppo" else None
+            rollouts = kinds.get(stage.kind).rollouts
+            ppo = ppo_workload(spec, stage) if rollouts else None
             lengths = None
-            if stage.kind != "ppo":  # rollouts are generated: their lengths are not in the data
+            if not rollouts:  # rollouts are generated: their lengths are not in the data
                 key = (stage.data.model_dump_json(), stage.kind, model)
                 if key not in sampled:
                     sampled[key] = row_lengths.sample(stage.data, stage.kind, model, cache)

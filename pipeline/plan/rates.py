@@ -19,9 +19,11 @@ Where each number comes from, most trusted first:
   datasheet   core/hardware.py's catalogue
   default     a published figure no record has checked yet
 
-The fit (2026-11-26) is over 15 records (14 cases) on two GPUs and two shapes: the 1B-shaped SFT/DPO cases
-of 2026-11-22 on an H100 (ZeRO-0/2/3, with and without checkpointing, LoRA, sdpa) and the 34B
-slice of 2026-11-26 on an H200 (ZeRO-3, optimizer offload, 1 and 2 layers). What no record has
+The fit (2026-11-26) is over 19 records (17 cases) on two GPUs and two shapes: the 1B-shaped SFT/DPO cases
+of 2026-11-22 and 2026-11-26 on an H100 (ZeRO-0/1/2/3, with and without checkpointing, LoRA,
+micro batch 2 to 8, sdpa) and the 34B slice of 2026-11-26 on an H200 (ZeRO-3, optimizer
+offload, 1 and 2 layers). Memory-bound work is fitted as bytes over the copy bandwidth a
+calibration measures, so a calibration enters on the same basis as the fit. What no record has
 run is a default: flash attention's efficiency, eager attention, multi-GPU communication.
 
 Pure Python (no torch).
@@ -41,24 +43,31 @@ from core.shapes import ModelShape
 # sdpa with the packed lines' additive mask runs PyTorch's memory-efficient kernel, far below
 # the matmuls: ~9% of the datasheet on H100/H200 (the 1B cases, where attention is 14% of the
 # FLOPs, pin it).
-SDPA_MASKED_EFFICIENCY = 0.085
+SDPA_MASKED_EFFICIENCY = 0.081
+# The memory-bound terms below are bytes over the GPU's copy bandwidth (core/hardware.py
+# copy_bandwidth_gbs: a 1 GiB device copy, 2,589 GB/s on the H100, 77% of the datasheet
+# elsewhere), the figure `calibrate` measures: fitted on the datasheet's 3,350 they were 1.29x
+# these (128 B/logit, 510 / 320 B/param, 21 B), and a calibration divided them by the copy rate.
 # The loss path (stages/losses.py: bf16 logits, fp32 log-sum-exp chunks, their backward) moves
 # about this many bytes per logit and pass through GPU memory.
-LOSS_BYTES_PER_LOGIT = 128.0
+LOSS_BYTES_PER_LOGIT = 96.8
 # ZeRO-3's per-module fetch and release hooks: a fixed cost per layer and pass, the same for
 # the 1B's 60M-parameter layers and the 34B's 692M ones (so hooks, not bandwidth).
-ZERO3_LAYER_PASS_S = 5.9e-3
+ZERO3_LAYER_PASS_S = 6.0e-3
 # The optimizer step on the GPU, as bytes of GPU memory traffic per trained parameter: torch's
 # fused AdamW reads and writes ~36 B/param, but DeepSpeed's gradient buckets, fp32 copies,
 # norms and overflow checks around it make the measured step cost far more.
-STEP_BYTES_PER_PARAM = {0: 320.0, 1: 510.0, 2: 510.0}
-# DeepSpeed's CPU Adam, per core of the process: one process on 16 cores stepped ~1.3e9
-# parameters/s besides the PCIe copies (the 34B slice, H200 machine).
-HOST_ADAM_PARAMS_PER_S_PER_CORE = 8.2e7
+STEP_BYTES_PER_PARAM = {0: 224.0, 1: 344.0, 2: 344.0}
+# The host's share of an offloaded optimizer step, per core of the process: one process on 16
+# cores stepped ~1.3e9 parameters/s besides the PCIe copies (the 34B slice, H200 machine). It is
+# everything the host does per parameter (DeepSpeedCPUAdam, the fp32 gradient and staging
+# copies, norms), not the optimizer alone: `calibrate` times DeepSpeedCPUAdam alone (3.1e8 per
+# core on the 2026-11-26 H100's machine), which is therefore not put in its place.
+HOST_ADAM_PARAMS_PER_S_PER_CORE = 8.3e7
 # peft's adapters (dropout, the two thin matmuls, scaling, the add) move about this many bytes
 # per token, layer pass and adapted in + out feature: LoRA SFT stepped no faster than the full
 # fine-tune though a third of the matmuls go (one record pins it: mem-sft-lora).
-LORA_BYTES_PER_ELEMENT = 21.0
+LORA_BYTES_PER_ELEMENT = 15.9
 
 # ---- published figures not yet checked against a record
 
@@ -148,8 +157,9 @@ def built_in(gpu: hardware.GPU, precision: str, cores_per_process: Optional[int]
             "flash_attention_2": Rate(FLASH_EFFICIENCY, "default", "FlashAttention-2's published figures; "
                                       "no record ran it"),
         },
-        hbm_bytes_per_s=Rate(gpu.memory_bandwidth_gbs * 1e9, "datasheet"),
-        host_link_bytes_per_s=Rate(gpu.host_link_gbs * 1e9, "datasheet"),
+        hbm_bytes_per_s=_copy_bandwidth(gpu),
+        host_link_bytes_per_s=(Rate(gpu.measured_host_link_gbs * 1e9, "records", "pinned 1 GiB copies on this GPU")
+                               if gpu.measured_host_link_gbs else Rate(gpu.host_link_gbs * 1e9, "datasheet")),
         link_bytes_per_s=Rate(gpu.link_gbs * 1e9, "default", "typical NCCL bus bandwidth, not measured here"),
         network_bytes_per_s=Rate(gpu.network_gbs * 1e9, "default", "a typical node's interconnect"),
         host_adam_params_per_s=Rate(HOST_ADAM_PARAMS_PER_S_PER_CORE * cores, "records", cores_note),
@@ -157,6 +167,16 @@ def built_in(gpu: hardware.GPU, precision: str, cores_per_process: Optional[int]
     if calibration is not None:
         rates = _calibrated(rates, calibration, precision, shape, tokens)
     return rates
+
+
+def _copy_bandwidth(gpu: hardware.GPU) -> Rate:
+    """GPU memory bandwidth as a device copy moves it (core/hardware.py copy_bandwidth_gbs):
+    the basis the memory-bound constants above are fitted on."""
+    if gpu.measured_memory_bandwidth_gbs:
+        return Rate(gpu.measured_memory_bandwidth_gbs * 1e9, "records", "1 GiB device copy on this GPU")
+    return Rate(gpu.copy_bandwidth_gbs * 1e9, "default",
+                f"{hardware.MEMORY_FRACTION:.0%} of the datasheet's {gpu.memory_bandwidth_gbs:,.0f}, "
+                "as a copy on an H100 measured")
 
 
 def _calibrated(rates: Rates, calibration, precision: str, shape: Optional[ModelShape],
@@ -173,9 +193,16 @@ def _calibrated(rates: Rates, calibration, precision: str, shape: Optional[Model
         slower = min(calibration.host_to_gpu_gbs, calibration.gpu_to_host_gbs)
         measured["host_link_bytes_per_s"] = Rate(slower * 1e9, "calibrated", where)
     if calibration.cpu_adam:
+        # Not a like-for-like replacement: the records' host rate is everything the host does per
+        # parameter in an offloaded step (DeepSpeedCPUAdam, the fp32 gradient and bf16 staging
+        # copies, the norms), fitted to the 34B slices; calibrate times DeepSpeedCPUAdam alone
+        # (3.8x the fitted rate on the 2026-11-26 H100's machine), and no records' machine timed
+        # it alone to make a ratio of. Kept out of the plan, shown beside the rate it would replace.
         adam = calibration.cpu_adam
-        measured["host_adam_params_per_s"] = Rate(adam.params_per_s, "calibrated",
-                                                  f"{where}, {adam.optimizer} on {adam.threads} cores")
+        host = rates.host_adam_params_per_s
+        note = (f"{host.note}; calibrated {adam.optimizer} alone {adam.params_per_s / 1e9:.3g}e9 params/s "
+                f"on {adam.threads} cores ({where}) not used: it leaves out the offloaded step's other host work")
+        measured["host_adam_params_per_s"] = dataclasses.replace(host, note=note.lstrip("; "))
     if calibration.collective:
         both = min(calibration.collective.all_gather_gbs, calibration.collective.reduce_scatter_gbs)
         measured["link_bytes_per_s"] = Rate(both * 1e9, "calibrated", f"{where}, NCCL between "
@@ -184,14 +211,18 @@ def _calibrated(rates: Rates, calibration, precision: str, shape: Optional[Model
 
 
 def _matmul_at_shapes(calibration, precision: str, shape: ModelShape, tokens: int) -> Optional[float]:
-    """The model's matmul rate from the measured GEMMs nearest its own: a decoder layer's linear
-    layers and the LM head on a micro batch of `tokens` rows, weighted by their FLOPs."""
-    products = [(tokens, k, n) for k, n in shape.linear_dims().values()] + [(tokens, shape.hidden, shape.vocab)]
+    """The model's matmul rate from the measured GEMMs nearest its own: each linear layer of a
+    decoder layer as the model runs it (q, k, v, o, gate, up, down apiece: pipeline/calibrate.py
+    times these) and the LM head, on a micro batch of `tokens` rows, each product in its three
+    passes (forward, dX, dW: the pass's layout), weighted by their FLOPs (the three passes one
+    each: a training step's share without checkpointing's recompute)."""
+    dims = list(shape.linear_dims().values()) + [(shape.hidden, shape.vocab)]
     seconds = flops = 0.0
-    for m, k, n in products:
-        rate = calibration.matmul_tflops(m, k, n, precision)
-        if rate is None:
-            return None
-        flops += 2 * m * k * n
-        seconds += 2 * m * k * n / (rate * 1e12)
+    for k, n in dims:
+        for what, m_, k_, n_ in (("fwd", tokens, k, n), ("dX", tokens, n, k), ("dW", n, tokens, k)):
+            rate = calibration.matmul_tflops(m_, k_, n_, precision, what)
+            if rate is None:
+                return None
+            flops += 2 * m_ * k_ * n_
+            seconds += 2 * m_ * k_ * n_ / (rate * 1e12)
     return flops / seconds

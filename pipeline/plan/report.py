@@ -80,7 +80,7 @@ def format_plan(plans: list[StagePlan]) -> str:
                    f"{hw.processes_per_node} {gpu_name} = {plan.world} processes")
         out.append(f"   model {plan.model}: {plan.shape.describe()}")
         lora = f", LoRA r={k.lora_rank}" if k.lora_rank else ""
-        ref = f", reference {k.reference or 'none (kl_coef 0)'}" if k.kind in ("dpo", "ppo") else ""
+        ref = f", reference {k.reference or 'none (kl_coef 0)'}" if k.stage_kind.frozen_reference else ""
         out.append(f"   {k.precision}, ZeRO-{k.zero_stage}{' + optimizer offload' if k.offloads else ''}"
                    f"{', gradient checkpointing' if k.gradient_checkpointing else ''}, attention {k.attention}{lora}"
                    f"{ref}, max_len {k.max_len}, micro batch {k.micro_batch_size}")
@@ -149,8 +149,8 @@ def _memory_confidence(plan: StagePlan) -> str:
         unchecked.append(f"ZeRO-{k.zero_stage}'s buffers across {plan.world} processes")
     if k.attention == "flash_attention_2" or (k.attention == "auto"):
         unchecked.append("flash attention")
-    if k.kind == "ppo":
-        unchecked.append("PPO's generation")
+    if k.stage_kind.rollouts:
+        unchecked.append("rollout generation")
     return text + (f"; not checked by a record: {', '.join(unchecked)}" if unchecked else "")
 
 

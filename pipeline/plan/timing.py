@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from core.batching import rows_per_step
 from core.flops import (
     attention_flops,
     forward_flops_per_token,
@@ -314,8 +315,7 @@ def _rollout_work(models: list[ModelUse], workload: Workload, knobs: Knobs, worl
     sequences at a time), then train_passes passes of the trained models in micro batches;
     every sequence max_len long."""
     seq, mb = workload.seq_len, knobs.micro_batch_size
-    per_pass_rows = knobs.global_batch_size or mb * world
-    accumulation = max(1, per_pass_rows // (mb * world))
+    accumulation = max(1, rows_per_step(knobs.global_batch_size, mb, world) // (mb * world))
     sequences = workload.rows_per_rollout * workload.sequences_per_row
     train_micro = workload.train_passes * sequences / (mb * world)
     scoring = workload.scoring_batch or mb
