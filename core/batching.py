@@ -193,6 +193,16 @@ def token_budget(stage, sequences_per_row: int) -> int:
     return stage.micro_batch_tokens or stage.micro_batch_size * stage.max_len * sequences_per_row
 
 
+def data_parallel(processes: int, sequence_parallel: int = 1) -> int:
+    """Processes that train on different rows: `sequence_parallel` consecutive processes share
+    each sequence (stages/sequence_parallel.py), so the rows are split over processes / that.
+    ValueError when it does not divide the processes."""
+    if processes % sequence_parallel:
+        raise ValueError(f"{sequence_parallel} does not divide the stage's {processes} processes: each sequence "
+                         f"is shared by sequence_parallel processes, so it must divide them")
+    return processes // sequence_parallel
+
+
 def rows_per_step(global_batch_size: Optional[int], micro_batch_size: int, processes: int) -> int:
     """Rows (a rollout kind: sequences) in one optimizer step over all processes: global_batch_size,
     else one micro batch per process."""
@@ -201,7 +211,8 @@ def rows_per_step(global_batch_size: Optional[int], micro_batch_size: int, proce
 
 def accumulation_steps(global_batch_size: Optional[int], micro_batch_size: int, processes: int) -> int:
     """Micro batches each process adds up per optimizer step; ValueError when global_batch_size
-    does not split into whole micro batches over the processes."""
+    does not split into whole micro batches over the processes (the data-parallel ones:
+    `data_parallel`)."""
     per_pass = micro_batch_size * processes
     rows = rows_per_step(global_batch_size, micro_batch_size, processes)
     if rows % per_pass:

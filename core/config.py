@@ -30,7 +30,7 @@ from pydantic import (
 )
 
 from core import kinds
-from core.batching import accumulation_steps, rows_per_step
+from core.batching import accumulation_steps, data_parallel, rows_per_step
 from core.errors import InvalidInput
 from core.kinds import StageKind
 
@@ -352,6 +352,15 @@ class TrainingKnobs(Strict):
     attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
         "auto", description="Attention kernel; auto = flash_attention_2 when installed and on GPU, else sdpa."
     )
+    sequence_parallel: int = Field(
+        1, ge=1, le=1024,
+        description="Processes that share each sequence (Ulysses sequence parallelism, DeepSpeed's ALST): each "
+        "holds 1/N of every sequence's tokens and activations, and attention exchanges heads for sequence "
+        "between them (two all-to-alls per layer). The rows are split over processes / N. N must divide the "
+        "processes and the model's attention heads, and its key-value heads (or they divide N); consecutive "
+        "processes share, so N up to the GPUs per node keeps the exchange inside a node. sft, rm and dpo; "
+        "needs transformers >= 4.51.3 and DeepSpeed >= 0.18 (the current stack, not the pinned one).",
+    )
     lora: Optional[LoraSpec] = Field(None, description="Train LoRA adapters instead of all parameters.")
     max_len: int = Field(
         2048, ge=8, le=1_000_000,
@@ -494,10 +503,22 @@ class StageBase(TrainingKnobs):
     def check_layout(self, where: str, processes: int) -> None:
         """Raise ValueError (naming `where`.field) when the stage's batches cannot be laid out over
         `processes`; what is common to every kind, then what a kind adds (override and call super)."""
+        if self.sequence_parallel > 1 and not kinds.get(self.kind).sequence_parallel:
+            able = [k.name for k in kinds.all_kinds() if k.sequence_parallel]
+            raise ValueError(f"{where}.sequence_parallel: a {self.kind} stage cannot share its sequences over "
+                             f"processes yet (kinds that can: {', '.join(able)}); leave it at 1")
         try:
-            accumulation_steps(self.global_batch_size, self.micro_batch_size, processes)
+            dp = data_parallel(processes, self.sequence_parallel)
+        except ValueError as err:
+            raise ValueError(f"{where}.sequence_parallel: {err}") from None
+        try:
+            accumulation_steps(self.global_batch_size, self.micro_batch_size, dp)
         except ValueError as err:
             raise ValueError(f"{where}.global_batch_size: {err}") from None
+
+    def data_parallel(self, processes: int) -> int:
+        """Of the stage's processes, how many train on different rows (the others share sequences)."""
+        return data_parallel(processes, self.sequence_parallel)
 
     @property
     def upstream(self) -> list[str]:
@@ -511,7 +532,8 @@ class SFTStage(StageBase):
     kind: Literal["sft"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
 
 
-kinds.register(StageKind("sft", SFTStage, rows="completion", headline="final_eval_loss"))
+kinds.register(StageKind("sft", SFTStage, rows="completion", headline="final_eval_loss",
+                         sequence_parallel=True))
 
 
 class RMStage(StageBase):
@@ -523,7 +545,8 @@ class RMStage(StageBase):
     )
 
 
-kinds.register(StageKind("rm", RMStage, rows="preference", headline="eval_accuracy", trained_head="scalar"))
+kinds.register(StageKind("rm", RMStage, rows="preference", headline="eval_accuracy", trained_head="scalar",
+                         sequence_parallel=True))
 
 
 class DPOStage(StageBase):
@@ -554,7 +577,8 @@ class DPOStage(StageBase):
         return self
 
 
-kinds.register(StageKind("dpo", DPOStage, rows="preference", headline="eval_reward_accuracy", frozen_reference=True))
+kinds.register(StageKind("dpo", DPOStage, rows="preference", headline="eval_reward_accuracy", frozen_reference=True,
+                         sequence_parallel=True))
 
 
 # Built-in rules that compare a completion with the row's label column (label_key).

@@ -34,6 +34,7 @@ class StageKind:
     trained_head: Literal["lm", "scalar"] = "lm"  # a language model, or a 1-label sequence classifier
     frozen_reference: bool = False  # keeps a frozen copy of its starting model (stage.reference says where)
     rollouts: bool = False  # samples its own training sequences (its unit of work is a rollout)
+    sequence_parallel: bool = False  # its passes can share a sequence over processes (stages/sequence_parallel.py)
     run: Optional[Callable] = field(default=None, repr=False)  # run(task, ctx) -> result dict
 
     @property

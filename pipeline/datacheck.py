@@ -167,10 +167,12 @@ def check_step_rows(spec: PipelineSpec, stage, where: str, found: DataFound) -> 
         needed, unit = stage.rollout_batch_size, f"one rollout takes: rollout_batch_size {stage.rollout_batch_size}"
         fix = "lower rollout_batch_size (a multiple of the processes)"
     else:
-        needed = rows_per_step(stage.global_batch_size, stage.micro_batch_size, processes)
-        accumulation = accumulation_steps(stage.global_batch_size, stage.micro_batch_size, processes)
+        dp = stage.data_parallel(processes)
+        needed = rows_per_step(stage.global_batch_size, stage.micro_batch_size, dp)
+        accumulation = accumulation_steps(stage.global_batch_size, stage.micro_batch_size, dp)
+        sharing = f" / sequence_parallel {stage.sequence_parallel}" if stage.sequence_parallel > 1 else ""
         unit = (f"one optimizer step takes: {needed} = micro_batch_size {stage.micro_batch_size} x gradient "
-                f"accumulation {accumulation} x {processes} processes")
+                f"accumulation {accumulation} x {processes} processes{sharing}")
         fix = "lower micro_batch_size or global_batch_size"
     if train < needed:
         raise InvalidInput(f"{where}.data: {train} training rows ({detail}) are fewer than {unit}. "

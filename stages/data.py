@@ -390,6 +390,18 @@ class Batch:
         with self.apart():
             return model(**inputs)
 
+    def logprobs(self, logits):
+        """(lines, width - 1): the log-prob of each next token where it is a response token, 0
+        elsewhere (stages/losses.py token_logprobs)."""
+        from stages.losses import token_logprobs
+
+        return token_logprobs(logits, self.input_ids, self.loss_mask)
+
+    def gathered(self, per_position):
+        """Whole lines of a per-position output (a sharded batch gathers its group's pieces:
+        stages/sequence_parallel.py); here the output itself."""
+        return per_position
+
     def per_sequence(self, per_token):
         """Sum a (lines, width - 1) per-target-token tensor (e.g. token_logprobs) into (sequences,)."""
         import torch
@@ -472,32 +484,41 @@ class TokenRows:
     a token budget (stage.packing) or padded micro batches of micro_batch_size rows."""
 
     def __init__(self, rows: list[dict], stage, ctx, pad_id: int, attention: str, sequences_per_row: int):
-        from stages import compat
+        from stages import compat, sequence_parallel
 
         self.rows, self.stage, self.ctx, self.pad_id = rows, stage, ctx, pad_id
         self.lengths = [row_tokens(r) for r in rows]
         self.trained = [trained_tokens(r) for r in rows]
         self.budget = batching.token_budget(stage, sequences_per_row) if stage.packing else None
         self.flat = compat.flat_packing(attention)  # varlen kernels: every sequence on one line
+        self.layout = sequence_parallel.layout()
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def steps(self, epoch: int, rows_per_step: int) -> list:
+    @property
+    def rows_per_step(self) -> int:
+        """Rows of one optimizer step over all processes (those sharing sequences count once)."""
+        return batching.rows_per_step(self.stage.global_batch_size, self.stage.micro_batch_size, self.layout.data_world)
+
+    def steps(self, epoch: int) -> list:
         return batching.epoch_steps(
-            len(self.rows), rows_per_step=rows_per_step, micro_batch_size=self.stage.micro_batch_size,
-            rank=self.ctx.rank, world_size=self.ctx.world_size, seed=self.stage.seed, epoch=epoch,
+            len(self.rows), rows_per_step=self.rows_per_step, micro_batch_size=self.stage.micro_batch_size,
+            rank=self.layout.data_rank, world_size=self.layout.data_world, seed=self.stage.seed, epoch=epoch,
             lengths=self.lengths, token_budget=self.budget)
 
     def eval_micro_batches(self) -> list:
         return batching.eval_micro_batches(
-            len(self.rows), micro_batch_size=self.stage.micro_batch_size, rank=self.ctx.rank,
-            world_size=self.ctx.world_size, lengths=self.lengths, token_budget=self.budget)
+            len(self.rows), micro_batch_size=self.stage.micro_batch_size, rank=self.layout.data_rank,
+            world_size=self.layout.data_world, lengths=self.lengths, token_budget=self.budget)
 
     def batch(self, micro) -> Batch:
+        """This process's micro batch (its part of each line, where processes share sequences)."""
+        from stages import sequence_parallel
+
         rows = [self.rows[i] for i in micro.rows]
         built = packed_batch(rows, self.pad_id, self.flat) if self.budget else padded_batch(rows, self.pad_id)
-        return built.to(self.ctx.device)
+        return sequence_parallel.shard(built.to(self.ctx.device))
 
     def trained_in(self, rows) -> int:
         """Trained tokens of these rows (a step's: the normaliser of per-token means)."""

@@ -38,7 +38,7 @@ def run(task, ctx) -> dict:
     def pair_logps(forward, batch):
         """Summed response log-probs of each pair's (chosen, rejected), the logits and the token counts."""
         logits = batch.forward(forward).logits
-        per_sequence = batch.per_sequence(token_logprobs(logits, batch.input_ids, batch.loss_mask))
+        per_sequence = batch.per_sequence(batch.logprobs(logits))
         return per_sequence[0::2], per_sequence[1::2], batch
 
     attention = models.attention_implementation(stage.attention, ctx.on_gpu)
@@ -64,7 +64,7 @@ def run(task, ctx) -> dict:
 
     # ---- the policy
     model = models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu)
-    steps_per_epoch, total_steps = engine.step_counts(len(tokens["train"]), ds_config, stage)
+    steps_per_epoch, total_steps = engine.step_counts(len(tokens["train"]), splits["train"].rows_per_step, stage)
     ds = engine.initialize(model, stage, ds_config, total_steps)
 
     def preference_terms(batch, micro, split):
@@ -123,7 +123,7 @@ def run(task, ctx) -> dict:
         batch=splits["train"].batch,
         loss=loss,
         evaluate=evaluate,
-        steps=lambda epoch: splits["train"].steps(epoch, ds_config["train_batch_size"]),
+        steps=splits["train"].steps,
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         flops=flops,
@@ -167,7 +167,7 @@ def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_con
                 if micro.weight:
                     index = torch.tensor(micro.rows, device=ctx.device)
                     table[index] = torch.stack([chosen, rejected], dim=1).double()
-            dist.all_reduce(table)
+            engine.sum_over_processes(table)
             tables[split] = table.float().cpu()
     reference.release()
     if ctx.is_main:

@@ -33,7 +33,7 @@ from core.deepspeed_settings import bucket_elements, offloads_optimizer, persist
 from core.errors import InvalidInput
 from core.failure import saving
 from core.runfolder import temporary
-from stages import compat, preemption, tracking, watchdog
+from stages import compat, preemption, sequence_parallel, tracking, watchdog
 
 log = logging.getLogger("stages")
 
@@ -41,11 +41,15 @@ log = logging.getLogger("stages")
 
 
 def gradient_accumulation(stage, world_size: int) -> int:
-    return accumulation_steps(stage.global_batch_size, stage.micro_batch_size, world_size)
+    return accumulation_steps(stage.global_batch_size, stage.micro_batch_size, stage.data_parallel(world_size))
 
 
 def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool) -> dict:
-    """The DeepSpeed config for a stage spec; every number traceable to a spec field."""
+    """The DeepSpeed config for a stage spec; every number traceable to a spec field.
+
+    DeepSpeed sees every process as data-parallel, sequence-sharing ones too (their gradients
+    are averaged like any other's: stages/sequence_parallel.py), so its batch size counts every
+    process; the rows of a step are micro_batch_size x accumulation x the data-parallel processes."""
     accumulation = gradient_accumulation(stage, world_size)
     zero: dict = {"stage": stage.zero_stage}
     if stage.zero_stage >= 1:
@@ -105,11 +109,11 @@ def frozen_model_config(stage, world_size: int, hidden_size: int, on_gpu: bool, 
     }
 
 
-def step_counts(n_rows: int, ds_config: dict, stage) -> tuple[int, int]:
+def step_counts(n_rows: int, rows_per_step: int, stage) -> tuple[int, int]:
     """(optimizer steps per epoch, total optimizer steps) for n_rows training rows (after
-    tokenising: rows left with nothing to learn within max_len are gone). Preflight counted the
-    rows before that; fewer than one step is refused here, never trained on."""
-    rows_per_step = ds_config["train_batch_size"]
+    tokenising: rows left with nothing to learn within max_len are gone) taken rows_per_step
+    at a time. Preflight counted the rows before that; fewer than one step is refused here,
+    never trained on."""
     steps_per_epoch = batching.steps_per_epoch(n_rows, rows_per_step)
     if steps_per_epoch == 0:
         raise InvalidInput(
@@ -512,12 +516,22 @@ def _device_peak_flops(ctx) -> Optional[float]:
 
 
 def all_reduce_sums(values) -> list[float]:
-    """Sum a few numbers (a list, or a tensor already on the device) over all ranks."""
+    """Sum a few numbers (a list, or a tensor already on the device) over all ranks (as
+    `sum_over_processes`)."""
     tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
     if dist.get_backend() == "nccl":
         tensor = tensor.cuda()
+    return sum_over_processes(tensor).tolist()
+
+
+def sum_over_processes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor summed over all ranks, in place. Processes that share sequences
+    (stages/sequence_parallel.py) hold the same numbers for their rows: those count once."""
     dist.all_reduce(tensor)
-    return tensor.tolist()
+    sharing = sequence_parallel.layout().size
+    if sharing > 1:
+        tensor /= sharing
+    return tensor
 
 
 # --------------------------------------------------------------------------- export

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 __all__ = [
     "sequence_logprobs",
     "token_logprobs",
+    "next_token_logprobs",
     "dpo_loss",
     "DPO_LOSS_TYPES",
     "reward_pair_loss",
@@ -213,20 +214,32 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.
         )
     if not logits.is_floating_point():
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    # Target for position t is labels[t + 1]; the last position has none (masked, dropped below).
+    # Scoring all T positions (one wasted position per row) keeps the reshape a view for
+    # contiguous logits, instead of copying logits[:, :-1].
+    targets = torch.zeros_like(labels, dtype=torch.long)
+    targets[:, :-1] = labels[:, 1:]
+    mask = torch.zeros_like(loss_mask, dtype=torch.bool)
+    mask[:, :-1] = _as_bool_mask(loss_mask[:, 1:])
+    return next_token_logprobs(logits, targets, mask)[:, :-1]
+
+
+def next_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    r"""``(B, T)``: entry ``t`` is ``log_softmax(logits[:, t])[targets[:, t]]`` where ``mask``, else 0.
+
+    :func:`token_logprobs` with the targets already aligned to the logits (each
+    position's next token): what a process that holds only some positions of a
+    line can compute (stages/sequence_parallel.py).  Same precision and memory.
+    """
+    if logits.dim() != 3 or targets.shape != logits.shape[:2] or mask.shape != targets.shape:
+        raise ValueError(f"logits (B, T, V) with targets and mask (B, T): got {tuple(logits.shape)}, "
+                         f"{tuple(targets.shape)}, {tuple(mask.shape)}")
     out_dtype = _compute_dtype(logits.dtype)
     bsz, seqlen, vocab = logits.shape
-
-    mask = _as_bool_mask(loss_mask[:, 1:])
-    # Target for position t is labels[t + 1]; the last position has none (dummy
-    # 0, dropped below).  Ignored ids (e.g. -100) become 0 before gathering.
-    targets = torch.zeros_like(labels, dtype=torch.long)
-    targets[:, :-1] = torch.where(mask, labels[:, 1:], torch.zeros_like(labels[:, 1:]))
-
-    # Scoring all T positions (one wasted position per row) keeps the reshape a
-    # view for contiguous logits, instead of copying logits[:, :-1].
-    token_logps = _TokenLogprob.apply(
-        logits.reshape(bsz * seqlen, vocab), targets.reshape(-1), out_dtype
-    ).view(bsz, seqlen)[:, :-1]
+    mask = _as_bool_mask(mask)
+    # Ignored ids (e.g. -100) become 0 before gathering.
+    safe = torch.where(mask, targets, torch.zeros_like(targets)).long()
+    token_logps = _TokenLogprob.apply(logits.reshape(bsz * seqlen, vocab), safe.reshape(-1), out_dtype).view(bsz, seqlen)
     return torch.where(mask, token_logps, torch.zeros_like(token_logps))
 
 

@@ -32,18 +32,18 @@ def run(task, ctx) -> dict:
     # ---- model
     ds_config = ctx.deepspeed_config(stage, model_path)
     model = models.load_reward_model(model_path, stage, ds_config, ctx.on_gpu, tokenizer.pad_token_id)
-    steps_per_epoch, total_steps = engine.step_counts(len(train_tokens), ds_config, stage)
-    ds = engine.initialize(model, stage, ds_config, total_steps)
     attention = models.attention_implementation(stage.attention, ctx.on_gpu)
     train_set = data.TokenRows(train_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=2)
     eval_set = data.TokenRows(eval_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=2)
+    steps_per_epoch, total_steps = engine.step_counts(len(train_tokens), train_set.rows_per_step, stage)
+    ds = engine.initialize(model, stage, ds_config, total_steps)
     score_head = models.score_head(ds.module)
 
     def rewards(batch):
         """(chosen rewards, rejected rewards) of the batch's pairs."""
         with models.output_of(score_head) as scores:
             batch.forward(ds)
-        read = scores.value.squeeze(-1).float().reshape(-1)[batch.last_tokens(skip_id=tokenizer.pad_token_id)]
+        read = batch.gathered(scores.value.squeeze(-1).float()).reshape(-1)[batch.last_tokens(skip_id=tokenizer.pad_token_id)]
         return read[0::2], read[1::2]
 
     # ---- loss and evaluation
@@ -88,7 +88,7 @@ def run(task, ctx) -> dict:
         batch=train_set.batch,
         loss=loss,
         evaluate=evaluate,
-        steps=lambda epoch: train_set.steps(epoch, ds_config["train_batch_size"]),
+        steps=train_set.steps,
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         flops=lambda batch: sum(sequence_flops(shape, "scalar", n, trained=True, lora_params=lora)

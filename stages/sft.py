@@ -13,7 +13,6 @@ import torch
 from core import kinds
 from core.flops import sequence_flops
 from stages import data, engine, models
-from stages.losses import token_logprobs
 
 
 @kinds.implements("sft")
@@ -29,15 +28,15 @@ def run(task, ctx) -> dict:
     # ---- model
     ds_config = ctx.deepspeed_config(stage, model_path)
     model = models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu)
-    steps_per_epoch, total_steps = engine.step_counts(len(train_tokens), ds_config, stage)
-    ds = engine.initialize(model, stage, ds_config, total_steps)
     attention = models.attention_implementation(stage.attention, ctx.on_gpu)
     train_set = data.TokenRows(train_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=1)
     eval_set = data.TokenRows(eval_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=1)
+    steps_per_epoch, total_steps = engine.step_counts(len(train_tokens), train_set.rows_per_step, stage)
+    ds = engine.initialize(model, stage, ds_config, total_steps)
 
     def summed_nll(batch):
         """(summed negative log-likelihood of the response tokens, their count)."""
-        logps = token_logprobs(batch.forward(ds).logits, batch.input_ids, batch.loss_mask)
+        logps = batch.logprobs(batch.forward(ds).logits)
         return -logps.sum(), batch.loss_mask[:, 1:].sum()
 
     # ---- loss and evaluation
@@ -64,7 +63,7 @@ def run(task, ctx) -> dict:
         batch=train_set.batch,
         loss=loss,
         evaluate=evaluate,
-        steps=lambda epoch: train_set.steps(epoch, ds_config["train_batch_size"]),
+        steps=train_set.steps,
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         flops=lambda batch: sum(sequence_flops(shape, "lm", n, trained=True, lora_params=lora) for n in batch.lengths),

@@ -31,9 +31,9 @@ def test_fewer_rows_than_one_step_after_tokenising_are_refused_naming_the_file_a
     from core.errors import InvalidInput
 
     sft = stage(micro_batch_size=4, global_batch_size=16)
-    assert engine.step_counts(33, {"train_batch_size": 16}, sft) == (2, 2)  # the ragged tail is left out
+    assert engine.step_counts(33, 16, sft) == (2, 2)  # the ragged tail is left out
     with pytest.raises(InvalidInput) as err:
-        engine.step_counts(15, {"train_batch_size": 16}, sft)
+        engine.step_counts(15, 16, sft)
     assert "builtin:digits: 15 training rows are left after tokenising" in err.value.message
     assert "fewer than one optimizer step needs (16" in err.value.message and "raise max_len" in err.value.message
 

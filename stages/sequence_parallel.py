@@ -1,0 +1,256 @@
+"""Ulysses sequence parallelism (DeepSpeed's ALST): `sequence_parallel` processes share each sequence.
+
+Layout: consecutive ranks form a group (ranks 0..N-1, N..2N-1, ...), so with N up to the GPUs per
+node the exchange stays inside a node. Every process of a group builds the same micro batch (the
+rows are split over the groups: `Layout.data_rank` of `data_world`) and runs the model on its
+1/N of every line's positions (`ShardedBatch`). Inside each attention layer DeepSpeed's
+`UlyssesSPAttentionHF` exchanges heads for sequence (all-to-all): each process attends over the
+whole sequence for 1/N of the heads, then the result goes back to sequence shards. Everything
+outside attention is per position, so it needs nothing more.
+
+Packed sequences stay apart as without sharing: the attention layers get the block-diagonal mask
+of the whole line (stages/compat.py's `sequences_apart`, given the line's full sequence map), which
+is what each process's attention sees after the exchange; flash attention reads the boundaries from
+the gathered position ids.
+
+The loss: each process computes the next-token log-probs (or a reward head's scores) of its own
+positions, and the group gathers them into whole lines (`ShardedBatch.gathered`), a few numbers per
+position, never the logits. From there every stage's loss code runs unchanged, on every process of
+the group alike. Gradients: each process sends back only its own positions' part, and DeepSpeed,
+which sees every process as data-parallel, averages over all of them; the training loop already
+scales each process's loss by the process count (stages/engine.py), so the step's gradient is the
+one a single process would compute on the whole batch. Metrics summed over processes count each
+group's numbers N times: `engine.all_reduce_sums` divides by N.
+
+Generation (RL) is not sharded: attention runs as usual outside `ShardedBatch.apart()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from core.errors import InvalidInput
+from stages import compat
+
+# Where DeepSpeed's Ulysses attention for Hugging Face models lives (0.18 and later), and the
+# transformers it needs (attention functions are looked up in a registry from 4.51.3 on).
+ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
+MIN_TRANSFORMERS = "4.51.3"
+# Attention implementations whose registry entry can be wrapped; eager builds a full 4D mask of its
+# own and has no registry entry.
+SHARDABLE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def missing() -> Optional[str]:
+    """Why this stack cannot share sequences over processes, or None when it can."""
+    from packaging.version import Version
+
+    have = importlib.metadata.version("transformers")
+    if Version(have) < Version(MIN_TRANSFORMERS):
+        return (f"sequence_parallel needs transformers >= {MIN_TRANSFORMERS} (this stack has {have}) and "
+                f"DeepSpeed's Ulysses attention ({ULYSSES_MODULE}, DeepSpeed >= 0.18): use the current stack "
+                f"(containers/current.def), or leave sequence_parallel at 1")
+    if importlib.util.find_spec(ULYSSES_MODULE) is None:
+        return (f"sequence_parallel needs DeepSpeed's Ulysses attention ({ULYSSES_MODULE}, DeepSpeed >= 0.18; "
+                f"this stack has {importlib.metadata.version('deepspeed')}): use the current stack, or leave "
+                f"sequence_parallel at 1")
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who this process is among those that share sequences and those that split the rows."""
+
+    size: int  # processes sharing each sequence (1: no sharing)
+    rank: int  # this process's place in its group: which 1/size of each line it runs
+    data_rank: int  # which share of the rows its group trains on
+    data_world: int  # groups, i.e. shares of the rows
+    group: object = None  # the torch process group of this process's sharing group
+
+
+_layout = Layout(1, 0, 0, 1)
+# The sharded batch whose forward (and backward) is running, if any: attention layers exchange
+# only inside it. A plain module global for the reason compat's packed batch is one (backward runs
+# on autograd's device thread).
+_active: Optional["ShardedBatch"] = None
+
+
+def layout() -> Layout:
+    return _layout
+
+
+def setup(sequence_parallel: int, rank: int, world_size: int) -> Layout:
+    """Form the groups and make the attention registry's entries shard-aware (once per process,
+    before any model is built). No-op for 1."""
+    global _layout
+    if sequence_parallel == 1:
+        _layout = Layout(1, 0, rank, world_size)
+        return _layout
+    why = missing()
+    if why:
+        raise InvalidInput(why)
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    parallel_state_sp.initialize_sequence_parallel(sequence_parallel)
+    group = parallel_state_sp.get_sequence_parallel_group()
+    _layout = Layout(sequence_parallel, rank % sequence_parallel, rank // sequence_parallel,
+                     world_size // sequence_parallel, group)
+    _wrap_attention()
+    return _layout
+
+
+def _wrap_attention() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name in SHARDABLE_ATTENTION:
+        if name in ALL_ATTENTION_FUNCTIONS and not getattr(ALL_ATTENTION_FUNCTIONS[name], "_ulysses", False):
+            ALL_ATTENTION_FUNCTIONS[name] = _shard_aware(ALL_ATTENTION_FUNCTIONS[name])
+
+
+def _shard_aware(core):
+    """An attention function that, inside a sharded batch's pass, runs `core` through DeepSpeed's
+    Ulysses exchange, and otherwise is `core`."""
+    exchanges: dict = {}
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if _active is None:
+            return core(module, query, key, value, attention_mask, *args, **kwargs)
+        lines = query.shape[0]
+        if lines not in exchanges:  # DeepSpeed's exchange is built for one batch size
+            exchanges[lines] = _exchange(core, module.config, lines)
+        return exchanges[lines](module, query, key, value, attention_mask, *args, **kwargs)
+
+    attention._ulysses = True
+    return attention
+
+
+def _exchange(core, config, lines: int):
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    return UlyssesSPAttentionHF(
+        attn=core, batch_size=lines, attn_head_count=heads,
+        attn_head_size=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        kv_head_count=getattr(text, "num_key_value_heads", None) or heads,
+        num_hidden_layers=text.num_hidden_layers, process_group=_layout.group, seq_length_is_variable=True)
+
+
+def check_heads(heads: int, kv_heads: int, size: int) -> Optional[str]:
+    """Why `size` processes cannot share a model's attention (Ulysses gives each 1/size of the
+    heads), or None."""
+    if heads % size:
+        return f"{size} does not divide the model's {heads} attention heads"
+    if kv_heads % size and size % kv_heads:
+        return f"{size} and the model's {kv_heads} key-value heads do not divide one another"
+    return None
+
+
+# --------------------------------------------------------------------------- batches
+
+
+class _Gather(torch.autograd.Function):
+    """The group's (lines, width/N, ...) pieces side by side on dim 1. Every process of the group
+    computes the same loss from the gathered tensor, so each sends back only the gradient of
+    its own piece."""
+
+    @staticmethod
+    def forward(ctx, piece, start: int, stop: int):
+        parts = [torch.empty_like(piece) for _ in range(_layout.size)]
+        dist.all_gather(parts, piece.contiguous(), group=_layout.group)
+        ctx.start, ctx.stop = start, stop
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:, ctx.start:ctx.stop], None, None
+
+
+class ShardedBatch:
+    """A micro batch whose lines this process runs 1/N of (positions start:stop of each line,
+    the width padded to a multiple of N). Its tensors are the whole lines, so what is counted or
+    read per sequence (lengths, loss mask, per_sequence, last_tokens) is as without sharing; the
+    model sees only this process's positions."""
+
+    def __init__(self, whole, layout_: Layout):
+        self.whole = whole = _padded_to(whole, layout_.size)
+        self.packed, self.lengths = whole.packed, whole.lengths
+        self.input_ids, self.position_ids = whole.input_ids, whole.position_ids
+        self.loss_mask, self.sequence = whole.loss_mask, whole.sequence
+        width = whole.input_ids.shape[1] // layout_.size
+        self.start, self.stop = layout_.rank * width, (layout_.rank + 1) * width
+
+    n_sequences = property(lambda self: self.whole.n_sequences)
+    real_tokens = property(lambda self: self.whole.real_tokens)
+    processed_tokens = property(lambda self: self.whole.processed_tokens)
+    attention_mask = None
+    per_sequence = property(lambda self: self.whole.per_sequence)
+    last_tokens = property(lambda self: self.whole.last_tokens)
+
+    @contextlib.contextmanager
+    def apart(self):
+        """The whole lines' sequences kept apart (compat), and attention exchanging over the group."""
+        global _active
+        outer, _active = _active, self
+        try:
+            # Padded lines too: after the exchange attention sees whole lines, which only the
+            # whole lines' sequence map describes.
+            with compat.sequences_apart(self.sequence):
+                yield
+        finally:
+            _active = outer
+
+    def forward(self, model):
+        part = slice(self.start, self.stop)
+        inputs = {"input_ids": self.input_ids[:, part], "position_ids": self.position_ids[:, part],
+                  "use_cache": False}
+        with self.apart():
+            return model(**inputs)
+
+    def gathered(self, per_position):
+        """(lines, width, ...) from this process's (lines, width/N, ...) piece."""
+        return _Gather.apply(per_position, self.start, self.stop)
+
+    def logprobs(self, logits):
+        """As Batch.logprobs: (lines, width - 1), the log-prob of each next response token."""
+        from stages.losses import next_token_logprobs
+
+        targets, mask = _next(self.input_ids), _next(self.loss_mask)
+        part = slice(self.start, self.stop)
+        return self.gathered(next_token_logprobs(logits, targets[:, part], mask[:, part]))[:, :-1]
+
+
+def _next(tensor):
+    """Each position's next entry (0 after the last): what position t predicts."""
+    out = torch.zeros_like(tensor)
+    out[:, :-1] = tensor[:, 1:]
+    return out
+
+
+def _padded_to(batch, size: int):
+    """The batch with its lines widened to a multiple of `size`: padding (sequence -1, no loss),
+    with positions of a padding sequence of its own."""
+    width = batch.input_ids.shape[1]
+    extra = -width % size
+    if not extra:
+        return batch
+    lines = batch.input_ids.shape[0]
+
+    def widen(tensor, fill):
+        return torch.cat([tensor, torch.full((lines, extra), fill, dtype=tensor.dtype, device=tensor.device)], 1)
+
+    positions = torch.arange(extra, device=batch.position_ids.device).expand(lines, extra)
+    return type(batch)(widen(batch.input_ids, 0), torch.cat([batch.position_ids, positions], 1),
+                       widen(batch.loss_mask, 0), widen(batch.sequence, -1), batch.packed, batch.lengths)
+
+
+def shard(batch) -> object:
+    """This process's part of a micro batch (the batch itself without sharing)."""
+    return ShardedBatch(batch, _layout) if _layout.size > 1 else batch
