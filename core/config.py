@@ -31,6 +31,7 @@ from pydantic import (
 
 from core import kinds
 from core.batching import accumulation_steps, data_parallel, rows_per_step
+from core.sequence_parallel import SHARDABLE_ATTENTION
 from core.errors import InvalidInput
 from core.kinds import StageKind
 
@@ -471,6 +472,14 @@ class StageBase(TrainingKnobs):
     def _one_starting_point(self):
         if (self.model is None) == (self.from_ is None):
             raise ValueError("give exactly one of `model` (a model to start from) or `from` (an upstream stage)")
+        return self
+
+    @model_validator(mode="after")
+    def _shared_sequences_need_a_shardable_attention(self):
+        if self.sequence_parallel > 1 and self.attention not in SHARDABLE_ATTENTION:
+            raise ValueError(f"sequence_parallel {self.sequence_parallel} needs attention: "
+                             f"{' or '.join(SHARDABLE_ATTENTION)}, not {self.attention} (eager attention builds a "
+                             f"full mask of its own that the sequence exchange cannot use)")
         return self
 
     @model_validator(mode="after")

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from core import kinds
+from core import kinds, sequence_parallel
 from core.config import BUILTIN_PREFIX, PipelineSpec
 from core.errors import InvalidInput
 from core.shapes import ShapeNotFound, cached_config, resolve_shape
@@ -56,6 +56,8 @@ def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
         check_upstream(spec, stage, where, cache)
         root = root_model(spec, stage)
         check_positions(stage, root, where, cache)
+        check_sequence_parallel(stage, root, where, cache, spec.cluster.processes_per_node * stage.nodes,
+                                stack_is_here=executor.runs_this_python(spec))
         found = check_data(stage, where, hub)
         check_chat_template(stage, root, where, found.chats, cache)
         check_step_rows(spec, stage, where, found)
@@ -150,6 +152,25 @@ def check_positions(stage, root: str, where: str, cache: HFCache) -> None:
             f"{where}.max_len: {stage.max_len} tokens is beyond the {shape.max_positions} positions of model "
             f"{root}{source}: positions past them were never trained. Set max_len to {shape.max_positions} or less"
         )
+
+
+def check_sequence_parallel(stage, root: str, where: str, cache: HFCache, processes: int, stack_is_here: bool) -> None:
+    """Processes can share the stage's sequences: the model's heads split over them, and the stack
+    has Ulysses attention (checked here where the stages run with this python; a container's stack
+    is checked by the stage itself when it starts)."""
+    if stage.sequence_parallel == 1:
+        return
+    shape = shape_of(root, cache)
+    problem = shape and sequence_parallel.heads_problem(shape.heads, shape.kv_heads, stage.sequence_parallel)
+    if problem:
+        able = sequence_parallel.shares_for(shape.heads, shape.kv_heads, processes)[1:]
+        fits = (f"on this stage's {processes} processes it can be {' or '.join(map(str, able))}" if able else
+                f"on this stage's {processes} processes no sharing fits model {root}: leave it at 1, or change "
+                "the processes (tasks_per_node, nodes)")
+        raise InvalidInput(f"{where}.sequence_parallel: {problem}; {fits}")
+    problem = stack_is_here and sequence_parallel.stack_problem()
+    if problem:
+        raise InvalidInput(f"{where}.sequence_parallel: {problem}")
 
 
 def check_upstream(spec: PipelineSpec, stage, where: str, cache: HFCache) -> None:

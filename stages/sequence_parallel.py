@@ -28,41 +28,15 @@ Generation (RL) is not sharded: attention runs as usual outside `ShardedBatch.ap
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
-import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from core import sequence_parallel as rules
 from core.errors import InvalidInput
 from stages import compat
-
-# Where DeepSpeed's Ulysses attention for Hugging Face models lives (0.18 and later), and the
-# transformers it needs (attention functions are looked up in a registry from 4.51.3 on).
-ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
-MIN_TRANSFORMERS = "4.51.3"
-# Attention implementations whose registry entry can be wrapped; eager builds a full 4D mask of its
-# own and has no registry entry.
-SHARDABLE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
-
-
-def missing() -> Optional[str]:
-    """Why this stack cannot share sequences over processes, or None when it can."""
-    from packaging.version import Version
-
-    have = importlib.metadata.version("transformers")
-    if Version(have) < Version(MIN_TRANSFORMERS):
-        return (f"sequence_parallel needs transformers >= {MIN_TRANSFORMERS} (this stack has {have}) and "
-                f"DeepSpeed's Ulysses attention ({ULYSSES_MODULE}, DeepSpeed >= 0.18): use the current stack "
-                f"(containers/current.def), or leave sequence_parallel at 1")
-    if importlib.util.find_spec(ULYSSES_MODULE) is None:
-        return (f"sequence_parallel needs DeepSpeed's Ulysses attention ({ULYSSES_MODULE}, DeepSpeed >= 0.18; "
-                f"this stack has {importlib.metadata.version('deepspeed')}): use the current stack, or leave "
-                f"sequence_parallel at 1")
-    return None
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -93,9 +67,9 @@ def setup(sequence_parallel: int, rank: int, world_size: int) -> Layout:
     if sequence_parallel == 1:
         _layout = Layout(1, 0, rank, world_size)
         return _layout
-    why = missing()
+    why = rules.stack_problem()
     if why:
-        raise InvalidInput(why)
+        raise InvalidInput(f"sequence_parallel: {why}")
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     parallel_state_sp.initialize_sequence_parallel(sequence_parallel)
@@ -109,7 +83,7 @@ def setup(sequence_parallel: int, rank: int, world_size: int) -> Layout:
 def _wrap_attention() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    for name in SHARDABLE_ATTENTION:
+    for name in ("sdpa", "flash_attention_2", "flash_attention_3"):
         if name in ALL_ATTENTION_FUNCTIONS and not getattr(ALL_ATTENTION_FUNCTIONS[name], "_ulysses", False):
             ALL_ATTENTION_FUNCTIONS[name] = _shard_aware(ALL_ATTENTION_FUNCTIONS[name])
 
@@ -141,16 +115,6 @@ def _exchange(core, config, lines: int):
         attn_head_size=getattr(text, "head_dim", None) or text.hidden_size // heads,
         kv_head_count=getattr(text, "num_key_value_heads", None) or heads,
         num_hidden_layers=text.num_hidden_layers, process_group=_layout.group, seq_length_is_variable=True)
-
-
-def check_heads(heads: int, kv_heads: int, size: int) -> Optional[str]:
-    """Why `size` processes cannot share a model's attention (Ulysses gives each 1/size of the
-    heads), or None."""
-    if heads % size:
-        return f"{size} does not divide the model's {heads} attention heads"
-    if kv_heads % size and size % kv_heads:
-        return f"{size} and the model's {kv_heads} key-value heads do not divide one another"
-    return None
 
 
 # --------------------------------------------------------------------------- batches

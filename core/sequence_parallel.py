@@ -1,0 +1,50 @@
+"""The rules of sharing sequences over processes (Ulysses, DeepSpeed's ALST), torch-free:
+what a stack needs for it and which models can be shared how. The runtime is
+stages/sequence_parallel.py; the planner and preflight ask here.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Optional
+
+# DeepSpeed's Ulysses attention for Hugging Face models (DeepSpeed 0.18 and later) looks attention
+# functions up in transformers' registry, which exists from 4.51.3 on.
+ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
+MIN_TRANSFORMERS = "4.51.3"
+MIN_DEEPSPEED = "0.18.0"
+# Attention implementations whose exchange the runtime wraps: eager builds a full 4D mask of its own.
+SHARDABLE_ATTENTION = ("auto", "sdpa", "flash_attention_2")
+
+
+def stack_problem() -> Optional[str]:
+    """Why the installed stack (this python's transformers and DeepSpeed) cannot share sequences
+    over processes, or None when it can."""
+    from packaging.version import Version
+
+    have = {name: importlib.metadata.version(name) for name in ("transformers", "deepspeed")}
+    if Version(have["transformers"]) >= Version(MIN_TRANSFORMERS) and Version(have["deepspeed"]) >= Version(MIN_DEEPSPEED):
+        return None
+    return (f"needs transformers >= {MIN_TRANSFORMERS} and DeepSpeed >= {MIN_DEEPSPEED} (its Ulysses attention, "
+            f"{ULYSSES_MODULE}); this stack has transformers {have['transformers']} and DeepSpeed "
+            f"{have['deepspeed']} (the pinned stack does not have it). Run the stage on the current stack "
+            f"(containers/current.def), or leave sequence_parallel at 1")
+
+
+def heads_problem(heads: int, kv_heads: int, n: int) -> Optional[str]:
+    """Why n processes cannot share a model with these attention heads, or None. Each process
+    attends with 1/n of the heads, so n divides them; key-value heads are split the same way, or
+    copied when there are fewer than n (then they must divide n)."""
+    if n == 1:
+        return None
+    if heads % n:
+        return f"{n} does not divide the model's {heads} attention heads (each process takes 1/{n} of them)"
+    if kv_heads % n and n % kv_heads:
+        return (f"{n} and the model's {kv_heads} key-value heads do not divide one another (each process takes "
+                f"1/{n} of them, or a copy when there are fewer)")
+    return None
+
+
+def shares_for(heads: int, kv_heads: int, processes: int) -> list[int]:
+    """Every sequence_parallel that `processes` processes can run a model with these heads at, smallest first."""
+    return [n for n in range(1, processes + 1) if processes % n == 0 and heads_problem(heads, kv_heads, n) is None]
