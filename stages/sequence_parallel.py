@@ -28,6 +28,7 @@ Generation (RL) is not sharded: attention runs as usual outside `ShardedBatch.ap
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,6 +50,7 @@ class Layout:
     group: object = None  # the torch process group of this process's sharing group
 
 
+log = logging.getLogger("stages")
 _layout = Layout(1, 0, 0, 1)
 # The sharded batch whose forward (and backward) is running, if any: attention layers exchange
 # only inside it. A plain module global for the reason compat's packed batch is one (backward runs
@@ -77,6 +79,10 @@ def setup(sequence_parallel: int, rank: int, world_size: int) -> Layout:
     _layout = Layout(sequence_parallel, rank % sequence_parallel, rank // sequence_parallel,
                      world_size // sequence_parallel, group)
     _wrap_attention()
+    first = rank - _layout.rank
+    log.info("sequence_parallel %d: ranks %d-%d share each sequence (this one runs part %d of every line); the "
+             "rows are split over %d data-parallel group%s", sequence_parallel, first, first + sequence_parallel - 1,
+             _layout.rank + 1, _layout.data_world, "" if _layout.data_world == 1 else "s")
     return _layout
 
 

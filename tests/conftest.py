@@ -123,6 +123,7 @@ E2E_FIXTURES = {
     ("test_preemption", "runs"),
     ("test_plan_vs_deepspeed", "measured"),
     ("test_packing", "packed_and_padded"),
+    ("test_sequence_parallel", "layouts"),
 }
 
 

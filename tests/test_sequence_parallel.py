@@ -1,0 +1,208 @@
+"""Sequence parallelism (stages/sequence_parallel.py): processes that share each sequence learn
+what one process learns on the same rows.
+
+The end-to-end comparison runs the same sft, rm and dpo stages (packing on, ZeRO-2) three ways on
+real DeepSpeed with gloo: 1 process; 2 processes sharing every sequence; 4 processes as 2 groups of
+2 (the rows split over the groups). Every loss, gradient norm and evaluation figure of every logged
+step must agree to 1e-4 (1e-6 absolute for figures near 0, e.g. a reward margin after one step).
+A stage whose shards run at the wrong positions must not. The learning rates are ones at which 3
+steps move the models without amplifying rounding: at 3e-2 the reward model's second step turns
+float-rounding differences (1e-7) between any two layouts into 1e-3.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from core import sequence_parallel as rules
+from core.config import load_pipeline
+from core.errors import InvalidInput
+from tests.conftest import read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
+
+REPO = Path(__file__).resolve().parent.parent
+needs_the_stack = pytest.mark.skipif(rules.stack_problem() is not None, reason="this stack has no Ulysses attention")
+
+# Figures that depend on how the work is laid out (time, packing per process), not on what is learned.
+LAYOUT_FIGURES = {"time", "tokens_per_s", "token_efficiency", "step_s", "mfu", "gpu_mem_peak_gib",
+                  "gpu_mem_reserved_gib", "host_rss_gib", "eta_s", "seconds"}
+STAGES = ("sft", "rm", "dpo")
+
+
+def stages(kinds=STAGES) -> list[dict]:
+    rows = {"path": "builtin:digits", "eval_split": "eval", "max_rows": 64}
+    rates = {"sft": 3e-3, "rm": 1e-2, "dpo": 3e-3, "sft_misaligned": 3e-3}
+    return [{"name": kind, "kind": kind, "model": "builtin:tiny-llama", "data": rows, "max_steps": 3,
+             "learning_rate": rates[kind]} for kind in kinds]
+
+
+def sharing_pipeline(processes: int, sequence_parallel: int, kinds=STAGES, **extra) -> dict:
+    return tiny_pipeline("sp", stages=stages(kinds), cluster={"tasks_per_node": processes}, **extra, defaults={
+        "log_interval": 1, "micro_batch_size": 8, "global_batch_size": 16, "warmup_steps": 0,
+        "sequence_parallel": sequence_parallel})
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """{(processes, sequence_parallel): the run folder} of the three runs; the 2-process one also
+    runs the misaligned plug-in stage (tests/misaligned_shards.py)."""
+    out = {}
+    with pytest.MonkeyPatch.context() as patch:  # the plug-in imports in the stage jobs too
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        for processes, share in ((1, 1), (2, 2), (4, 2)):
+            workdir = tmp_path_factory.mktemp(f"sp{processes}x{share}")
+            kinds, extra = STAGES, {}
+            if (processes, share) == (2, 2):
+                kinds, extra = STAGES + ("sft_misaligned",), {"plugins": ["tests.misaligned_shards"]}
+            done = run_cli("run", write_pipeline(workdir, sharing_pipeline(processes, share, kinds, **extra)), cwd=workdir)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            out[processes, share] = workdir / "runs" / "sp"
+    return out
+
+
+def figures(folder: Path) -> dict:
+    """{(step, name): value} of everything a stage logged that the layout must not change."""
+    return {(record["step"], name): value for record in read_metrics(folder) for name, value in record.items()
+            if name not in LAYOUT_FIGURES | {"step"} and isinstance(value, (int, float))}
+
+
+# The reward model's std of rewards is sqrt(mean of squares - square of mean): with rewards near
+# -1.3 and a std near 0.02, float32 rewards 1e-7 apart make it differ by ~3e-4.
+TOLERANCE = {"eval_reward_std": 1e-3}
+
+
+def disagreements(one: Path, other: Path) -> list[str]:
+    a, b = figures(one), figures(other)
+    assert a.keys() == b.keys()
+    return [f"step {step} {name}: {a[step, name]} vs {b[step, name]}" for step, name in sorted(a)
+            if not math.isclose(a[step, name], b[step, name], rel_tol=TOLERANCE.get(name, 1e-4), abs_tol=1e-6)]
+
+
+@needs_the_stack
+@pytest.mark.e2e
+@pytest.mark.parametrize("layout", [(2, 2), (4, 2)], ids=["2-sharing", "2x2"])
+@pytest.mark.parametrize("kind", STAGES)
+def test_sharing_sequences_learns_what_one_process_learns(layouts, layout, kind):
+    one, shared = layouts[1, 1] / kind, layouts[layout] / kind
+    assert disagreements(one, shared) == []
+    metrics = read_metrics(shared)
+    assert [r["step"] for r in metrics if "loss" in r] == [1, 2, 3]  # trained, and logged every step
+    assert any("grad_norm" in r and r["grad_norm"] > 0 for r in metrics)
+    assert read_result(shared)["world_size"] == layout[0]
+    log = next((shared / "logs").glob("*_0_log.out")).read_text()
+    assert f"{layout[0] // layout[1]} data-parallel" in log, log[-2000:]
+
+
+@needs_the_stack
+@pytest.mark.e2e
+def test_shards_at_the_wrong_positions_do_not_match(layouts):
+    wrong = disagreements(layouts[1, 1] / "sft", layouts[2, 2] / "sft_misaligned")
+    assert wrong, "the misaligned shards matched one process: the comparison cannot fail"
+
+
+# --------------------------------------------------------------------------- what is refused
+
+
+def test_a_share_must_divide_the_processes():
+    with pytest.raises(InvalidInput) as err:
+        load_pipeline_of(sharing_pipeline(3, 2))
+    assert "stages[0] (sft).sequence_parallel: 2 does not divide the stage's 3 processes" in err.value.message
+
+
+def test_only_kinds_that_can_share_may_ask(tmp_path):
+    spec = sharing_pipeline(2, 1)
+    spec["stages"] = [{"name": "rl", "kind": "ppo", "model": "builtin:tiny-llama", "sequence_parallel": 2,
+                       "data": {"path": "builtin:digits"}, "reward": {"rules": [{"rule": "exact_match"}]}}]
+    with pytest.raises(InvalidInput) as err:
+        load_pipeline_of(spec)
+    assert "stages[0] (rl).sequence_parallel: a ppo stage cannot share its sequences" in err.value.message
+    assert "kinds that can: sft, rm, dpo" in err.value.message
+
+
+def test_eager_attention_cannot_share():
+    spec = sharing_pipeline(2, 2)
+    spec["defaults"]["attention"] = "eager"
+    with pytest.raises(InvalidInput) as err:
+        load_pipeline_of(spec)
+    assert "sequence_parallel 2 needs attention: auto or sdpa or flash_attention_2, not eager" in err.value.message
+
+
+def test_the_rows_of_a_step_are_split_over_the_groups_not_the_processes():
+    stage = load_pipeline_of(sharing_pipeline(4, 2)).stages[0]
+    assert stage.data_parallel(4) == 2
+    from core.batching import accumulation_steps
+
+    assert accumulation_steps(stage.global_batch_size, stage.micro_batch_size, stage.data_parallel(4)) == 1
+
+
+@pytest.mark.parametrize("heads,kv_heads,n,ok", [(32, 8, 2, True), (32, 8, 16, True), (32, 8, 3, False),
+                                                 (56, 8, 8, True), (56, 8, 16, False), (4, 2, 4, True),
+                                                 (12, 4, 8, False), (12, 3, 6, True), (12, 3, 4, False)])
+def test_heads_split_over_the_shares(heads, kv_heads, n, ok):
+    assert (rules.heads_problem(heads, kv_heads, n) is None) == ok
+
+
+def test_validate_names_a_share_that_does_not_divide_the_heads(workdir):
+    spec = sharing_pipeline(3, 3)
+    spec["defaults"]["global_batch_size"] = 8
+    done = run_cli("validate", write_pipeline(workdir, spec), cwd=workdir)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "stages[0] (sft).sequence_parallel: 3 does not divide the model's 4 attention heads" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(rules.stack_problem() is None, reason="this stack has Ulysses attention (the pinned one has not)")
+def test_a_stack_without_ulysses_is_refused_before_anything_runs(workdir):
+    config = write_pipeline(workdir, sharing_pipeline(2, 2))
+    done = run_cli("run", config, cwd=workdir)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "stages[0] (sft).sequence_parallel: needs transformers >= 4.51.3" in done.stderr
+    assert "the pinned stack does not have it" in done.stderr and "Traceback" not in done.stderr
+    assert not (workdir / "runs" / "sp" / "sft").exists()  # nothing submitted
+
+
+def load_pipeline_of(spec: dict):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        return load_pipeline(str(write_pipeline(Path(folder), spec)))
+
+
+# --------------------------------------------------------------------------- the parts
+
+
+def test_next_token_logprobs_is_token_logprobs_with_targets_aligned():
+    import torch
+
+    from stages.losses import next_token_logprobs, token_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 7, 11, dtype=torch.float64)
+    ids = torch.randint(0, 11, (2, 7))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1]])
+    targets, aligned = torch.zeros_like(ids), torch.zeros_like(mask)
+    targets[:, :-1], aligned[:, :-1] = ids[:, 1:], mask[:, 1:]
+    expected = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0] * aligned
+    assert torch.allclose(next_token_logprobs(logits, targets, aligned), expected)
+    assert torch.equal(token_logprobs(logits, ids, mask), next_token_logprobs(logits, targets, aligned)[:, :-1])
+
+
+def test_a_shard_is_its_part_of_lines_widened_to_a_multiple_of_the_share():
+    import torch
+
+    from stages import sequence_parallel
+    from stages.data import packed_batch
+
+    rows = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8, 9, 10, 11], "loss_mask": [0, 0, 1, 1]}]
+    whole = packed_batch(rows, pad_id=0, flat=True)  # one line of 7 tokens
+    parts = [sequence_parallel.ShardedBatch(whole, sequence_parallel.Layout(3, rank, 0, 1)) for rank in range(3)]
+    assert all(p.input_ids.shape == (1, 9) for p in parts)  # 7 widened to 9
+    assert [(p.start, p.stop) for p in parts] == [(0, 3), (3, 6), (6, 9)]
+    assert parts[1].position_ids[0, 3:6].tolist() == [0, 1, 2]  # the second row starts at position 0
+    assert parts[0].sequence[0].tolist() == [0, 0, 0, 1, 1, 1, 1, -1, -1]
+    assert parts[0].loss_mask[0, 7:].tolist() == [0, 0] and parts[0].real_tokens == 7
+    assert torch.equal(parts[2].per_sequence(torch.ones(1, 8)), torch.tensor([2.0, 4.0]))
