@@ -1,4 +1,5 @@
-"""Several nodes for real: one stage on both nodes of the test cluster, 2 tasks each.
+"""Several nodes for real: one stage on both nodes of the test cluster, 2 tasks each; and the
+same stage with the two processes of each node sharing every sequence (sequence_parallel: 2).
 
 The two "nodes" share this machine's network stack, so a wrong master address
 could still connect: the test checks the address itself, against the job's
@@ -13,6 +14,7 @@ import subprocess
 import pytest
 
 from tests.conftest import read_result, run_cli, write_pipeline
+from tests.test_sequence_parallel import disagreements, needs_the_stack
 from tests.slurm_support import (
     job_ids,
     scontrol_job,
@@ -34,7 +36,9 @@ def two_node_stage(slurm_cluster, tmp_path_factory):
     if len(slurm_cluster["nodes"]) < 2:
         pytest.fail(f"the test cluster has one node ({slurm_cluster['nodes']}); bring it up with --nodes 2")
     workdir = tmp_path_factory.mktemp("two-nodes")
-    config = write_pipeline(workdir, slurm_pipeline(stages=[sft_stage("sft", 20, nodes=2)]))
+    stages = [sft_stage("sft", 20, nodes=2, global_batch_size=32),
+              sft_stage("shared", 20, nodes=2, global_batch_size=32, sequence_parallel=2)]
+    config = write_pipeline(workdir, slurm_pipeline(stages=stages))
     run = run_cli("run", config, cwd=workdir, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     settled = wait_until_settled(workdir, config)
@@ -73,3 +77,18 @@ def test_the_two_node_stage_trains(two_node_stage):
     result = read_result(two_node_stage["workdir"] / "runs" / "t" / "sft")
     assert result["world_size"] == 4
     assert result["final_eval_loss"] < result["initial_eval_loss"]
+
+
+@needs_the_stack
+def test_the_processes_of_each_node_share_its_sequences_and_learn_what_four_apart_learn(two_node_stage):
+    """sequence_parallel 2 on 2 nodes x 2 tasks: each node's pair shares every sequence, the rows
+    split over the 2 pairs; its losses and gradient norms are the plain 4-process stage's."""
+    runs = two_node_stage["workdir"] / "runs" / "t"
+    assert two_node_stage["settled"]["shared"]["state"] == "finished"
+    job = job_ids(two_node_stage["workdir"])["shared"]
+    logs = [(runs / "shared" / "logs" / f"{job}_{task}_log.out").read_text() for task in range(4)]
+    assert "sequence_parallel 2: ranks 0-1 share each sequence" in logs[0], logs[0][-2000:]
+    assert "split over 2 data-parallel groups" in logs[0]
+    hosts = [re.search(r"stage shared \(sft\): rank \d+ of 4 on (\S+)", log).group(1) for log in logs]
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3]  # a pair never spans the nodes
+    assert disagreements(runs / "sft", runs / "shared") == []
