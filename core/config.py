@@ -357,10 +357,11 @@ class TrainingKnobs(Strict):
         1, ge=1, le=1024,
         description="Processes that share each sequence (Ulysses sequence parallelism, DeepSpeed's ALST): each "
         "holds 1/N of every sequence's tokens and activations, and attention exchanges heads for sequence "
-        "between them (two all-to-alls per layer). The rows are split over processes / N. N must divide the "
-        "processes and the model's attention heads, and its key-value heads (or they divide N); consecutive "
-        "processes share, so N up to the GPUs per node keeps the exchange inside a node. sft, rm and dpo; "
-        "needs transformers >= 4.51.3 and DeepSpeed >= 0.18 (the current stack, not the pinned one).",
+        "between them (all-to-alls of queries, keys and values in and of the output back, in every layer). "
+        "The rows are split over processes / N. N must divide the processes and the model's attention heads, "
+        "and its key-value heads (or they divide N); consecutive processes share, so N up to the GPUs per "
+        "node keeps the exchange inside a node. sft, rm and dpo; needs transformers >= 4.51.3 and DeepSpeed "
+        ">= 0.18 (the current stack, not the pinned one).",
     )
     lora: Optional[LoraSpec] = Field(None, description="Train LoRA adapters instead of all parameters.")
     max_len: int = Field(
