@@ -695,8 +695,7 @@ def test_planner_constants_agree_with_the_deepspeed_config_the_stages_use():
     from stages.engine import deepspeed_config, frozen_model_config
 
     for on_gpu, bucket in ((True, plan.GPU_BUCKET_ELEMENTS), (False, plan.CPU_BUCKET_ELEMENTS)):
-        spec = SimpleNamespace(**{**vars(stage(zero_stage=3)), "learning_rate": 1e-5, "betas": (0.9, 0.95),
-                                  "weight_decay": 0.0, "max_grad_norm": 1.0})
+        spec = stage(zero_stage=3, learning_rate=1e-5, betas=(0.9, 0.95), weight_decay=0.0, max_grad_norm=1.0)
         zero = deepspeed_config(spec, 8, 4096, on_gpu=on_gpu)["zero_optimization"]
         assert zero["reduce_bucket_size"] == bucket and zero["stage3_prefetch_bucket_size"] == bucket
         assert zero["overlap_comm"] is on_gpu  # two gradient buckets on GPUs
