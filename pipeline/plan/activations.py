@@ -24,6 +24,10 @@ the training precision.
   (8 bytes). A chunk's backward holds up to four fp32 chunk-sized tensors at once
   (the previous chunk's two and the current one's two), its forward three. A
   frozen LM's forward: T*V*b + the forward's chunk. Scalar heads have no logits.
+- sequence parallel (N > 1): each process holds its 1/N of every line's positions, so T is
+  its share (activations, activation gradients, logits: each process computes the logits of
+  its own positions); attention runs over the whole lines for 1/N of the heads (the same
+  bytes per position), with the whole lines' mask.
 - DPO runs the reference forward after the policy's and before its backward
   (stages/dpo.py), so the policy's stored activations and logits are held while
   the reference runs (and its mask too, without checkpointing).
@@ -52,18 +56,25 @@ def layer_activation_bytes(shape: ModelShape, knobs: Knobs, kernel: str, width: 
     return norms + attention + mlp + lora + scores
 
 
+def whole_tokens(knobs: Knobs, tokens: int) -> int:
+    """The tokens of the micro batch a process's `tokens` are its share of: attention spans the
+    whole lines (sequence parallel: after the exchange; the lines widened to a multiple of N)."""
+    return tokens * knobs.sequence_parallel
+
+
 def line_width(knobs: Knobs, workload: Workload, kernel: str, tokens: int) -> int:
-    """The widest attention line of a micro batch of `tokens` tokens."""
+    """The widest attention line of a micro batch of which a process holds `tokens` tokens."""
     if knobs.packs and kernel in MASKED_KERNELS:
-        return masked_line_width(tokens, knobs.max_len)
+        return masked_line_width(whole_tokens(knobs, tokens), knobs.max_len)
     return workload.seq_len
 
 
 def attention_mask_bytes(knobs: Knobs, workload: Workload, kernel: str, tokens: int) -> float:
-    """The mask sdpa and eager attention get for one micro batch (none for flash)."""
+    """The mask sdpa and eager attention get for one micro batch of which a process holds
+    `tokens` tokens: the whole lines' (none for flash)."""
     if kernel not in MASKED_KERNELS:
         return 0.0
-    b = knobs.weight_bytes
+    b, tokens = knobs.weight_bytes, whole_tokens(knobs, tokens)
     if knobs.packs:
         width = masked_line_width(tokens, knobs.max_len)
         return tokens * width * (b + 1) + width * width  # the mask + its bool temporaries

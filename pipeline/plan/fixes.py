@@ -51,25 +51,26 @@ def _candidate_changes(knobs: Knobs, hw: Hardware) -> list[tuple[str, dict, str,
         for placement in ("offload",) if knobs.stage_kind.rollouts else ("offload", "precompute"):
             if REFERENCE_PLACEMENTS.index(placement) > REFERENCE_PLACEMENTS.index(knobs.reference):
                 out.append(("reference", {"reference": placement}, f"reference: {placement}", False))
-    rows = rows_per_step(knobs.global_batch_size, knobs.micro_batch_size, knobs.nodes * hw.processes_per_node)
+    groups = knobs.data_parallel(knobs.nodes * hw.processes_per_node)  # processes that take rows of their own
+    rows = rows_per_step(knobs.global_batch_size, knobs.micro_batch_size, groups)
     smaller = knobs.micro_batch_size // 2
     if knobs.packs and knobs.micro_batch_tokens:  # the budget, not micro_batch_size, sizes a micro batch
         fewer = knobs.micro_batch_tokens // 2
         if fewer >= knobs.max_len * knobs.stage_kind.sequences_per_row:
             out.append(("micro", {"micro_batch_tokens": fewer}, f"micro_batch_tokens: {fewer}", False))
-    elif smaller >= 1 and rows % (smaller * knobs.nodes * hw.processes_per_node) == 0:
+    elif smaller >= 1 and rows % (smaller * groups) == 0:
         out.append(("micro", {"micro_batch_size": smaller, "global_batch_size": rows},
                     f"micro_batch_size: {smaller} (global_batch_size stays {rows} by accumulation)", False))
     for factor in (2, 4):
         nodes = knobs.nodes * factor
-        per_pass = knobs.micro_batch_size * nodes * hw.processes_per_node
+        per_pass = knobs.micro_batch_size * groups * factor
         if rows % per_pass == 0:
             out.append(("nodes", {"nodes": nodes, "global_batch_size": rows},
                         f"nodes: {nodes} (global_batch_size {rows})", False))
         else:
             out.append(("nodes", {"nodes": nodes, "global_batch_size": per_pass},
                         f"nodes: {nodes} (global_batch_size {rows} -> {per_pass}: the minimum for "
-                        f"{nodes * hw.processes_per_node} processes)", True))
+                        f"{groups * factor} data-parallel processes)", True))
     if not knobs.lora_rank:
         out.append(("lora", {"lora_rank": 16, "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                "up_proj", "down_proj")},
