@@ -183,8 +183,10 @@ def settings_relaxed(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Option
     if knobs.sequence_parallel > 1:
         options.append(({"sequence_parallel": 1}, "sequence_parallel: 1 (every process a sequence of its own)"))
     if knobs.optimizer_offload:
-        options.append(({"optimizer_offload": False, "nodes": knobs.nodes + 1},
-                        f"nodes: {knobs.nodes + 1}, optimizer_offload: false"))
+        more = knobs.nodes + 1
+        while (more * hw.processes_per_node) % knobs.sequence_parallel:  # the shares must still divide the processes
+            more += 1
+        options.append(({"optimizer_offload": False, "nodes": more}, f"nodes: {more}, optimizer_offload: false"))
     return [Suggestion(changes, text, False, estimate_stage(replace(knobs, **changes), shape, hw, rows, ppo, lengths))
             for changes, text in options]
 
