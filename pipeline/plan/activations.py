@@ -27,7 +27,9 @@ the training precision.
 - sequence parallel (N > 1): each process holds its 1/N of every line's positions, so T is
   its share (activations, activation gradients, logits: each process computes the logits of
   its own positions); attention runs over the whole lines for 1/N of the heads (the same
-  bytes per position), with the whole lines' mask.
+  bytes per position), with the whole lines' mask. The layer being computed holds its q, k,
+  v and output twice while they are exchanged (sequence shards and head shards): one more
+  b*(2q + 2kv) per position, a buffer.
 - DPO runs the reference forward after the policy's and before its backward
   (stages/dpo.py), so the policy's stored activations and logits are held while
   the reference runs (and its mask too, without checkpointing).
@@ -117,6 +119,9 @@ def trained_pass(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str) -
         at_loss, in_layers = [stored], [stored]
     in_layers.append((f"{role} activation gradients (one layer)", "activations",
                       tokens * (layer + 4 * shape.hidden + 2 * b * shape.hidden)))
+    if knobs.sequence_parallel > 1:
+        in_layers.append((f"{role} all-to-all copies of one layer's q, k, v and output", "buffers",
+                          tokens * b * (2 * shape.q_width + 2 * shape.kv_width)))
     if use.head == "lm":
         at_loss.append((f"{role} logits + their gradient ({knobs.precision}), fp32 log-prob chunks", "logits",
                         logits_bytes(shape, tokens, b, trained=True)))

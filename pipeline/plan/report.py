@@ -154,6 +154,8 @@ def _memory_confidence(plan: StagePlan) -> str:
         unchecked.append("flash attention")
     if k.stage_kind.rollouts:
         unchecked.append("rollout generation")
+    if k.sequence_parallel > 1:
+        unchecked.append(f"sequences shared by {k.sequence_parallel} processes")
     return text + (f"; not checked by a record: {', '.join(unchecked)}" if unchecked else "")
 
 
@@ -181,6 +183,7 @@ def _batches_json(b: Optional[Batches]) -> Optional[dict]:
     sampled = lengths is not None and lengths.sampled
     return {
         "packed": b.packed, "token_budget": b.token_budget, "rows_per_step": b.rows_per_step,
+        "sequence_parallel": b.sequence_parallel,
         "micro_batches_per_step": b.micro_batches_per_step, "real_tokens_per_step": b.real_tokens_per_step,
         "processed_tokens_per_step": b.processed_tokens_per_step, "padding_share": b.padding_share,
         "lengths": {"sampled": sampled, "source": lengths.source if lengths is not None else None,
