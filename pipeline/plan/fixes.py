@@ -31,9 +31,9 @@ ESCALATING_GROUPS = ("zero", "nodes", "sequence")
 
 
 def sequence_shares(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[int]:
-    """The sequence_parallel values above the stage's that its kind, processes and model heads
-    allow (core/sequence_parallel.py; not with eager attention), smallest first: those within a node (the all-to-alls stay
-    on the GPU links), else the smallest across nodes."""
+    """The sequence_parallel values above the stage's that its kind, attention, processes and
+    model heads allow (core/sequence_parallel.py), smallest first: those within a node (the
+    all-to-alls stay on the GPU links), else the smallest across nodes."""
     if not knobs.stage_kind.sequence_parallel or knobs.attention not in SHARDABLE_ATTENTION:
         return []
     processes = knobs.nodes * hw.processes_per_node
@@ -64,7 +64,8 @@ def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tu
         for placement in ("offload",) if knobs.stage_kind.rollouts else ("offload", "precompute"):
             if REFERENCE_PLACEMENTS.index(placement) > REFERENCE_PLACEMENTS.index(knobs.reference):
                 out.append(("reference", {"reference": placement}, f"reference: {placement}", False))
-    groups = knobs.data_parallel(knobs.nodes * hw.processes_per_node)  # processes that take rows of their own
+    processes = knobs.nodes * hw.processes_per_node
+    groups = knobs.data_parallel(processes)  # those that take rows of their own
     rows = rows_per_step(knobs.global_batch_size, knobs.micro_batch_size, groups)
     smaller = knobs.micro_batch_size // 2
     if knobs.packs and knobs.micro_batch_tokens:  # the budget, not micro_batch_size, sizes a micro batch
@@ -84,7 +85,6 @@ def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tu
             out.append(("nodes", {"nodes": nodes, "global_batch_size": per_pass},
                         f"nodes: {nodes} (global_batch_size {rows} -> {per_pass}: the minimum for "
                         f"{groups * factor} data-parallel processes)", True))
-    processes = knobs.nodes * hw.processes_per_node
     for n in sequence_shares(knobs, shape, hw):
         out.append(("sequence", {"sequence_parallel": n},
                     f"sequence_parallel: {n} ({processes // n} data-parallel groups of {n} processes sharing each "

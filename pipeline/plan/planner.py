@@ -62,7 +62,8 @@ class StagePlan:
 
 
 def plan_stage(stage, shape: ModelShape, hw: Hardware, rows: Optional[int] = None, ppo: Optional[PPOWorkload] = None,
-               model_name: str = "", lengths: Optional[row_lengths.RowLengths] = None, where: str = "stage") -> StagePlan:
+               model_name: str = "", lengths: Optional[row_lengths.RowLengths] = None,
+               where: str = "stage") -> StagePlan:
     """The plan of one stage; `lengths`: its rows' sampled token counts (else max_len each).
     InvalidInput (naming `where`) when its processes cannot share sequences as it asks."""
     knobs = Knobs.from_stage(stage)
