@@ -48,3 +48,17 @@ def heads_problem(heads: int, kv_heads: int, n: int) -> Optional[str]:
 def shares_for(heads: int, kv_heads: int, processes: int) -> list[int]:
     """Every sequence_parallel that `processes` processes can run a model with these heads at, smallest first."""
     return [n for n in range(1, processes + 1) if processes % n == 0 and heads_problem(heads, kv_heads, n) is None]
+
+
+def share_problem(heads: int, kv_heads: int, processes: int, n: int) -> Optional[str]:
+    """Why `processes` processes cannot share each sequence of a model with these heads n ways,
+    with the shares they can, or None."""
+    problem = (heads_problem(heads, kv_heads, n) if processes % n == 0 else
+               f"{n} does not divide the stage's {processes} processes")
+    if problem is None:
+        return None
+    able = shares_for(heads, kv_heads, processes)[1:]
+    if able:
+        return f"{problem}; on {processes} processes it can be {' or '.join(map(str, able))}"
+    return (f"{problem}; on {processes} processes no sharing fits the model: leave it at 1, or change the "
+            "processes (tasks_per_node, nodes)")

@@ -161,13 +161,9 @@ def check_sequence_parallel(stage, root: str, where: str, cache: HFCache, proces
     if stage.sequence_parallel == 1:
         return
     shape = shape_of(root, cache)
-    problem = shape and sequence_parallel.heads_problem(shape.heads, shape.kv_heads, stage.sequence_parallel)
+    problem = shape and sequence_parallel.share_problem(shape.heads, shape.kv_heads, processes, stage.sequence_parallel)
     if problem:
-        able = sequence_parallel.shares_for(shape.heads, shape.kv_heads, processes)[1:]
-        fits = (f"on this stage's {processes} processes it can be {' or '.join(map(str, able))}" if able else
-                f"on this stage's {processes} processes no sharing fits model {root}: leave it at 1, or change "
-                "the processes (tasks_per_node, nodes)")
-        raise InvalidInput(f"{where}.sequence_parallel: {problem}; {fits}")
+        raise InvalidInput(f"{where}.sequence_parallel: {problem} (model {root})")
     problem = stack_is_here and sequence_parallel.stack_problem()
     if problem:
         raise InvalidInput(f"{where}.sequence_parallel: {problem}")

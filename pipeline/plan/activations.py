@@ -24,6 +24,12 @@ the training precision.
   (8 bytes). A chunk's backward holds up to four fp32 chunk-sized tensors at once
   (the previous chunk's two and the current one's two), its forward three. A
   frozen LM's forward: T*V*b + the forward's chunk. Scalar heads have no logits.
+- sequence parallel (N > 1): each process holds its 1/N of every line's positions, so T is
+  its share (activations, activation gradients, logits: each process computes the logits of
+  its own positions); attention runs over the whole lines for 1/N of the heads (the same
+  bytes per position), with the whole lines' mask. The layer being computed holds its q, k,
+  v and output twice while they are exchanged (sequence shards and head shards): one more
+  b*(2q + 2kv) per position, a buffer.
 - DPO runs the reference forward after the policy's and before its backward
   (stages/dpo.py), so the policy's stored activations and logits are held while
   the reference runs (and its mask too, without checkpointing).
@@ -52,18 +58,25 @@ def layer_activation_bytes(shape: ModelShape, knobs: Knobs, kernel: str, width: 
     return norms + attention + mlp + lora + scores
 
 
+def whole_tokens(knobs: Knobs, tokens: int) -> int:
+    """The tokens of the micro batch a process's `tokens` are its share of: attention spans the
+    whole lines (sequence parallel: after the exchange; the lines widened to a multiple of N)."""
+    return tokens * knobs.sequence_parallel
+
+
 def line_width(knobs: Knobs, workload: Workload, kernel: str, tokens: int) -> int:
-    """The widest attention line of a micro batch of `tokens` tokens."""
+    """The widest attention line of a micro batch of which a process holds `tokens` tokens."""
     if knobs.packs and kernel in MASKED_KERNELS:
-        return masked_line_width(tokens, knobs.max_len)
+        return masked_line_width(whole_tokens(knobs, tokens), knobs.max_len)
     return workload.seq_len
 
 
 def attention_mask_bytes(knobs: Knobs, workload: Workload, kernel: str, tokens: int) -> float:
-    """The mask sdpa and eager attention get for one micro batch (none for flash)."""
+    """The mask sdpa and eager attention get for one micro batch of which a process holds
+    `tokens` tokens: the whole lines' (none for flash)."""
     if kernel not in MASKED_KERNELS:
         return 0.0
-    b = knobs.weight_bytes
+    b, tokens = knobs.weight_bytes, whole_tokens(knobs, tokens)
     if knobs.packs:
         width = masked_line_width(tokens, knobs.max_len)
         return tokens * width * (b + 1) + width * width  # the mask + its bool temporaries
@@ -106,6 +119,9 @@ def trained_pass(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str) -
         at_loss, in_layers = [stored], [stored]
     in_layers.append((f"{role} activation gradients (one layer)", "activations",
                       tokens * (layer + 4 * shape.hidden + 2 * b * shape.hidden)))
+    if knobs.sequence_parallel > 1:
+        in_layers.append((f"{role} all-to-all copies of one layer's q, k, v and output", "buffers",
+                          tokens * b * (2 * shape.q_width + 2 * shape.kv_width)))
     if use.head == "lm":
         at_loss.append((f"{role} logits + their gradient ({knobs.precision}), fp32 log-prob chunks", "logits",
                         logits_bytes(shape, tokens, b, trained=True)))

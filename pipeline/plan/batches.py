@@ -9,6 +9,11 @@ batch's sequences on lines about as long as its longest sequence for sdpa and ea
 (their mask then covers whole lines), on one flat line for flash attention. Padded: each process
 takes micro_batch_size rows in turn, every sequence padded to the micro batch's
 longest. Real tokens are the sequences' own; processed tokens are lines x width.
+
+Sequence parallel (sequence_parallel N > 1): the rows are split over processes / N groups,
+whose N processes share each micro batch (stages/sequence_parallel.py): its lines are widened
+to a multiple of N and each process runs 1/N of every line's positions, and 1/N of the heads
+of attention over the whole lines. `steps[s][g]` is then group g's micro batches.
 """
 
 from __future__ import annotations
@@ -57,18 +62,24 @@ class MicroBatchLayout:
     def sequences(self) -> tuple[int, ...]:
         return tuple(n for line in self.lines for n in line.lengths)
 
+    def per_process(self, masked: bool, share: int) -> tuple[float, float]:
+        """(positions, query-key pairs) one of the `share` processes that share this micro batch
+        computes: 1/share of every line's positions, attention over whole lines for 1/share of the heads."""
+        return self.processed_tokens / share, self.attended(masked) / share
+
 
 @dataclass(frozen=True)
 class Batches:
     """Simulated optimizer steps: steps[s][p] is process p's micro batches in step s."""
 
-    steps: tuple[tuple[tuple[MicroBatchLayout, ...], ...], ...]
+    steps: tuple[tuple[tuple[MicroBatchLayout, ...], ...], ...]  # [step][data-parallel group][micro batch]
     rows_per_step: int
     packed: bool
     masked: bool  # sdpa, eager: attention over whole lines (a mask keeps sequences apart); flash: each sequence's own
     token_budget: Optional[int]
     lengths: Optional[RowLengths]  # None or empty: every row assumed max_len long
     row_tokens: tuple[int, ...]  # each sampled row's tokens after truncation to max_len
+    sequence_parallel: int = 1  # processes sharing each micro batch
 
     def _per_step(self, value) -> float:
         return sum(value(step) for step in self.steps) / len(self.steps)
@@ -101,17 +112,21 @@ class Batches:
 
 
 def simulate(knobs: Knobs, world: int, sequences_per_row: int, flat: bool, lengths: Optional[RowLengths]) -> Batches:
-    """Optimizer steps of a sft/rm/dpo stage as its processes will run them. `flat`: the
-    attention kernel takes packed sequences on one line (flash attention)."""
+    """Optimizer steps of a sft/rm/dpo stage as its `world` processes will run them. `flat`: the
+    attention kernel takes packed sequences on one line (flash attention). ValueError when
+    sequence_parallel does not divide the processes."""
     sampled = lengths.rows if lengths is not None and lengths.sampled else ()
     budget = token_budget(knobs, sequences_per_row) if knobs.packs else None
-    rows = rows_per_step(knobs.global_batch_size, knobs.micro_batch_size, world)
-    return _simulate(sampled, knobs.max_len, sequences_per_row, rows, knobs.micro_batch_size, world, budget, flat, lengths)
+    groups = knobs.data_parallel(world)
+    rows = rows_per_step(knobs.global_batch_size, knobs.micro_batch_size, groups)
+    return _simulate(sampled, knobs.max_len, sequences_per_row, rows, knobs.micro_batch_size, groups, budget, flat,
+                     lengths, knobs.sequence_parallel)
 
 
 @functools.lru_cache(maxsize=256)
 def _simulate(sampled: tuple, max_len: int, sequences_per_row: int, rows_per_step: int, micro_batch_size: int,
-              world: int, budget: Optional[int], flat: bool, lengths: Optional[RowLengths]) -> Batches:
+              world: int, budget: Optional[int], flat: bool, lengths: Optional[RowLengths], share: int = 1) -> Batches:
+    """`world`: the data-parallel groups; `share`: the processes of each."""
     rows = [tuple(min(n, max_len) for n in row) for row in sampled] or [(max_len,) * sequences_per_row]
     rng = random.Random(0)
     if not sampled:
@@ -127,25 +142,31 @@ def _simulate(sampled: tuple, max_len: int, sequences_per_row: int, rows_per_ste
         totals = [sum(r) for r in step_rows]
         if budget is not None:
             per_process = pack_rows(list(range(len(step_rows))), totals, world, budget)
-            step = tuple(tuple(_packed(step_rows, m.rows, m.weight > 0, flat) for m in mine)
+            step = tuple(tuple(_packed(step_rows, m.rows, m.weight > 0, flat, share) for m in mine)
                          for mine in per_process)
         else:
-            step = tuple(tuple(_padded(step_rows, m.rows) for m in round_robin(list(range(len(step_rows))),
-                                                                             micro_batch_size, rank, world))
+            step = tuple(tuple(_padded(step_rows, m.rows, share) for m in round_robin(list(range(len(step_rows))),
+                                                                                    micro_batch_size, rank, world))
                          for rank in range(world))
         steps.append(step)
     return Batches(tuple(steps), rows_per_step, budget is not None, not flat, budget, lengths,
-                   tuple(sum(r) for r in rows))
+                   tuple(sum(r) for r in rows), share)
 
 
-def _packed(rows: list[tuple[int, ...]], picked: tuple[int, ...], counts: bool, flat: bool) -> MicroBatchLayout:
+def _widened(width: int, share: int) -> int:
+    """A line's width once widened to a multiple of the processes that share it."""
+    return -(-width // share) * share
+
+
+def _packed(rows: list[tuple[int, ...]], picked: tuple[int, ...], counts: bool, flat: bool,
+            share: int = 1) -> MicroBatchLayout:
     sequences = [n for i in picked for n in rows[i]]
     lines = pack_lines(sequences, line_tokens(sequences, flat))
-    width = max(sum(sequences[k] for k in line) for line in lines)
+    width = _widened(max(sum(sequences[k] for k in line) for line in lines), share)
     return MicroBatchLayout(tuple(Line(width, tuple(sequences[k] for k in line)) for line in lines), counts)
 
 
-def _padded(rows: list[tuple[int, ...]], picked: tuple[int, ...]) -> MicroBatchLayout:
+def _padded(rows: list[tuple[int, ...]], picked: tuple[int, ...], share: int = 1) -> MicroBatchLayout:
     sequences = [n for i in picked for n in rows[i]]
-    width = max(sequences)
+    width = _widened(max(sequences), share)
     return MicroBatchLayout(tuple(Line(width, (n,)) for n in sequences))

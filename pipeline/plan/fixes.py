@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from core.batching import rows_per_step
+from core.sequence_parallel import SHARDABLE_ATTENTION, shares_for
 from core.shapes import ModelShape
 from pipeline.lengths import RowLengths
 from pipeline.plan.estimate import Estimate, estimate_stage
@@ -26,10 +27,22 @@ class Suggestion:
 
 # Within these groups a later option goes further than an earlier one (more GPUs, more
 # sharding): it is only worth suggesting where the lesser one, with the same companions, fails.
-ESCALATING_GROUPS = ("zero", "nodes")
+ESCALATING_GROUPS = ("zero", "nodes", "sequence")
 
 
-def _candidate_changes(knobs: Knobs, hw: Hardware) -> list[tuple[str, dict, str, bool]]:
+def sequence_shares(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[int]:
+    """The sequence_parallel values above the stage's that its kind, attention, processes and
+    model heads allow (core/sequence_parallel.py), smallest first: those within a node (the
+    all-to-alls stay on the GPU links), else the smallest across nodes."""
+    if not knobs.stage_kind.sequence_parallel or knobs.attention not in SHARDABLE_ATTENTION:
+        return []
+    processes = knobs.nodes * hw.processes_per_node
+    larger = [n for n in shares_for(shape.heads, shape.kv_heads, processes) if n > knobs.sequence_parallel]
+    within = [n for n in larger if n <= max(hw.gpus_per_node, hw.processes_per_node)]
+    return within or larger[:1]
+
+
+def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tuple[str, dict, str, bool]]:
     """(group, field changes, description, changes what is trained?) one at a time."""
     out: list[tuple[str, dict, str, bool]] = []
     if not knobs.gradient_checkpointing:
@@ -51,25 +64,31 @@ def _candidate_changes(knobs: Knobs, hw: Hardware) -> list[tuple[str, dict, str,
         for placement in ("offload",) if knobs.stage_kind.rollouts else ("offload", "precompute"):
             if REFERENCE_PLACEMENTS.index(placement) > REFERENCE_PLACEMENTS.index(knobs.reference):
                 out.append(("reference", {"reference": placement}, f"reference: {placement}", False))
-    rows = rows_per_step(knobs.global_batch_size, knobs.micro_batch_size, knobs.nodes * hw.processes_per_node)
+    processes = knobs.nodes * hw.processes_per_node
+    groups = knobs.data_parallel(processes)  # those that take rows of their own
+    rows = rows_per_step(knobs.global_batch_size, knobs.micro_batch_size, groups)
     smaller = knobs.micro_batch_size // 2
     if knobs.packs and knobs.micro_batch_tokens:  # the budget, not micro_batch_size, sizes a micro batch
         fewer = knobs.micro_batch_tokens // 2
         if fewer >= knobs.max_len * knobs.stage_kind.sequences_per_row:
             out.append(("micro", {"micro_batch_tokens": fewer}, f"micro_batch_tokens: {fewer}", False))
-    elif smaller >= 1 and rows % (smaller * knobs.nodes * hw.processes_per_node) == 0:
+    elif smaller >= 1 and rows % (smaller * groups) == 0:
         out.append(("micro", {"micro_batch_size": smaller, "global_batch_size": rows},
                     f"micro_batch_size: {smaller} (global_batch_size stays {rows} by accumulation)", False))
     for factor in (2, 4):
         nodes = knobs.nodes * factor
-        per_pass = knobs.micro_batch_size * nodes * hw.processes_per_node
+        per_pass = knobs.micro_batch_size * groups * factor
         if rows % per_pass == 0:
             out.append(("nodes", {"nodes": nodes, "global_batch_size": rows},
                         f"nodes: {nodes} (global_batch_size {rows})", False))
         else:
             out.append(("nodes", {"nodes": nodes, "global_batch_size": per_pass},
                         f"nodes: {nodes} (global_batch_size {rows} -> {per_pass}: the minimum for "
-                        f"{nodes * hw.processes_per_node} processes)", True))
+                        f"{groups * factor} data-parallel processes)", True))
+    for n in sequence_shares(knobs, shape, hw):
+        out.append(("sequence", {"sequence_parallel": n},
+                    f"sequence_parallel: {n} ({processes // n} data-parallel groups of {n} processes sharing each "
+                    f"sequence; max_len stays {knobs.max_len})", False))
     if not knobs.lora_rank:
         out.append(("lora", {"lora_rank": 16, "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                "up_proj", "down_proj")},
@@ -87,12 +106,13 @@ def suggest(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] =
 
     Cheapest = changes that keep the training result (checkpointing, ZeRO stage,
     offload, reference placement, smaller micro batch with accumulation, more
-    nodes) before those that change it (LoRA, shorter max_len, another batch
+    nodes, sharing sequences over processes: sequence_parallel keeps every row's
+    tokens) before those that change it (LoRA, shorter max_len, another batch
     size); within each, fewest GPU-seconds per 1000 rows (throughput lost, and
     GPUs added), then fewest changes. Only minimal combinations are kept (no
     subset of a kept one already fits). When nothing fits, the closest ones.
     """
-    candidates = _candidate_changes(knobs, hw)
+    candidates = _candidate_changes(knobs, shape, hw)
     evaluated: list[tuple[tuple, Suggestion]] = []
     for count in range(1, max_changes + 1):
         for combo in itertools.combinations(range(len(candidates)), count):
@@ -160,9 +180,13 @@ def settings_relaxed(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Option
         options.append(({"zero_stage": 2}, "zero_stage: 2"))
     if knobs.lora_rank:
         options.append(({"lora_rank": None, "lora_targets": ()}, "no LoRA (all parameters trained)"))
+    if knobs.sequence_parallel > 1:
+        options.append(({"sequence_parallel": 1}, "sequence_parallel: 1 (every process a sequence of its own)"))
     if knobs.optimizer_offload:
-        options.append(({"optimizer_offload": False, "nodes": knobs.nodes + 1},
-                        f"nodes: {knobs.nodes + 1}, optimizer_offload: false"))
+        more = knobs.nodes + 1
+        while (more * hw.processes_per_node) % knobs.sequence_parallel:  # the shares must still divide the processes
+            more += 1
+        options.append(({"optimizer_offload": False, "nodes": more}, f"nodes: {more}, optimizer_offload: false"))
     return [Suggestion(changes, text, False, estimate_stage(replace(knobs, **changes), shape, hw, rows, ppo, lengths))
             for changes, text in options]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from core import hardware, kinds
-from core.batching import token_budget  # torch-free: the budget the stages pack micro batches by
+from core.batching import data_parallel, token_budget  # torch-free: as the stages batch
 from core.deepspeed_settings import offloads_optimizer
 from core.kinds import StageKind
 from core.shapes import ModelShape
@@ -39,6 +39,7 @@ class Knobs:
     max_steps: Optional[int] = None
     nodes: int = 1
     reference: Optional[str] = "live"  # dpo, ppo: where the frozen reference waits; None: ppo holds none
+    sequence_parallel: int = 1  # processes sharing each micro batch's sequences (Ulysses)
 
     @classmethod
     def from_stage(cls, stage) -> "Knobs":
@@ -61,6 +62,7 @@ class Knobs:
             max_steps=stage.max_steps,
             nodes=stage.nodes,
             reference=reference_placement(stage),
+            sequence_parallel=stage.sequence_parallel,
         )
 
     @property
@@ -75,6 +77,11 @@ class Knobs:
     @property
     def stage_kind(self) -> StageKind:
         return kinds.get(self.kind)
+
+    def data_parallel(self, processes: int) -> int:
+        """Of `processes`, how many train on different rows (core/batching.py data_parallel);
+        ValueError when sequence_parallel does not divide them."""
+        return data_parallel(processes, self.sequence_parallel)
 
     @property
     def packs(self) -> bool:
@@ -186,14 +193,19 @@ class Workload:
     scoring_batch: Optional[int] = None
     rows_per_rollout: Optional[int] = None
 
-    def train_tokens(self, knobs: Knobs) -> int:
-        """The most tokens one process's micro batch holds: the packing budget
-        (stages/data.py token_budget), or micro_batch_size rows padded to max_len."""
+    def group_tokens(self, knobs: Knobs) -> int:
+        """The most tokens a micro batch holds: the packing budget (stages/data.py token_budget),
+        or micro_batch_size rows padded to max_len. Its sequence_parallel processes share it."""
         if self.micro_batch_in_sequences:
             return knobs.micro_batch_size * self.seq_len
         if knobs.packs:
             return token_budget(knobs, self.sequences_per_row)
         return knobs.micro_batch_size * self.sequences_per_row * self.seq_len
+
+    def train_tokens(self, knobs: Knobs) -> int:
+        """The most positions one process runs per micro batch: its 1/sequence_parallel of the
+        micro batch (the lines widened to a multiple of it: stages/sequence_parallel.py)."""
+        return -(-self.group_tokens(knobs) // knobs.sequence_parallel)
 
     def scoring_tokens(self, knobs: Knobs) -> int:
         return self.scoring_batch * self.seq_len if self.scoring_batch else self.train_tokens(knobs)

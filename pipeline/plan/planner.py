@@ -11,6 +11,7 @@ from typing import Optional
 
 from core import calibration as calibration_file
 from core import kinds
+from core.sequence_parallel import share_problem
 from core.errors import DoesNotFit, InvalidInput
 from core.rows import is_row_file
 from core.shapes import ModelShape, resolve_shape
@@ -32,7 +33,7 @@ class StagePlan:
     shape: ModelShape
     knobs: Knobs
     hardware: Hardware
-    world: int
+    world: int  # processes
     trained_params: int
     total_params: int
     estimate: Estimate
@@ -54,11 +55,21 @@ class StagePlan:
     def fits(self) -> Optional[bool]:
         return self.estimate.fits
 
+    @property
+    def data_parallel(self) -> int:
+        """Processes that train on rows of their own (the others share their sequences)."""
+        return self.knobs.data_parallel(self.world)
+
 
 def plan_stage(stage, shape: ModelShape, hw: Hardware, rows: Optional[int] = None, ppo: Optional[PPOWorkload] = None,
-               model_name: str = "", lengths: Optional[row_lengths.RowLengths] = None) -> StagePlan:
-    """The plan of one stage; `lengths`: its rows' sampled token counts (else max_len each)."""
+               model_name: str = "", lengths: Optional[row_lengths.RowLengths] = None,
+               where: str = "stage") -> StagePlan:
+    """The plan of one stage; `lengths`: its rows' sampled token counts (else max_len each).
+    InvalidInput (naming `where`) when its processes cannot share sequences as it asks."""
     knobs = Knobs.from_stage(stage)
+    problem = share_problem(shape.heads, shape.kv_heads, knobs.nodes * hw.processes_per_node, knobs.sequence_parallel)
+    if problem:
+        raise InvalidInput(f"{where}.sequence_parallel: {problem} (model {model_name or shape.describe()})")
     models, _ = stage_models(knobs, shape, ppo)
     estimate = estimate_stage(knobs, shape, hw, rows, ppo, lengths)
     warnings: list[str] = []
@@ -197,7 +208,7 @@ def plan_pipeline(spec, rows_by_stage: Optional[dict] = None, calibration: Optio
                 if key not in sampled:
                     sampled[key] = row_lengths.sample(stage.data, stage.kind, model, cache)
                 lengths = sampled[key]
-            plans.append(plan_stage(stage, shape, hw, rows, ppo=ppo, model_name=model, lengths=lengths))
+            plans.append(plan_stage(stage, shape, hw, rows, ppo=ppo, model_name=model, lengths=lengths, where=where))
         except ValueError as err:
             field_name = "model" if stage.model else "from"
             raise InvalidInput(f"{where}.{field_name}: {err}") from None

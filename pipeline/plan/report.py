@@ -76,8 +76,10 @@ def format_plan(plans: list[StagePlan]) -> str:
     for plan in plans:
         k, hw, m = plan.knobs, plan.hardware, plan.memory
         gpu_name = hw.gpu.name if hw.gpu else ("CPU" if not hw.on_gpu else "unknown GPU")
+        sharing = (f" (sequence_parallel {k.sequence_parallel}: {plan.data_parallel} data-parallel groups of "
+                   f"{k.sequence_parallel} sharing each sequence)" if k.sequence_parallel > 1 else "")
         out.append(f"== stage '{plan.stage}' ({plan.kind}) on {k.nodes} node{'s' if k.nodes > 1 else ''} x "
-                   f"{hw.processes_per_node} {gpu_name} = {plan.world} processes")
+                   f"{hw.processes_per_node} {gpu_name} = {plan.world} processes{sharing}")
         out.append(f"   model {plan.model}: {plan.shape.describe()}")
         lora = f", LoRA r={k.lora_rank}" if k.lora_rank else ""
         ref = f", reference {k.reference or 'none (kl_coef 0)'}" if k.stage_kind.frozen_reference else ""
@@ -107,9 +109,10 @@ def format_plan(plans: list[StagePlan]) -> str:
         if t is not None:
             out.append(f"   time: {t.rows_per_step} rows = {t.tokens_per_step:,.0f} tokens per {t.unit}, "
                        f"{t.flops_per_token / 1e9:.1f} GFLOP/token executed, GPU busy {t.hfu:.0%} of peak in compute")
+            exchange = (f" (sequence exchange {_duration(t.sequence_exchange_s)})" if t.sequence_exchange_s else "")
             terms = ", ".join(f"{name} {_duration(seconds)}" for name, seconds in t.compute_terms.items() if seconds)
             out.append(f"         {t.unit} {_duration(t.step_s)} (compute {_duration(t.compute_s)}: {terms}; optimizer "
-                       f"{_duration(t.optimizer_s)}, communication {_duration(t.communication_s)} of which exposed "
+                       f"{_duration(t.optimizer_s)}, communication {_duration(t.communication_s)}{exchange} of which exposed "
                        f"{_duration(t.exposed_communication_s)}, offload {_duration(t.offload_s)}): "
                        f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%}")
             total = (f"{t.steps} steps = {_duration(t.total_s)}" if t.total_s is not None
@@ -151,6 +154,8 @@ def _memory_confidence(plan: StagePlan) -> str:
         unchecked.append("flash attention")
     if k.stage_kind.rollouts:
         unchecked.append("rollout generation")
+    if k.sequence_parallel > 1:
+        unchecked.append(f"sequences shared by {k.sequence_parallel} processes")
     return text + (f"; not checked by a record: {', '.join(unchecked)}" if unchecked else "")
 
 
@@ -165,7 +170,9 @@ def _batches_text(b: Batches, max_len: int) -> list[str]:
         text = f"   lengths: {lengths.describe() if lengths is not None else 'max_len assumed per row'}"
     layout = (f"packed, up to {b.token_budget:,} tokens per micro batch" if b.packed
               else "padded to each micro batch's longest row")
-    return [text, f"   batches: {layout}; {b.micro_batches_per_step:.1f} micro batches per step per process, "
+    n = b.sequence_parallel
+    shared = f", each shared by {n} processes (1/{n} of its positions each)" if n > 1 else ""
+    return [text, f"   batches: {layout}{shared}; {b.micro_batches_per_step:.1f} micro batches per step per process, "
                   f"{b.padding_share:.1%} padding"]
 
 
@@ -176,6 +183,7 @@ def _batches_json(b: Optional[Batches]) -> Optional[dict]:
     sampled = lengths is not None and lengths.sampled
     return {
         "packed": b.packed, "token_budget": b.token_budget, "rows_per_step": b.rows_per_step,
+        "sequence_parallel": b.sequence_parallel,
         "micro_batches_per_step": b.micro_batches_per_step, "real_tokens_per_step": b.real_tokens_per_step,
         "processed_tokens_per_step": b.processed_tokens_per_step, "padding_share": b.padding_share,
         "lengths": {"sampled": sampled, "source": lengths.source if lengths is not None else None,
@@ -215,7 +223,7 @@ def plan_to_json(plans: list[StagePlan]) -> dict:
                                                                                         "source": plan.shape.source},
             "settings": asdict(plan.knobs),
             "gpu_name": plan.hardware.gpu.name if plan.hardware.gpu else None,  # "gpu": the memory, below
-            "processes": plan.world, "trained_params": plan.trained_params, "total_params": plan.total_params,
+            "processes": plan.world, "data_parallel": plan.data_parallel, "trained_params": plan.trained_params, "total_params": plan.total_params,
             **_estimate_json(plan.estimate),
             "warnings": plan.warnings,
             "suggestions": [_suggestion_json(s) for s in plan.suggestions],

@@ -28,6 +28,12 @@ default), so a term that is wrong can be found and measured on its own:
   each step).
 - communication (ring: (W-1)/W of the bytes per GPU) over the GPU links or the inter-node
   network, hidden behind at most half the compute.
+- sequence parallel (N > 1, stages/sequence_parallel.py): each process computes 1/N of its
+  group's micro batch (1/N of the positions; attention over the whole lines for 1/N of the
+  heads), and in every attention layer Ulysses' all-to-alls exchange q, k, v and the output:
+  per process and exchange, its positions x the tensor's width x bytes per value x (N-1)/N;
+  4 exchanges forward, 4 backward, 4 more for checkpointing's recompute; over the GPU links
+  when N <= GPUs per node, else the network. Attention waits for them: all exposed.
 - PPO generation: memory-bound decoding (every weight read once per new token per call).
 
 MFU, tokens_per_s, token_efficiency and step_s mean what the running stage logs under those
@@ -72,6 +78,7 @@ class GPUWork:
     logits: float = 0.0  # logit elements x passes through the loss
     layer_passes: float = 0.0
     lora_elements: float = 0.0  # positions x layer passes x the adapted layers' in + out features
+    exchanged_bytes: float = 0.0  # sequence parallel: what Ulysses' all-to-alls send from this process
 
     def add(self, other: "GPUWork", times: float = 1.0) -> None:
         for name in self.__dataclass_fields__:
@@ -92,7 +99,7 @@ class TimeEstimate:
     hfu: float  # matmul + attention FLOPs executed / (compute_s x peak): the GPU's busy share in compute
     compute_s: float
     optimizer_s: float
-    communication_s: float
+    communication_s: float  # ZeRO's collectives and sequence_exchange_s
     exposed_communication_s: float
     offload_s: float
     step_s: float
@@ -101,6 +108,7 @@ class TimeEstimate:
     token_efficiency: Optional[float]  # real / processed tokens; None for PPO (not modelled)
     seconds_per_1000_rows: float
     precompute_s_per_1000_rows: float = 0.0
+    sequence_exchange_s: float = 0.0  # sequence parallel: the all-to-alls' seconds (all exposed)
     rows: Optional[int] = None
     steps: Optional[int] = None
     total_s: Optional[float] = None
@@ -168,8 +176,7 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
     if knobs.precision == "bf16" and gpu.bf16_tflops is None:
         notes.append(f"{gpu.name} has no bf16 tensor cores: bf16 runs at its fp32 rate; use precision fp16")
     ring = (world - 1) / world if world > 1 else 0.0
-    bandwidth = (rates.link_bytes_per_s.value if knobs.nodes == 1 else
-                 min(rates.link_bytes_per_s.value, rates.network_bytes_per_s.value / max(hw.gpus_per_node, 1)))
+    bandwidth = link_bandwidth(rates, hw, across_nodes=knobs.nodes > 1)
     rollout = workload.rows_per_rollout is not None
     work = (_rollout_work(models, workload, knobs, world) if rollout
             else _step_work(models, knobs, batches, rates, kernel))
@@ -204,6 +211,16 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
     optimizer_s = gpu_stepped * step_bytes / rates.hbm_bytes_per_s.value
     comm_s = comm_bytes / bandwidth if world > 1 else 0.0
     exposed = max(0.0, comm_s - COMM_OVERLAP * compute_s)
+    exchange_s = 0.0
+    if knobs.sequence_parallel > 1:
+        across = knobs.sequence_parallel > max(hw.gpus_per_node, 1)
+        exchange_s = work.busiest.exchanged_bytes / link_bandwidth(rates, hw, across_nodes=across)
+        comm_s += exchange_s
+        exposed += exchange_s
+        notes.append(f"sequence_parallel {knobs.sequence_parallel}: attention's all-to-all exchanges "
+                     f"({_seconds(exchange_s)} per step, over the "
+                     f"{'inter-node network' if across else 'GPU links'}) are counted as exposed communication, "
+                     f"not overlapped with compute")
     copies_s = offload_bytes / rates.host_link_bytes_per_s.value
     offload_s = copies_s + host_adam_params / rates.host_adam_params_per_s.value
     unit_s = compute_s + optimizer_s + exposed + offload_s
@@ -232,7 +249,8 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
         offload_s=offload_s, step_s=unit_s, mfu=work.model / (unit_s * world * peak),
         tokens_per_s=work.real_tokens / unit_s,
         token_efficiency=None if rollout else work.real_tokens / work.processed_tokens,
-        seconds_per_1000_rows=per_1000 + pre_per_1000, precompute_s_per_1000_rows=pre_per_1000, rows=rows,
+        seconds_per_1000_rows=per_1000 + pre_per_1000, precompute_s_per_1000_rows=pre_per_1000,
+        sequence_exchange_s=exchange_s, rows=rows,
         steps=steps, total_s=total, compute_terms=terms,
         work={**vars(work.busiest), "gpu_stepped_params": gpu_stepped, "host_adam_params": host_adam_params,
               "host_copies_s": copies_s},
@@ -242,20 +260,34 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
     )
 
 
+def link_bandwidth(rates: rate_table.Rates, hw: Hardware, across_nodes: bool) -> float:
+    """Bytes per second per GPU a collective moves: the GPU links inside a node; across nodes
+    no more than each GPU's share of the node's network."""
+    if not across_nodes:
+        return rates.link_bytes_per_s.value
+    return min(rates.link_bytes_per_s.value, rates.network_bytes_per_s.value / max(hw.gpus_per_node, 1))
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f} s" if value < 120 else f"{value / 60:.1f} min"
+
+
 def _lora_params(use: ModelUse, knobs: Knobs) -> Optional[int]:
     return sum(trainable_tensors(use, knobs)[0]) if use.trained and knobs.lora_rank else None
 
 
 def pass_work(shape: ModelShape, head: str, positions: float, attended: float, *, trained: bool,
               knobs: Knobs) -> GPUWork:
-    """One model's pass over a micro batch of `positions` positions whose attention scores
-    `attended` query-key pairs: a forward, and for a trained model its backward (and recompute)."""
+    """One process's pass over a micro batch of `positions` positions (its own: 1/N of its
+    group's under sequence parallel) whose attention scores `attended` query-key pairs: a forward,
+    and for a trained model its backward (and recompute)."""
     lora = knobs.lora_rank is not None and trained
     matmul = matmul_flops_per_position(shape, head) * positions
     attention = attention_flops(shape, attended)
     logits = positions * shape.vocab if head == "lm" else 0.0
+    exchanged = exchange_bytes(shape, positions, knobs)
     if not trained:
-        return GPUWork(matmul, attention, logits, shape.layers)
+        return GPUWork(matmul, attention, logits, shape.layers, exchanged_bytes=exchanged)
     recompute = 1 if knobs.gradient_checkpointing else 0
     layer_passes = shape.layers * (1 + recompute + BACKWARD_PASSES)
     work = GPUWork(
@@ -263,6 +295,7 @@ def pass_work(shape: ModelShape, head: str, positions: float, attended: float, *
         attention_flops=attention * (1 + recompute + 2),
         logits=2 * logits,
         layer_passes=layer_passes,
+        exchanged_bytes=exchanged * (1 + recompute + 1),  # the backward exchanges the gradients back
     )
     if lora:
         dims = shape.linear_dims()
@@ -270,6 +303,17 @@ def pass_work(shape: ModelShape, head: str, positions: float, attended: float, *
         work.lora_elements = positions * layer_passes * adapted
         work.matmul_flops += 4 * sum(shape.lora_tensors(knobs.lora_rank, knobs.lora_targets)) * positions
     return work
+
+
+def exchange_bytes(shape: ModelShape, positions: float, knobs: Knobs) -> float:
+    """Bytes one process sends in a forward's all-to-alls (Ulysses): in every layer q, k, v
+    go out as sequence shards and come back as head shards, then the output returns; each keeps
+    its 1/N share, so (N-1)/N of positions x width x bytes per value leaves the process."""
+    n = knobs.sequence_parallel
+    if n == 1:
+        return 0.0
+    widths = 2 * shape.q_width + 2 * shape.kv_width  # q, k, v and the output
+    return shape.layers * positions * widths * knobs.weight_bytes * (n - 1) / n
 
 
 def _step_work(models: list[ModelUse], knobs: Knobs, batches: Batches, rates: rate_table.Rates,
@@ -283,11 +327,12 @@ def _step_work(models: list[ModelUse], knobs: Knobs, batches: Batches, rates: ra
             slowest, slowest_s = GPUWork(), -1.0
             for micro in (mine[j] for mine in step if j < len(mine)):
                 positions, attended = micro.processed_tokens, micro.attended(batches.masked)
+                local, local_attended = micro.per_process(batches.masked, batches.sequence_parallel)
                 mine = GPUWork()
                 for use in models:
-                    work = pass_work(use.shape, use.head, positions, attended, trained=use.trained, knobs=knobs)
+                    work = pass_work(use.shape, use.head, local, local_attended, trained=use.trained, knobs=knobs)
                     if use.placement == "precompute":
-                        precompute.add(work)
+                        precompute.add(work, batches.sequence_parallel)  # the group's processes each do this
                         continue
                     mine.add(work)
                     total += pass_flops(use.shape, use.head, positions, attended, trained=use.trained,
@@ -315,7 +360,8 @@ def _rollout_work(models: list[ModelUse], workload: Workload, knobs: Knobs, worl
     sequences at a time), then train_passes passes of the trained models in micro batches;
     every sequence max_len long."""
     seq, mb = workload.seq_len, knobs.micro_batch_size
-    accumulation = max(1, rows_per_step(knobs.global_batch_size, mb, world) // (mb * world))
+    groups = knobs.data_parallel(world)  # world: no rollout kind shares sequences (core/kinds.py)
+    accumulation = max(1, rows_per_step(knobs.global_batch_size, mb, groups) // (mb * groups))
     sequences = workload.rows_per_rollout * workload.sequences_per_row
     train_micro = workload.train_passes * sequences / (mb * world)
     scoring = workload.scoring_batch or mb
