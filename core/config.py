@@ -363,6 +363,14 @@ class TrainingKnobs(Strict):
         "node keeps the exchange inside a node. sft, rm and dpo; needs transformers >= 4.51.3 and DeepSpeed "
         ">= 0.18 (the current stack, not the pinned one).",
     )
+    logits_tile: Optional[int] = Field(
+        None, ge=1, le=1_000_000,
+        description="Positions whose logits the LM head computes at once for the loss (in the forward, and "
+        "again in the backward) instead of all of a micro batch's: memory for tile x vocabulary logits and "
+        "their gradient instead of tokens x vocabulary (e.g. 1024 for a 128K vocabulary: 256 MiB in bf16). "
+        "The same loss up to rounding; the head's matmul runs once more. sft and dpo (policy and "
+        "reference); needs the current stack.",
+    )
     lora: Optional[LoraSpec] = Field(None, description="Train LoRA adapters instead of all parameters.")
     max_len: int = Field(
         2048, ge=8, le=1_000_000,
@@ -484,6 +492,14 @@ class StageBase(TrainingKnobs):
         return self
 
     @model_validator(mode="after")
+    def _tiles_only_what_has_logits(self):
+        if self.logits_tile is not None and not kinds.get(self.kind).tiled_logits:
+            able = [k.name for k in kinds.all_kinds() if k.tiled_logits]
+            raise ValueError(f"logits_tile: a {self.kind} stage does not tile its logits (kinds that do: "
+                             f"{', '.join(able)}); leave it out")
+        return self
+
+    @model_validator(mode="after")
     def _a_row_fits_a_micro_batch(self):
         per_row = kinds.get(self.kind).sequences_per_row
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < self.max_len * per_row:
@@ -543,7 +559,7 @@ class SFTStage(StageBase):
 
 
 kinds.register(StageKind("sft", SFTStage, rows="completion", headline="final_eval_loss",
-                         sequence_parallel=True))
+                         sequence_parallel=True, tiled_logits=True))
 
 
 class RMStage(StageBase):
@@ -588,7 +604,7 @@ class DPOStage(StageBase):
 
 
 kinds.register(StageKind("dpo", DPOStage, rows="preference", headline="eval_reward_accuracy", frozen_reference=True,
-                         sequence_parallel=True))
+                         sequence_parallel=True, tiled_logits=True))
 
 
 # Built-in rules that compare a completion with the row's label column (label_key).

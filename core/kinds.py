@@ -35,6 +35,7 @@ class StageKind:
     frozen_reference: bool = False  # keeps a frozen copy of its starting model (stage.reference says where)
     rollouts: bool = False  # samples its own training sequences (its unit of work is a rollout)
     sequence_parallel: bool = False  # its passes can share a sequence over processes (stages/sequence_parallel.py)
+    tiled_logits: bool = False  # its language-model passes can run the LM head a tile of positions at a time
     run: Optional[Callable] = field(default=None, repr=False)  # run(task, ctx) -> result dict
 
     @property

@@ -1,6 +1,7 @@
-"""The rules of sharing sequences over processes (Ulysses, DeepSpeed's ALST), torch-free:
-what a stack needs for it and which models can be shared how. The runtime is
-stages/sequence_parallel.py; the planner and preflight ask here.
+"""The rules of long sequences, torch-free: sharing sequences over processes (Ulysses, DeepSpeed's
+ALST; the runtime is stages/sequence_parallel.py) and tiling the LM head's logits
+(stages/losses.py tiled_next_token_logprobs): what a stack needs for them and which models
+can be shared how. The planner and preflight ask here.
 """
 
 from __future__ import annotations
@@ -17,18 +18,19 @@ MIN_DEEPSPEED = "0.18.0"
 SHARDABLE_ATTENTION = ("auto", "sdpa", "flash_attention_2")
 
 
-def stack_problem() -> Optional[str]:
-    """Why the installed stack (this python's transformers and DeepSpeed) cannot share sequences
-    over processes, or None when it can."""
+def stack_problem(field: str = "sequence_parallel", off: str = "leave sequence_parallel at 1") -> Optional[str]:
+    """Why the installed stack (this python's transformers and DeepSpeed) cannot run `field` (sharing
+    sequences over processes; tiling logits, which asks the model for no logits and DeepSpeed to
+    wait for a weight's last gradient), or None when it can; `off`: how to do without."""
     from packaging.version import Version
 
     have = {name: importlib.metadata.version(name) for name in ("transformers", "deepspeed")}
     if Version(have["transformers"]) >= Version(MIN_TRANSFORMERS) and Version(have["deepspeed"]) >= Version(MIN_DEEPSPEED):
         return None
-    return (f"needs transformers >= {MIN_TRANSFORMERS} and DeepSpeed >= {MIN_DEEPSPEED} (its Ulysses attention, "
-            f"{ULYSSES_MODULE}); this stack has transformers {have['transformers']} and DeepSpeed "
-            f"{have['deepspeed']} (the pinned stack does not have it). Run the stage on the current stack "
-            f"(containers/current.def), or leave sequence_parallel at 1")
+    return (f"{field} needs transformers >= {MIN_TRANSFORMERS} and DeepSpeed >= {MIN_DEEPSPEED} (for "
+            f"sequence_parallel: DeepSpeed's Ulysses attention, {ULYSSES_MODULE}); this stack has transformers "
+            f"{have['transformers']} and DeepSpeed {have['deepspeed']} (the pinned stack does not have it). Run "
+            f"the stage on the current stack (containers/current.def), or {off}")
 
 
 def heads_problem(heads: int, kv_heads: int, n: int) -> Optional[str]:

@@ -26,9 +26,10 @@ from core.task import StageTask, is_finished
 from pipeline.identity import Digests, changed_inputs, input_digests
 
 # Fields that change how a stage is run or logged, not what it produces (nodes and sequence_parallel
-# lay the same work out over other processes; tests/test_sequence_parallel.py shows the figures equal).
+# lay the same work out over other processes, logits_tile computes the same loss in pieces;
+# tests/test_sequence_parallel.py shows the figures equal).
 OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints", "eval_interval", "nodes",
-                      "sequence_parallel", "max_truncated_share", "hang_factor", "hang_min_s", "collective_timeout_s"}
+                      "sequence_parallel", "logits_tile", "max_truncated_share", "hang_factor", "hang_min_s", "collective_timeout_s"}
 
 
 class PlannedStage(BaseModel):

@@ -58,6 +58,7 @@ def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
         check_positions(stage, root, where, cache)
         check_sequence_parallel(stage, root, where, cache, spec.cluster.processes_per_node * stage.nodes,
                                 stack_is_here=executor.runs_this_python(spec))
+        check_logits_tile(stage, where, stack_is_here=executor.runs_this_python(spec))
         found = check_data(stage, where, hub)
         check_chat_template(stage, root, where, found.chats, cache)
         check_step_rows(spec, stage, where, found)
@@ -166,7 +167,16 @@ def check_sequence_parallel(stage, root: str, where: str, cache: HFCache, proces
         raise InvalidInput(f"{where}.sequence_parallel: {problem} (model {root})")
     problem = stack_is_here and sequence_parallel.stack_problem()
     if problem:
-        raise InvalidInput(f"{where}.sequence_parallel: {problem}")
+        raise InvalidInput(f"{where}.{problem}")
+
+
+def check_logits_tile(stage, where: str, stack_is_here: bool) -> None:
+    """The stack can tile the LM head's logits (checked where the stages run with this python; a
+    container's stack is checked by the stage itself when it starts)."""
+    problem = stage.logits_tile is not None and stack_is_here and sequence_parallel.stack_problem(
+        "logits_tile", "leave logits_tile out")
+    if problem:
+        raise InvalidInput(f"{where}.{problem}")
 
 
 def check_upstream(spec: PipelineSpec, stage, where: str, cache: HFCache) -> None:

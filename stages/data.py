@@ -381,21 +381,27 @@ class Batch:
         """The 2D padding mask of a padded batch (1 on tokens); None for a packed one."""
         return None if self.packed else (self.sequence >= 0).long()
 
-    def forward(self, model):
+    def forward(self, model, **extra):
         """The model's output on this batch. No KV cache in training passes (transformers 5
         would build one, and then read no packed positions)."""
-        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False, **extra}
         if not self.packed:
             inputs["attention_mask"] = self.attention_mask
         with self.apart():
             return model(**inputs)
 
+    def next_targets(self):
+        """(targets, mask) of the positions the model runs on: the token each position predicts
+        (the next one) and whether it is a response token."""
+        return next_entries(self.input_ids), next_entries(self.loss_mask)
+
     def logprobs(self, logits):
         """(lines, width - 1): the log-prob of each next token where it is a response token, 0
-        elsewhere (stages/losses.py token_logprobs)."""
-        from stages.losses import token_logprobs
+        elsewhere (stages/losses.py token_logprobs' alignment), from the logits of the positions
+        the model ran on."""
+        from stages.losses import next_token_logprobs
 
-        return token_logprobs(logits, self.input_ids, self.loss_mask)
+        return self.gathered(next_token_logprobs(logits, *self.next_targets()))[:, :-1]
 
     def gathered(self, per_position):
         """Whole lines of a per-position output (a sharded batch gathers its group's pieces:
@@ -429,6 +435,15 @@ class Batch:
     def to(self, device) -> "Batch":
         moved = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in vars(self).items()}
         return Batch(**moved)
+
+
+def next_entries(tensor):
+    """Each position's next entry along the line (0 after the last): what position t predicts."""
+    import torch
+
+    out = torch.zeros_like(tensor)
+    out[:, :-1] = tensor[:, 1:]
+    return out
 
 
 def padded_batch(rows: list[dict], pad_id: int) -> Batch:

@@ -22,7 +22,7 @@ from core.failure import saving
 from core.flops import sequence_flops
 from core.runfolder import temporary
 from stages import data, engine, models
-from stages.losses import dpo_loss, token_logprobs
+from stages.losses import dpo_loss
 
 
 @kinds.implements("dpo")
@@ -36,9 +36,8 @@ def run(task, ctx) -> dict:
     tokens = {"train": tokenized.train.tokens, "eval": tokenized.eval.tokens}
 
     def pair_logps(forward, batch):
-        """Summed response log-probs of each pair's (chosen, rejected), the logits and the token counts."""
-        logits = batch.forward(forward).logits
-        per_sequence = batch.per_sequence(batch.logprobs(logits))
+        """Summed response log-probs of each pair's chosen and rejected sequences, and the batch."""
+        per_sequence = batch.per_sequence(models.next_token_logprobs(forward, batch, stage.logits_tile))
         return per_sequence[0::2], per_sequence[1::2], batch
 
     attention = models.attention_implementation(stage.attention, ctx.on_gpu)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ __all__ = [
     "sequence_logprobs",
     "token_logprobs",
     "next_token_logprobs",
+    "tiled_next_token_logprobs",
     "dpo_loss",
     "DPO_LOSS_TYPES",
     "reward_pair_loss",
@@ -241,6 +242,70 @@ def next_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch
     safe = torch.where(mask, targets, torch.zeros_like(targets)).long()
     token_logps = _TokenLogprob.apply(logits.reshape(bsz * seqlen, vocab), safe.reshape(-1), out_dtype).view(bsz, seqlen)
     return torch.where(mask, token_logps, torch.zeros_like(token_logps))
+
+
+class _TiledHead(torch.autograd.Function):
+    """next_token_logprobs(head(hidden), targets, mask), `tile` positions of the head at a time.
+
+    The forward keeps no logits; the backward runs the head again tile by tile and backpropagates
+    each tile's log-probs on their own, so at most one tile's (tile, V) logits and their gradient
+    exist at once. DeepSpeed's ZeRO reduces a weight's gradient when it is told it is ready
+    (`ds_grad_is_ready`): the head's weights are marked ready at the last tile, or, when the head
+    shares its weight with the input embedding (`tied`), left for the embedding's gradient to make
+    ready, later in the same backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, targets, mask, head, tile: int, untied: tuple, tied: tuple):
+        ctx.head, ctx.tile, ctx.untied, ctx.tied = head, tile, untied, tied
+        ctx.save_for_backward(hidden, targets, mask)
+        flat, positions = hidden.reshape(1, -1, hidden.shape[-1]), targets.reshape(1, -1)
+        ready = mask.reshape(1, -1)
+        out = torch.cat([next_token_logprobs(head(flat[:, a:a + tile]), positions[:, a:a + tile], ready[:, a:a + tile])
+                         for a in range(0, flat.shape[1], tile)], dim=1)
+        return out.view(targets.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        hidden, targets, mask = ctx.saved_tensors
+        flat = hidden.detach().reshape(1, -1, hidden.shape[-1])
+        positions, ready, grads = targets.reshape(1, -1), mask.reshape(1, -1), grad_out.reshape(1, -1)
+        grad_hidden = torch.zeros_like(flat)
+        starts = range(0, flat.shape[1], ctx.tile)
+        for a in starts:
+            for param in ctx.untied:
+                param.ds_grad_is_ready = a == starts[-1]
+            for param in ctx.tied:
+                param.ds_grad_is_ready = False
+            piece = flat[:, a:a + ctx.tile].detach().requires_grad_(True)
+            with torch.enable_grad():
+                logps = next_token_logprobs(ctx.head(piece), positions[:, a:a + ctx.tile], ready[:, a:a + ctx.tile])
+            torch.autograd.backward(logps, grads[:, a:a + ctx.tile])
+            grad_hidden[:, a:a + ctx.tile] = piece.grad
+        for param in ctx.untied + ctx.tied:
+            param.ds_grad_is_ready = True
+        return grad_hidden.view_as(hidden), None, None, None, None, None, None
+
+
+def tiled_next_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                              targets: torch.Tensor, mask: torch.Tensor, tile: int,
+                              untied: Sequence[torch.Tensor] = (), tied: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    r"""``next_token_logprobs(head(hidden), targets, mask)`` without ever holding the ``(B, T, V)``
+    logits: ``head`` (the LM head) runs on ``tile`` positions at a time, in the forward and again
+    in the backward. Same values and gradients, up to the head's matmul rounding per tile.
+
+    Args:
+        head: the LM head, ``(1, n, H) -> (1, n, V)``.
+        hidden: ``(B, T, H)``, the last hidden states.
+        targets, mask: ``(B, T)``, each position's next token and whether it is learned.
+        tile: positions per head call.
+        untied, tied: the head's trainable weights, apart from or shared with the input
+            embedding (for DeepSpeed's gradient bucketing; empty without DeepSpeed).
+    """
+    if tile < 1:
+        raise ValueError(f"tile must be at least 1, got {tile}")
+    return _TiledHead.apply(hidden, targets, mask, head, tile, tuple(untied), tuple(tied))
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import importlib.util
 import logging
 import weakref
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -155,6 +156,38 @@ def output_of(module):
         yield captured
     finally:
         handle.remove()
+
+
+def next_token_logprobs(model, batch, tile: Optional[int] = None):
+    """(lines, width - 1): the log-prob of each next response token of `batch` under `model` (a
+    DeepSpeed engine or a FrozenModel), as Batch.logprobs gives. With `tile`, the LM head runs on
+    that many positions at a time (stages/losses.py tiled_next_token_logprobs), read from the
+    decoder's output while the model runs (the head itself is asked for no position)."""
+    if tile is None:
+        return batch.logprobs(batch.forward(model).logits)
+    from stages.losses import tiled_next_token_logprobs
+
+    module = model.module
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    trained = [p for p in head.parameters() if p.requires_grad]
+    shared = {id(p) for p in embedding.parameters()}
+    targets, mask = batch.next_targets()
+    found = _Output()
+
+    def tiled(_module, _inputs, output):
+        # Inside the decoder's forward, where an offloaded frozen model is still on the device.
+        states = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        found.value = tiled_next_token_logprobs(head, states, targets, mask, tile,
+                                                untied=[p for p in trained if id(p) not in shared],
+                                                tied=[p for p in trained if id(p) in shared])
+
+    handle = base.get_decoder().register_forward_hook(tiled)
+    try:
+        batch.forward(model, logits_to_keep=torch.zeros(0, dtype=torch.long, device=targets.device))
+    finally:
+        handle.remove()
+    return batch.gathered(found.value)[:, :-1]
 
 
 class FrozenModel:

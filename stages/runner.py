@@ -195,7 +195,7 @@ def _run_stage(task: StageTask) -> dict:
     torch.manual_seed(task.stage.seed)  # e.g. a reward head new on top of a causal LM starts the same every run
     from stages import sequence_parallel
 
-    sequence_parallel.setup(task.stage.sequence_parallel, env.rank, env.world_size)
+    sequence_parallel.setup(task.stage, env.rank, env.world_size)
     from stages import dpo, ppo, rm, sft  # noqa: F401  bind the shipped kinds' runs (a plug-in kind binds its own)
 
     kind = kinds.get(task.stage.kind)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from core import sequence_parallel as rules
 from core.errors import InvalidInput
-from stages import compat
+from stages import compat, data
 
 @dataclass(frozen=True)
 class Layout:
@@ -62,16 +62,21 @@ def layout() -> Layout:
     return _layout
 
 
-def setup(sequence_parallel: int, rank: int, world_size: int) -> Layout:
+def setup(stage, rank: int, world_size: int) -> Layout:
     """Form the groups and make the attention registry's entries shard-aware (once per process,
-    before any model is built). No-op for 1."""
+    before any model is built; nothing to do for sequence_parallel 1). A stage that tiles its
+    logits is refused here where the stack cannot (a container's stack, which validate did not see)."""
     global _layout
+    sequence_parallel = stage.sequence_parallel
+    why = stage.logits_tile is not None and rules.stack_problem("logits_tile", "leave logits_tile out")
+    if why:
+        raise InvalidInput(why)
     if sequence_parallel == 1:
         _layout = Layout(1, 0, rank, world_size)
         return _layout
     why = rules.stack_problem()
     if why:
-        raise InvalidInput(f"sequence_parallel: {why}")
+        raise InvalidInput(why)
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     parallel_state_sp.initialize_sequence_parallel(sequence_parallel)
@@ -177,10 +182,10 @@ class ShardedBatch:
         finally:
             _active = outer
 
-    def forward(self, model):
+    def forward(self, model, **extra):
         part = slice(self.start, self.stop)
         inputs = {"input_ids": self.input_ids[:, part], "position_ids": self.position_ids[:, part],
-                  "use_cache": False}
+                  "use_cache": False, **extra}
         with self.apart():
             return model(**inputs)
 
@@ -188,20 +193,12 @@ class ShardedBatch:
         """(lines, width, ...) from this process's (lines, width/N, ...) piece."""
         return _Gather.apply(per_position, self.start, self.stop)
 
-    def logprobs(self, logits):
-        """As Batch.logprobs: (lines, width - 1), the log-prob of each next response token."""
-        from stages.losses import next_token_logprobs
-
-        targets, mask = _next(self.input_ids), _next(self.loss_mask)
+    def next_targets(self):
+        """As Batch.next_targets, for this process's positions."""
         part = slice(self.start, self.stop)
-        return self.gathered(next_token_logprobs(logits, targets[:, part], mask[:, part]))[:, :-1]
+        return tuple(entries[:, part] for entries in self.whole.next_targets())
 
-
-def _next(tensor):
-    """Each position's next entry (0 after the last): what position t predicts."""
-    out = torch.zeros_like(tensor)
-    out[:, :-1] = tensor[:, 1:]
-    return out
+    logprobs = data.Batch.logprobs  # from the logits of this process's positions, gathered
 
 
 def _padded_to(batch, size: int):

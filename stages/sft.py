@@ -36,7 +36,7 @@ def run(task, ctx) -> dict:
 
     def summed_nll(batch):
         """(summed negative log-likelihood of the response tokens, their count)."""
-        logps = batch.logprobs(batch.forward(ds).logits)
+        logps = models.next_token_logprobs(ds, batch, stage.logits_tile)
         return -logps.sum(), batch.loss_mask[:, 1:].sum()
 
     # ---- loss and evaluation

@@ -40,6 +40,12 @@ def stages(kinds=STAGES) -> list[dict]:
              "learning_rate": rates[kind]} for kind in kinds]
 
 
+def tiled(kind: str, **fields) -> dict:
+    """The `kind` stage with its LM head run 16 positions at a time (several tiles per micro batch)."""
+    (stage,) = stages((kind,))
+    return {**stage, "name": f"{kind}-tiled", "logits_tile": 16, **fields}
+
+
 def sharing_pipeline(processes: int, sequence_parallel: int, kinds=STAGES, **extra) -> dict:
     return tiny_pipeline("sp", stages=stages(kinds), cluster={"tasks_per_node": processes}, **extra, defaults={
         "log_interval": 1, "micro_batch_size": 8, "global_batch_size": 16, "warmup_steps": 0,
@@ -58,7 +64,12 @@ def layouts(tmp_path_factory):
             kinds, extra = STAGES, {}
             if (processes, share) == (2, 2):
                 kinds, extra = STAGES + ("sft_misaligned",), {"plugins": ["tests.misaligned_shards"]}
-            done = run_cli("run", write_pipeline(workdir, sharing_pipeline(processes, share, kinds, **extra)), cwd=workdir)
+            spec = sharing_pipeline(processes, share, kinds, **extra)
+            if (processes, share) == (1, 1):  # tiled logits, alone and under ZeRO-3
+                spec["stages"] += [tiled("sft", zero_stage=3)]
+            if (processes, share) == (2, 2):  # tiled logits with shared sequences, policy and reference
+                spec["stages"] += [tiled("dpo")]
+            done = run_cli("run", write_pipeline(workdir, spec), cwd=workdir)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
             out[processes, share] = workdir / "runs" / "sp"
     return out
@@ -95,6 +106,13 @@ def test_sharing_sequences_learns_what_one_process_learns(layouts, layout, kind)
     assert read_result(shared)["world_size"] == layout[0]
     log = next((shared / "logs").glob("*_0_log.out")).read_text()
     assert f"{layout[0] // layout[1]} data-parallel" in log, log[-2000:]
+
+
+@needs_the_stack
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind,layout", [("sft", (1, 1)), ("dpo", (2, 2))], ids=["sft-zero3", "dpo-2-sharing"])
+def test_a_tiled_lm_head_learns_what_the_whole_one_learns(layouts, kind, layout):
+    assert disagreements(layouts[1, 1] / kind, layouts[layout] / f"{kind}-tiled") == []
 
 
 @needs_the_stack
@@ -160,7 +178,7 @@ def test_a_stack_without_ulysses_is_refused_before_anything_runs(workdir):
     config = write_pipeline(workdir, sharing_pipeline(2, 2))
     done = run_cli("run", config, cwd=workdir)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "stages[0] (sft).sequence_parallel: needs transformers >= 4.51.3" in done.stderr
+    assert "stages[0] (sft).sequence_parallel needs transformers >= 4.51.3" in done.stderr
     assert "the pinned stack does not have it" in done.stderr and "Traceback" not in done.stderr
     assert not (workdir / "runs" / "sp" / "sft").exists()  # nothing submitted
 
@@ -206,3 +224,41 @@ def test_a_shard_is_its_part_of_lines_widened_to_a_multiple_of_the_share():
     assert parts[0].sequence[0].tolist() == [0, 0, 0, 1, 1, 1, 1, -1, -1]
     assert parts[0].loss_mask[0, 7:].tolist() == [0, 0] and parts[0].real_tokens == 7
     assert torch.equal(parts[2].per_sequence(torch.ones(1, 8)), torch.tensor([2.0, 4.0]))
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_a_tiled_head_gives_the_log_probs_and_gradients_of_the_whole_one(tie):
+    import torch
+
+    from stages.losses import next_token_logprobs, tiled_next_token_logprobs
+
+    torch.manual_seed(0)
+    vocab, width = 13, 6
+    embedding = torch.nn.Embedding(vocab, width, dtype=torch.float64)
+    head = torch.nn.Linear(width, vocab, bias=False, dtype=torch.float64)
+    if tie:
+        head.weight = embedding.weight
+    ids = torch.randint(0, vocab, (2, 9))
+    targets, mask = torch.randint(0, vocab, (2, 9)), torch.rand(2, 9) > 0.3
+    weights = torch.randn(2, 9, dtype=torch.float64)
+
+    def run(tile):
+        embedding.zero_grad(), head.zero_grad()
+        hidden = torch.tanh(embedding(ids))
+        logps = (tiled_next_token_logprobs(head, hidden, targets, mask, tile) if tile else
+                 next_token_logprobs(head(hidden), targets, mask))
+        (logps * weights).sum().backward()
+        return logps.detach(), head.weight.grad.clone(), embedding.weight.grad.clone()
+
+    whole = run(None)
+    for tile in (1, 4, 7, 100):
+        for got, expected in zip(run(tile), whole):
+            assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12), tile
+
+
+def test_only_kinds_with_logits_tile_them():
+    spec = sharing_pipeline(2, 1, kinds=("rm",))
+    spec["stages"][0]["logits_tile"] = 256
+    with pytest.raises(InvalidInput) as err:
+        load_pipeline_of(spec)
+    assert "logits_tile: a rm stage does not tile its logits (kinds that do: sft, dpo)" in err.value.message
