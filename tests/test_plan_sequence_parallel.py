@@ -8,6 +8,7 @@ worked by hand from the shapes (Llama-3-8B: hidden 4096, 32 layers, 32 heads, 8 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -185,3 +186,33 @@ def test_the_json_plan_has_the_share_and_the_data_parallel_groups():
     payload = plan.plan_to_json([seeds_rm()])["stages"][0]
     assert payload["settings"]["sequence_parallel"] == 2 and payload["data_parallel"] == 3 and payload["processes"] == 6
     assert payload["time"]["sequence_exchange_s"] > 0
+
+
+# --------------------------------------------------------------------------- logits_tile
+
+
+def test_a_tiled_head_holds_one_tile_of_logits_and_runs_the_head_once_more():
+    whole = shipped("llama34b_dpo_8xa100", "sft", max_len=32768)
+    tiled = shipped("llama34b_dpo_8xa100", "sft", max_len=32768, logits_tile=1024)
+    # bf16 logits and their gradient for 1024 positions instead of 32,768 (less 24 rows of the fp32
+    # chunk, which held 1,048 rows of the 32K vocabulary)
+    assert logits(whole) - logits(tiled) == pytest.approx((32768 - 1024) * 2 * 2 * 32000, rel=0.005)
+    assert any("one tile of 1024 positions" in i.name for i in tiled.memory.items)
+    # the head's matmul once more in the backward: 2 x hidden x vocab FLOPs a position
+    extra = tiled.time.work["matmul_flops"] - whole.time.work["matmul_flops"]
+    assert extra > 0 and whole.time.step_s < tiled.time.step_s < 1.01 * whole.time.step_s
+
+
+def test_a_tile_is_offered_among_the_fixes_that_keep_the_training():
+    # Llama-3-8B SFT with LoRA at 8,192 tokens, 24,576 tokens a micro batch on 6 x 24 GB: 26.5 GiB
+    from pipeline.plan.estimate import estimate_stage
+    from pipeline.plan.fixes import logits_tile_for, suggest
+
+    assert logits_tile_for(128256) == 1024 and logits_tile_for(32000) == 4096 and logits_tile_for(10**9) == 64
+    rm = shipped("llama3_8b_rm_8k_6x4090", "rm")
+    sft = replace(rm.knobs, kind="sft", micro_batch_tokens=24576, sequence_parallel=1)
+    shape, hw = shapes.resolve_shape(LLAMA3_8B), hardware_of(load_pipeline("llama3_8b_rm_8k_6x4090"))
+    assert not estimate_stage(sft, shape, hw).fits
+    offered = [s for s in suggest(sft, shape, hw) if "logits_tile" in s.changes]
+    assert offered and offered[0].changes["logits_tile"] == 1024 and not offered[0].changes_training
+    assert offered[0].estimate.fits

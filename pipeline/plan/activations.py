@@ -93,6 +93,16 @@ def logits_bytes(shape: ModelShape, tokens: int, b: int, trained: bool) -> float
     return b * tokens * shape.vocab + 3 * 4 * chunk + 8 * tokens
 
 
+def logit_positions(knobs: Knobs, tokens: int) -> int:
+    """Positions whose logits exist at once: all of a process's micro batch, or one tile of them
+    (logits_tile: stages/losses.py tiled_next_token_logprobs)."""
+    return min(tokens, knobs.logits_tile) if knobs.logits_tile else tokens
+
+
+def tiled(knobs: Knobs) -> str:
+    return f" (one tile of {knobs.logits_tile} positions)" if knobs.logits_tile else ""
+
+
 def _stored(shape: ModelShape, knobs: Knobs, tokens: int, layer: float) -> float:
     """Activations a trained model's forward keeps for its backward (checkpointing: each layer's input)."""
     if knobs.gradient_checkpointing:
@@ -123,8 +133,8 @@ def trained_pass(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str) -
         in_layers.append((f"{role} all-to-all copies of one layer's q, k, v and output", "buffers",
                           tokens * b * (2 * shape.q_width + 2 * shape.kv_width)))
     if use.head == "lm":
-        at_loss.append((f"{role} logits + their gradient ({knobs.precision}), fp32 log-prob chunks", "logits",
-                        logits_bytes(shape, tokens, b, trained=True)))
+        at_loss.append((f"{role} logits + their gradient ({knobs.precision}), fp32 log-prob chunks{tiled(knobs)}",
+                        "logits", logits_bytes(shape, logit_positions(knobs, tokens), b, trained=True)))
     return at_loss + [mask], in_layers + [mask]
 
 
@@ -136,8 +146,8 @@ def frozen_forward(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str)
     out = [(f"{role} forward activations (one layer, no grad)", "activations", tokens * layer),
            (f"{role} attention mask ({kernel})", "activations", attention_mask_bytes(knobs, workload, kernel, tokens))]
     if use.head == "lm":
-        out.append((f"{role} logits ({knobs.precision}), fp32 log-prob chunks", "logits",
-                    logits_bytes(shape, tokens, knobs.weight_bytes, trained=False)))
+        out.append((f"{role} logits ({knobs.precision}), fp32 log-prob chunks{tiled(knobs)}", "logits",
+                    logits_bytes(shape, logit_positions(knobs, tokens), knobs.weight_bytes, trained=False)))
     return out
 
 

@@ -6,6 +6,7 @@ Pure Python (no torch)."""
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -40,6 +41,16 @@ def sequence_shares(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[int]:
     larger = [n for n in shares_for(shape.heads, shape.kv_heads, processes) if n > knobs.sequence_parallel]
     within = [n for n in larger if n <= max(hw.gpus_per_node, hw.processes_per_node)]
     return within or larger[:1]
+
+
+# What a suggested logits_tile holds at once: 2**27 logits, 256 MiB in bf16 (with their gradient 512).
+TILE_LOGITS = 2**27
+
+
+def logits_tile_for(vocab: int) -> int:
+    """The logits_tile to suggest: the largest power of two of positions whose logits stay within
+    TILE_LOGITS (1024 for a 128K vocabulary), at least 64."""
+    return max(64, 2 ** int(math.log2(max(TILE_LOGITS // vocab, 1))))
 
 
 def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tuple[str, dict, str, bool]]:
@@ -85,9 +96,13 @@ def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tu
             out.append(("nodes", {"nodes": nodes, "global_batch_size": per_pass},
                         f"nodes: {nodes} (global_batch_size {rows} -> {per_pass}: the minimum for "
                         f"{groups * factor} data-parallel processes)", True))
+    if knobs.stage_kind.tiled_logits and not knobs.logits_tile:
+        tile = logits_tile_for(shape.vocab)
+        out.append(("logits", {"logits_tile": tile},
+                    f"logits_tile: {tile} (the LM head's logits {tile} positions at a time; the same loss)", False))
     for n in sequence_shares(knobs, shape, hw):
         out.append(("sequence", {"sequence_parallel": n},
-                    f"sequence_parallel: {n} ({processes // n} data-parallel groups of {n} processes sharing each "
+                    f"sequence_parallel: {n} ({processes // n} data-parallel group{'' if processes == n else 's'} of {n} processes sharing each "
                     f"sequence; max_len stays {knobs.max_len})", False))
     if not knobs.lora_rank:
         out.append(("lora", {"lora_rank": 16, "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -182,6 +197,8 @@ def settings_relaxed(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Option
         options.append(({"lora_rank": None, "lora_targets": ()}, "no LoRA (all parameters trained)"))
     if knobs.sequence_parallel > 1:
         options.append(({"sequence_parallel": 1}, "sequence_parallel: 1 (every process a sequence of its own)"))
+    if knobs.logits_tile:
+        options.append(({"logits_tile": None}, "no logits_tile (all of a micro batch's logits at once)"))
     if knobs.optimizer_offload:
         more = knobs.nodes + 1
         while (more * hw.processes_per_node) % knobs.sequence_parallel:  # the shares must still divide the processes

@@ -40,6 +40,7 @@ class Knobs:
     nodes: int = 1
     reference: Optional[str] = "live"  # dpo, ppo: where the frozen reference waits; None: ppo holds none
     sequence_parallel: int = 1  # processes sharing each micro batch's sequences (Ulysses)
+    logits_tile: Optional[int] = None  # positions whose logits the LM head computes at once (None: all)
 
     @classmethod
     def from_stage(cls, stage) -> "Knobs":
@@ -63,6 +64,7 @@ class Knobs:
             nodes=stage.nodes,
             reference=reference_placement(stage),
             sequence_parallel=stage.sequence_parallel,
+            logits_tile=stage.logits_tile,
         )
 
     @property

@@ -290,10 +290,13 @@ def pass_work(shape: ModelShape, head: str, positions: float, attended: float, *
         return GPUWork(matmul, attention, logits, shape.layers, exchanged_bytes=exchanged)
     recompute = 1 if knobs.gradient_checkpointing else 0
     layer_passes = shape.layers * (1 + recompute + BACKWARD_PASSES)
+    # A tiled head (logits_tile) runs again in the backward: its matmul and the loss's read of the logits.
+    tiled = bool(knobs.logits_tile) and head == "lm"
     work = GPUWork(
-        matmul_flops=matmul * (1 + recompute + (1 if lora else 2)),
+        matmul_flops=matmul * (1 + recompute + (1 if lora else 2)) + (2 * shape.hidden * shape.vocab * positions
+                                                                      if tiled else 0.0),
         attention_flops=attention * (1 + recompute + 2),
-        logits=2 * logits,
+        logits=(3 if tiled else 2) * logits,
         layer_passes=layer_passes,
         exchanged_bytes=exchanged * (1 + recompute + 1),  # the backward exchanges the gradients back
     )
