@@ -174,11 +174,14 @@ def test_validate_names_a_share_that_does_not_divide_the_heads(workdir):
 
 
 @pytest.mark.skipif(rules.stack_problem() is None, reason="this stack has Ulysses attention (the pinned one has not)")
-def test_a_stack_without_ulysses_is_refused_before_anything_runs(workdir):
-    config = write_pipeline(workdir, sharing_pipeline(2, 2))
-    done = run_cli("run", config, cwd=workdir)
+@pytest.mark.parametrize("field", ["sequence_parallel", "logits_tile"])
+def test_a_stack_without_them_is_refused_before_anything_runs(workdir, field):
+    spec = sharing_pipeline(2, 2 if field == "sequence_parallel" else 1)
+    if field == "logits_tile":
+        spec["defaults"]["logits_tile"] = 16
+    done = run_cli("run", write_pipeline(workdir, spec), cwd=workdir)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "stages[0] (sft).sequence_parallel needs transformers >= 4.51.3" in done.stderr
+    assert f"stages[0] (sft).{field} needs transformers >= 4.51.3" in done.stderr
     assert "the pinned stack does not have it" in done.stderr and "Traceback" not in done.stderr
     assert not (workdir / "runs" / "sp" / "sft").exists()  # nothing submitted
 
