@@ -178,7 +178,7 @@ def test_validate_names_a_share_that_does_not_divide_the_heads(workdir):
 def test_a_stack_without_them_is_refused_before_anything_runs(workdir, field):
     spec = sharing_pipeline(2, 2 if field == "sequence_parallel" else 1)
     if field == "logits_tile":
-        spec["defaults"]["logits_tile"] = 16
+        spec["stages"][0]["logits_tile"] = 16
     done = run_cli("run", write_pipeline(workdir, spec), cwd=workdir)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"stages[0] (sft).{field} needs transformers >= 4.51.3" in done.stderr
