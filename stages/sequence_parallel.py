@@ -39,6 +39,9 @@ from core import sequence_parallel as rules
 from core.errors import InvalidInput
 from stages import compat, data
 
+log = logging.getLogger("stages")
+
+
 @dataclass(frozen=True)
 class Layout:
     """Who this process is among those that share sequences and those that split the rows."""
@@ -50,7 +53,6 @@ class Layout:
     group: object = None  # the torch process group of this process's sharing group
 
 
-log = logging.getLogger("stages")
 _layout = Layout(1, 0, 0, 1)
 # The sharded batch whose forward (and backward) is running, if any: attention layers exchange
 # only inside it. A plain module global for the reason compat's packed batch is one (backward runs
@@ -107,16 +109,20 @@ def _shard_aware(core):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         if _active is None:
             return core(module, query, key, value, attention_mask, *args, **kwargs)
-        lines = query.shape[0]
-        if lines not in exchanges:  # DeepSpeed's exchange is built for one batch size
-            exchanges[lines] = _exchange(core, module.config, lines)
-        return exchanges[lines](module, query, key, value, attention_mask, *args, **kwargs)
+        # DeepSpeed's exchange is built for one batch size and one model's heads.
+        key_ = (query.shape[0], query.shape[1], key.shape[1], query.shape[-1])
+        if key_ not in exchanges:
+            exchanges[key_] = _exchange(core, module.config, query.shape[0])
+        return exchanges[key_](module, query, key, value, attention_mask, *args, **kwargs)
 
     attention._ulysses = True
     return attention
 
 
 def _exchange(core, config, lines: int):
+    """DeepSpeed's Ulysses attention around `core` for `lines` lines of this model. Where the
+    processes outnumber the key-value heads, it copies them and sets the attention layer's
+    num_key_value_groups to match, for good: the stages that share run every pass shared."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
