@@ -27,7 +27,8 @@ from pipeline.identity import Digests, changed_inputs, input_digests
 
 # Fields that change how a stage is run or logged, not what it produces.
 OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints", "eval_interval", "nodes",
-                      "max_truncated_share", "hang_factor", "hang_min_s", "collective_timeout_s"}
+                      "max_truncated_share", "hang_factor", "hang_min_s", "collective_timeout_s",
+                      "allow_weak_reward_model"}
 
 
 class PlannedStage(BaseModel):
