@@ -73,12 +73,14 @@ class WriteFailed(OSError):
     """Writing `what` at `filename` failed; errno says why. What the file system showed then
     (see `saving`): `free`, the room left to this user; `written`, the bytes it had written
     when it failed (a lower bound of what it needs); `largest`, its largest file; `like`, the
-    size of an earlier complete copy of the same thing (the previous checkpoint), when known."""
+    size of an earlier complete copy of the same thing (the previous checkpoint), when known;
+    `limit`, this process's file size limit (RLIMIT_FSIZE) then."""
 
     def __init__(self, code: int, filename: str, what: str, free: Optional[str] = None,
                  written: Optional[int] = None, largest: Optional[int] = None, like: Optional[tuple] = None):
         super().__init__(code, os.strerror(code), filename)
         self.what, self.free, self.written, self.largest, self.like = what, free, written, largest, like
+        self.limit = file_size_limit()
 
 
 def causes(err: BaseException) -> Iterator[BaseException]:
@@ -153,7 +155,7 @@ def _why(code: int, path: Optional[str], err: BaseException) -> str:
     the room left and what the write needed, the file system's read-only flag, the user."""
     written, largest, like = (getattr(err, name, None) for name in ("written", "largest", "like"))
     if code == errnos.EFBIG:
-        limit = file_size_limit()
+        limit = err.limit if isinstance(err, WriteFailed) else file_size_limit()
         said = (f": this process may write files of at most {_bytes(limit)} (`ulimit -f`, RLIMIT_FSIZE)"
                 if limit is not None else ": a file reached the largest size the file system allows")
         if like is not None and like[1] > (limit or 0):

@@ -162,10 +162,15 @@ def write_tiny_llama(dest: Path, seed: int = 0) -> None:
 # --------------------------------------------------------------------------- placing
 
 
+def is_materialized(name: str, root: Path) -> bool:
+    """Whether built-in `name` has been written under root."""
+    return (Path(root) / name / ".complete").exists()
+
+
 def materialize(name: str, root: Path) -> Path:
     """Folder of built-in `name` (tiny-llama or digits) under root, written once."""
     dest = Path(root) / name
-    if not (dest / ".complete").exists():
+    if not is_materialized(name, root):
         {"tiny-llama": write_tiny_llama, "digits": write_digits}[name](dest)
     return dest
 
