@@ -160,8 +160,8 @@ def _why(code: int, path: Optional[str], err: BaseException) -> str:
                 if limit is not None else ": a file reached the largest size the file system allows")
         if like is not None and like[1] > (limit or 0):
             said += f", and the previous one ({like[2]}) has a file of {_bytes(like[1])}"
-        elif largest:
-            said += f", and it had written a file of {_bytes(largest)} when it failed"
+        elif largest and limit is not None and largest >= limit:
+            said += ", and one of its files reached it"
         return said
     if code in (errnos.ENOSPC, errnos.EDQUOT):
         room = getattr(err, "free", None) or (free_space(path) if path else None)

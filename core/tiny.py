@@ -24,6 +24,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from core.failure import saving
+
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = list("0123456789abcdefghijklmnopqrstuvwxyz :=?!.,\n")
 CHAT_TEMPLATE = (
@@ -179,8 +181,9 @@ def write_atomically(dest: Path, write) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
-        write(tmp)
-        (tmp / ".complete").touch()
+        with saving(tmp, f"the built-in {dest.name}"):  # a refused write names its path and cause
+            write(tmp)
+            (tmp / ".complete").touch()
         try:
             os.rename(tmp, dest)
         except OSError:  # another process won the race; its copy is identical
