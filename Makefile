@@ -50,8 +50,10 @@ setup: $(VENV)/.installed-$(STACK)
 
 $(VENV)/.installed-$(STACK): $(REQUIREMENTS) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "setup: installing $(TORCH) into $(VENV) (about half a minute the first time)"
 	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	@echo "setup: installing the $(STACK) stack ($(REQUIREMENTS)) into $(VENV) (about a minute the first time)"
 	$(BIN)/pip install --quiet -r $(REQUIREMENTS) --constraint $(VENV)/torch-constraint.txt
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*

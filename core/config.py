@@ -791,6 +791,13 @@ class PPOStage(StageBase):
         "live", description="The frozen reference: live on the device, or offload (host RAM between uses)."
     )
     reward_offload: bool = Field(False, description="Keep the reward model in host RAM between uses.")
+    allow_weak_reward_model: bool = Field(
+        False,
+        description="Train against reward.model even when it ranked its own held-out pairs no better than chance "
+        "(eval_accuracy at most 0.55, or not significantly above 0.5 for its eval count: core/reward_quality.py). "
+        "Without it such a stage is refused before it loads anything; with it, the stage warns before its first "
+        "rollout.",
+    )
     eval_prompts: int = Field(200, ge=1, description="Held-out prompts scored (greedy) before and after training.")
     label_key: str = Field("label", description="Data column with the reference answer passed to rule rewards.")
 
@@ -823,6 +830,13 @@ class PPOStage(StageBase):
                              "set n_samples_per_prompt to 2 or more")
         if self.scale_rewards != "group" and self.advantage != "grpo":
             raise ValueError(f"scale_rewards applies to advantage grpo, not {self.advantage}")
+        return self
+
+    @model_validator(mode="after")
+    def _weak_reward_model_needs_a_reward_model(self):
+        if self.allow_weak_reward_model and self.reward.model is None:
+            raise ValueError("allow_weak_reward_model applies to a reward model (reward.model), and this stage "
+                             "names none: remove it")
         return self
 
     @model_validator(mode="after")

@@ -34,6 +34,7 @@ from core.runfolder import StageFolder, remove, temporary
 
 INVALID_INPUT = "invalid input"
 DISK_FULL = "disk full"
+FILE_TOO_LARGE = "file too large"
 PERMISSION_DENIED = "permission denied"
 HOST_OUT_OF_MEMORY = "host out of memory"
 GPU_OUT_OF_MEMORY = "GPU out of memory"
@@ -49,7 +50,7 @@ PLAN_HINT = "`python -m pipeline plan CONFIG` shows what each process needs"
 _PEER_LOST = re.compile(
     r"connection (reset|closed) by peer|broken pipe|remote process exited|communicator was aborted"
     r"|socket timeout|timed out waiting|NCCL (error|communicator)", re.IGNORECASE)
-WRITE_ERRORS = (errnos.ENOSPC, errnos.EDQUOT, errnos.EACCES, errnos.EPERM, errnos.EROFS)
+WRITE_ERRORS = (errnos.ENOSPC, errnos.EDQUOT, errnos.EFBIG, errnos.EACCES, errnos.EPERM, errnos.EROFS)
 _ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]|os error (\d+)|Error code (\d+)")
 
 
@@ -69,12 +70,17 @@ class Failure:
 
 
 class WriteFailed(OSError):
-    """Writing `what` at `filename` failed; errno says why, `free` what the disk had left then
-    (see `saving`)."""
+    """Writing `what` at `filename` failed; errno says why. What the file system showed then
+    (see `saving`): `free`, the room left to this user; `written`, the bytes it had written
+    when it failed (a lower bound of what it needs); `largest`, its largest file; `like`, the
+    size of an earlier complete copy of the same thing (the previous checkpoint), when known;
+    `limit`, this process's file size limit (RLIMIT_FSIZE) then."""
 
-    def __init__(self, code: int, filename: str, what: str, free: Optional[str] = None):
+    def __init__(self, code: int, filename: str, what: str, free: Optional[str] = None,
+                 written: Optional[int] = None, largest: Optional[int] = None, like: Optional[tuple] = None):
         super().__init__(code, os.strerror(code), filename)
-        self.what, self.free = what, free
+        self.what, self.free, self.written, self.largest, self.like = what, free, written, largest, like
+        self.limit = file_size_limit()
 
 
 def causes(err: BaseException) -> Iterator[BaseException]:
@@ -117,6 +123,10 @@ def describe(err: BaseException) -> tuple[str, str, bool]:
                 "or run fewer processes per node"), False
         if code in (errnos.ENOSPC, errnos.EDQUOT):
             return DISK_FULL, _write_message(cause, code, "Free space there, or set runs_dir to a disk with room"), False
+        if code == errnos.EFBIG:
+            return FILE_TOO_LARGE, _write_message(cause, code, (
+                "Raise the limit (`ulimit -f unlimited` in the shell or job script that starts the run; on a "
+                "cluster, ask whether the site sets one), or save smaller files")), False
         if code in (errnos.EACCES, errnos.EPERM, errnos.EROFS):
             return PERMISSION_DENIED, _write_message(cause, code, "Make it writable, or set runs_dir to a folder "
                                                      "you can write"), False
@@ -126,19 +136,67 @@ def describe(err: BaseException) -> tuple[str, str, bool]:
 
 
 def _write_message(err: BaseException, code: int, advice: str) -> str:
-    """What could not be done where, and what to do; a failed save also says that `run` goes on."""
+    """What could not be written where, why in words, how much it needed where that is known, and
+    what to do; a failed save inside a stage also says what of the stage is intact."""
     path = getattr(err, "filename", None)
     if isinstance(err, WriteFailed):
         text = f"cannot write {path} ({err.what}): {os.strerror(code)}"
     else:
         text = f"{path}: {os.strerror(code)}" if path else _first_line(err)
-    room = getattr(err, "free", None) or (free_space(path) if path else None)
-    if room is not None and code in (errnos.ENOSPC, errnos.EDQUOT):
-        text += f" ({room} free on that file system)"
+    text += _why(code, path, err)
     text += f". {advice}"
     if isinstance(err, WriteFailed):
-        text += "; then `run` again: the stage resumes from its newest complete checkpoint, if any"
+        text += f"; then `run` again: {_intact(Path(path))}"
     return text
+
+
+def _why(code: int, path: Optional[str], err: BaseException) -> str:
+    """The cause in words, with the sizes that matter: the file size limit and the largest file,
+    the room left and what the write needed, the file system's read-only flag, the user."""
+    written, largest, like = (getattr(err, name, None) for name in ("written", "largest", "like"))
+    if code == errnos.EFBIG:
+        limit = err.limit if isinstance(err, WriteFailed) else file_size_limit()
+        said = (f": this process may write files of at most {_bytes(limit)} (`ulimit -f`, RLIMIT_FSIZE)"
+                if limit is not None else ": a file reached the largest size the file system allows")
+        if like is not None and like[1] > (limit or 0):
+            said += f", and the previous one ({like[2]}) has a file of {_bytes(like[1])}"
+        elif largest and limit is not None and largest >= limit:
+            said += ", and one of its files reached it"
+        return said
+    if code in (errnos.ENOSPC, errnos.EDQUOT):
+        room = getattr(err, "free", None) or (free_space(path) if path else None)
+        said = f" ({room} free on that file system)" if room is not None else ""
+        if like is not None:
+            said += f"; it needs about {_bytes(like[0])}, the size of the previous one ({like[2]})"
+        elif written:
+            said += f"; it needs more than the {_bytes(written)} it had written when it failed"
+        return said
+    if code == errnos.EROFS:
+        return ": the file system holding it is mounted read-only"
+    if code in (errnos.EACCES, errnos.EPERM):
+        return f" to this user (uid {os.geteuid()})"
+    return ""
+
+
+def _intact(path: Path) -> str:
+    """What a failed save left of its stage: the newest complete checkpoint, untouched."""
+    for folder in list(path.parents)[:3]:
+        stage = StageFolder(folder)
+        if stage.spec.is_file() or stage.checkpoints.is_dir():
+            latest = stage.latest_checkpoint()
+            if latest:
+                return (f"nothing earlier was lost, and the stage resumes from its newest complete checkpoint, "
+                        f"{latest} ({stage.checkpoints / latest})")
+            return "nothing earlier was lost; no checkpoint was complete yet, so the stage starts over"
+    return "nothing earlier was lost; the stage resumes from its newest complete checkpoint, if any"
+
+
+def file_size_limit() -> Optional[int]:
+    """This process's largest writable file in bytes (RLIMIT_FSIZE, `ulimit -f`); None if unlimited."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def free_space(path) -> Optional[str]:
@@ -186,31 +244,110 @@ def _short(filename: str) -> str:
 
 
 @contextlib.contextmanager
-def saving(path: Path, what: str) -> Iterator[None]:
+def saving(path: Path, what: str, like: Optional[Path] = None) -> Iterator[None]:
     """Write `what` at `path` (a file or a folder); if that fails, remove what it half wrote
-    and, when the cause is the disk (full, read-only, not ours), raise WriteFailed saying so.
+    and, when the cause is the disk (full, a file size limit, read-only, not ours), raise
+    WriteFailed saying so. `like`: an earlier complete copy of the same thing (the previous
+    checkpoint), whose size says what the write needs.
 
-    Writers such as torch.save report a full disk as "[enforce fail at
-    inline_container.cc:...]" with no errno; a probe write beside `path` then asks the file
-    system why, before the partial files are removed (which frees space).
+    Writers such as torch.save report a write error as "[enforce fail at
+    inline_container.cc:...] unexpected pos" with no errno; the file system and this
+    process's limits are then asked why (`_diagnose`), before the partial files are removed
+    (which frees space).
     """
     try:
         yield
     except Exception as err:
-        code = next((c for c in map(error_number, causes(err)) if c in WRITE_ERRORS), None) or _probe(path)
+        sizes = _file_sizes(path)
+        code = (next((c for c in map(error_number, causes(err)) if c in WRITE_ERRORS), None)
+                or _diagnose(path, max(sizes, default=0)))
         free = free_space(path)  # before the partial files go
         remove(path)
         if code not in WRITE_ERRORS:
             raise
-        raise WriteFailed(code, str(path), what, free) from err
+        earlier = _file_sizes(like) if like is not None else []
+        raise WriteFailed(code, str(path), what, free, written=sum(sizes), largest=max(sizes, default=None),
+                          like=(sum(earlier), max(earlier), str(like)) if earlier else None) from err
 
 
-def _probe(path: Path, size: int = 1 << 20) -> Optional[int]:
-    """Write `size` bytes in the nearest existing folder of `path` and remove them; the errno
-    it meets, or None."""
+@contextlib.contextmanager
+def writing(path: Path, what: str) -> Iterator[None]:
+    """Add to `what` at `path` (e.g. a line of metrics.jsonl), keeping what is there: a write the
+    disk refuses raises WriteFailed naming the file (a failed write names none by itself)."""
+    try:
+        yield
+    except OSError as err:
+        code = err.errno if err.errno in WRITE_ERRORS else None
+        if code is None:
+            raise
+        raise WriteFailed(code, str(path), what, free_space(path)) from err
+
+
+def cannot_make_in(folder: Path) -> Optional[int]:
+    """The errno that keeps this user from making a folder with a file in it inside `folder`
+    (tried, then removed), or None: what `run` will do there, asked before it does."""
+    probe = temporary(Path(folder) / f".write-probe-{os.getpid()}")
+    try:
+        probe.mkdir()
+        (probe / "probe").write_bytes(b"\0" * 4096)
+    except OSError as err:
+        return err.errno
+    finally:
+        remove(probe)
+    return None
+
+
+def cannot_make_reason(code: int, folder: Path) -> str:
+    """`cannot_make_in`'s errno in words, naming the folder."""
+    if code == errnos.EROFS:
+        return f"the file system holding {folder} is mounted read-only"
+    if code in (errnos.EACCES, errnos.EPERM):
+        return f"{folder} is not writable by this user (uid {os.geteuid()})"
+    if code == errnos.ENOENT:
+        return f"{folder} takes no new folders (a kernel file system such as /proc or /sys)"
+    if code in (errnos.ENOSPC, errnos.EDQUOT):
+        return f"the file system holding {folder} is full ({free_space(folder)} free)"
+    return f"{os.strerror(code)} in {folder}"
+
+
+def _file_sizes(path: Path) -> list[int]:
+    """The sizes of the files at `path` (a file, or a folder's files)."""
+    path = Path(path)
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else []
+    sizes = []
+    for file in files:
+        with contextlib.suppress(OSError):
+            sizes.append(file.stat().st_size)
+    return sizes
+
+
+def _diagnose(path: Path, largest: int) -> Optional[int]:
+    """Why a write at `path` failed, asked of this process and the file system when the error
+    carried no errno: a file that reached the file size limit (EFBIG), a read-only file system
+    (EROFS), a folder this user may not write (EACCES), no room (a probe write meets ENOSPC)."""
+    limit = file_size_limit()
+    if limit is not None and largest >= limit:
+        return errnos.EFBIG
+    folder = _nearest_folder(path)
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return errnos.EROFS
+    except OSError:
+        pass
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return errnos.EACCES
+    return _probe(folder)
+
+
+def _nearest_folder(path: Path) -> Path:
     folder = Path(path)
     while not folder.is_dir() and folder != folder.parent:
         folder = folder.parent
+    return folder
+
+
+def _probe(folder: Path, size: int = 1 << 20) -> Optional[int]:
+    """Write `size` bytes in `folder` and remove them; the errno it meets, or None."""
     probe = temporary(folder / f"write-probe-{os.getpid()}")
     try:
         with open(probe, "wb") as f:

@@ -19,7 +19,8 @@ and nowhere else.
         events.jsonl                when each attempt of the job started (a second one is a requeue or resume)
         tensorboard/                TensorBoard event files (rank 0)
         wandb/                      the W&B run's files, when tracking.wandb is set
-        logs/                       the job's stdout/stderr, one file per process
+        logs/                       the job's stdout/stderr, one file per process (submitit's files: before
+                                    the job starts, only its submission)
         failures/rank-<N>.json      why process N failed (core/failure.py); blank while it runs
         reference_logps.pt          DPO's precomputed reference log-probs
       <stage>.superseded-<time>/    a stage folder with outputs whose spec changed, moved aside (never deleted)
@@ -218,9 +219,20 @@ class StageFolder:
 
     def holds_outputs(self) -> bool:
         """Whether the folder holds anything but what `run` writes before the stage starts
-        (spec.json, plan.json): a never-started stage's folder is reused, not superseded."""
+        (spec.json, plan.json, and in logs/ the scheduler's submission files): a never-started
+        stage's folder is reused, not superseded. A job that started has written its log there."""
         before = {self.spec.name, self.plan.name}
-        return self.path.is_dir() and any(p.name not in before for p in self.path.iterdir())
+        if not self.path.is_dir():
+            return False
+        return any(p.name not in before and not (p == self.logs and not self.job_started())
+                   for p in self.path.iterdir())
+
+    def job_started(self) -> bool:
+        """Whether a job of this stage ever started: submitit names a started task's files
+        <job>_<task>_log.out / _log.err / _result.pkl; before that logs/ holds only the job's
+        submission (<job>_submitted.pkl, <job>_submission.sh, .submission_file_*.sh)."""
+        started = ("_log.out", "_log.err", "_result.pkl")
+        return self.logs.is_dir() and any(p.name.endswith(started) for p in self.logs.iterdir())
 
     def superseded(self) -> Path:
         """A free name to move this folder aside to: <stage>.superseded-<time>[-n]."""

@@ -24,6 +24,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from core.failure import saving
+
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARACTERS = list("0123456789abcdefghijklmnopqrstuvwxyz :=?!.,\n")
 CHAT_TEMPLATE = (
@@ -162,10 +164,15 @@ def write_tiny_llama(dest: Path, seed: int = 0) -> None:
 # --------------------------------------------------------------------------- placing
 
 
+def is_materialized(name: str, root: Path) -> bool:
+    """Whether built-in `name` has been written under root."""
+    return (Path(root) / name / ".complete").exists()
+
+
 def materialize(name: str, root: Path) -> Path:
     """Folder of built-in `name` (tiny-llama or digits) under root, written once."""
     dest = Path(root) / name
-    if not (dest / ".complete").exists():
+    if not is_materialized(name, root):
         {"tiny-llama": write_tiny_llama, "digits": write_digits}[name](dest)
     return dest
 
@@ -174,8 +181,9 @@ def write_atomically(dest: Path, write) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
-        write(tmp)
-        (tmp / ".complete").touch()
+        with saving(tmp, f"the built-in {dest.name}"):  # a refused write names its path and cause
+            write(tmp)
+            (tmp / ".complete").touch()
         try:
             os.rename(tmp, dest)
         except OSError:  # another process won the race; its copy is identical

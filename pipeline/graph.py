@@ -29,7 +29,8 @@ from pipeline.identity import Digests, changed_inputs, input_digests
 # lay the same work out over other processes, logits_tile computes the same loss in pieces;
 # tests/test_sequence_parallel.py shows the figures equal).
 OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints", "eval_interval", "nodes",
-                      "sequence_parallel", "logits_tile", "max_truncated_share", "hang_factor", "hang_min_s", "collective_timeout_s"}
+                      "sequence_parallel", "logits_tile", "max_truncated_share", "hang_factor", "hang_min_s",
+                      "collective_timeout_s", "allow_weak_reward_model"}
 
 
 class PlannedStage(BaseModel):

@@ -3,7 +3,8 @@ whatever would make a stage fail, or train on nothing, and can be known without
 training. `validate`, `run` and `prepare` call `check`; each refusal is an
 InvalidInput (exit 2) naming the field, file or row, what is wrong and what to do.
 
-- runs_dir: a folder that exists or can be created, writable.
+- runs_dir: a folder that exists or can be created, writable (tried: a folder with a
+  file is made there and removed).
 - models: local folders hold a config.json, weights whose headers are whole
   (pipeline/modelfiles.py) and a tokenizer; hub ids are in the local cache, or the
   hub answers (local runs only: a Slurm `run` fetches them itself); max_len within
@@ -15,6 +16,8 @@ InvalidInput (exit 2) naming the field, file or row, what is wrong and what to d
   label columns where a reward rule compares with labels.
 - reward functions: the file defines the function, and imports in a child process
   with a time limit (the child's python is the one the stages run with).
+- reward models: one that has finished and ranked its held-out pairs no better than
+  chance is refused unless the RL stage allows it (core/reward_quality.py).
 
 Torch-free: files are read as plain files, the reward import runs in a child.
 """
@@ -28,11 +31,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from core import kinds, sequence_parallel
+from core import failure, kinds, reward_quality, sequence_parallel
 from core.config import BUILTIN_PREFIX, PipelineSpec
 from core.errors import InvalidInput
 from core.shapes import ShapeNotFound, cached_config, resolve_shape
-from pipeline import truncation
+from core.task import is_finished
+from pipeline import graph, truncation
 from pipeline.datacheck import check_data, check_labels, check_step_rows
 from pipeline.hfcache import HFCache, hf_cache
 from pipeline.hub import Hub, looks_like_path
@@ -65,6 +69,7 @@ def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
         if kinds.get(stage.kind).rollouts:  # its rewards read labels and may call your functions
             check_labels(stage, where, found)
             check_reward_functions(stage, where, imported=executor.runs_this_python(spec))
+            check_reward_model(spec, stage, where)
     truncation.check(spec, cache)  # last: it tokenises rows, in a subprocess
 
 
@@ -72,16 +77,21 @@ def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
 
 
 def check_runs_dir(spec: PipelineSpec) -> None:
-    """The pipeline's run folder exists as a writable folder or can be made in one."""
+    """The pipeline's run folder exists as a writable folder or can be made in one: a folder with
+    a file in it is made and removed where `run` will make its first one, so a read-only file
+    system, a folder that is not ours, or one that takes no folders (/proc) is found as `run`
+    would find it, for root too."""
     folder = spec.run_dir.resolve()  # as `run` makes it
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
         raise InvalidInput(f"runs_dir: {existing} is a file, so the run folder {folder} cannot be made there; "
                            "set runs_dir to a folder (or move the file away)")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    code = failure.cannot_make_in(existing)
+    if code is not None:
         made = "written in" if existing == folder else f"created in {existing}"
-        raise InvalidInput(f"runs_dir: {folder} cannot be {made}: {existing} is not writable by this user "
-                           f"(uid {os.geteuid()}); set runs_dir to a folder you can write, or change its permissions")
+        raise InvalidInput(f"runs_dir: the run folder {folder} cannot be {made}: "
+                           f"{failure.cannot_make_reason(code, existing)}; set runs_dir (now '{spec.runs_dir}') "
+                           "to a folder you can write")
 
 
 # --------------------------------------------------------------------------- models
@@ -244,6 +254,17 @@ def check_reward_functions(stage, where: str, imported: bool = True) -> None:
             problem = import_problem(rule.function)
             if problem:
                 raise InvalidInput(f"{field_name}: {problem}")
+
+
+def check_reward_model(spec: PipelineSpec, stage, where: str) -> None:
+    """A reward model stage that has already finished with this spec, and ranked its held-out pairs no
+    better than chance, is refused here rather than when the RL stage starts (core/reward_quality.py)."""
+    name = stage.reward.model
+    if name is None:
+        return
+    tasks = {t.name: t for t in graph.build_tasks(spec)}
+    if is_finished(tasks[name]):
+        reward_quality.check(stage, spec.run_dir.resolve(), where)
 
 
 IMPORT_CODE = "import sys; from core.rewards import load_function; load_function(sys.argv[1])"

@@ -771,6 +771,26 @@ def jit_built_ops() -> list[str]:
     return sorted(so.parent.name for so in root.glob("*/*.so") if so.stem == so.parent.name)
 
 
+def announce_cpu_comm_build() -> None:
+    """Say so, before DeepSpeed's init_distributed compiles its CPU shared-memory allreduce op
+    (g++, about 35-40 s on 2 cores, silent), when neither the installed DeepSpeed nor torch's
+    extension cache holds it: once per extension folder (the Makefile gives each venv one), so
+    only the first stage of the first run on a machine builds it."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    # As DeepSpeed decides whether to build it (0.13 has no such op: a stand-in builder).
+    if (type(builder).__name__ != "ShareMemCommBuilder"
+            or not getattr(deepspeed.ops, "__compatible_ops__", {}).get(builder.NAME, False)):
+        return
+    built, built_for = prebuilt_ops()
+    if builder.NAME in jit_built_ops() or (builder.NAME in built and built_for in (None, get_accelerator()._name)):
+        return
+    log.info("building DeepSpeed's CPU communication op (%s) with the C++ compiler: once, about a minute; "
+             "cached in %s for every later stage and run", builder.NAME, torch_extensions_dir())
+
+
 def optimizer_op(ds_config: dict) -> str | None:
     """The DeepSpeed op a config's optimizer needs, as DeepSpeed's engine picks it (0.13 and 0.19
     alike): none for torch's AdamW (torch_adam), cpu_adam with optimizer offload, else fused_adam."""

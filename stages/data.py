@@ -270,6 +270,8 @@ def tokenized_splits(stage, tokenizer, builtin_root: Path, where: str = "", samp
     InvalidInput when more than stage.max_truncated_share of the rows lose tokens or are
     dropped. `sample` > 0 measures a random sample of about that many rows (train and eval
     in proportion) instead of all: validate's bound on time (pipeline/truncation.py)."""
+    where = where or f"stage {stage.name}"
+    log.info("%s: reading and tokenising %s", where, stage.data.path)
     train, held_out = load_splits(stage.data, stage.kind, builtin_root, stage.seed)
     counts = (len(train), len(held_out))
     if 0 < sample < sum(counts):
@@ -283,7 +285,6 @@ def tokenized_splits(stage, tokenizer, builtin_root: Path, where: str = "", samp
     for part, rows in zip(parts, counts):
         part.truncation = replace(part.truncation, rows=rows)
     splits = TokenizedSplits(*parts, max_len=stage.max_len)
-    where = where or f"stage {stage.name}"
     check_truncation(stage, splits, where)
     log.info("%s: %s", where, splits.summary(stage.kind))
     if splits.train.truncation.dropped or splits.eval.truncation.dropped:

@@ -155,6 +155,7 @@ def init(env: DistEnv, gpus_per_node: int, timeout_s: int = 600, threads: int = 
     else:
         torch.set_num_threads(threads)
         device, backend = torch.device("cpu"), "gloo"
+        compat.announce_cpu_comm_build()
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
     if backend == "gloo":
         # Every rank maps every rank's shared-memory allreduce buffer inside

@@ -13,6 +13,8 @@ is higher), eval_loss, eval_margin, and their values before training.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
@@ -23,6 +25,8 @@ from core.flops import sequence_flops
 from core.runfolder import temporary
 from stages import data, engine, models
 from stages.losses import dpo_loss
+
+log = logging.getLogger("stages")
 
 
 @kinds.implements("dpo")
@@ -156,6 +160,8 @@ def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_con
         saved = torch.load(cache)
         if saved.get("spec_hash") == task.spec_hash:
             return saved["logps"]
+    log.info("stage %s: computing the reference model's log-probs of %s pairs once (cached in %s)", stage.name,
+             " and ".join(f"{len(rows)} {split}" for split, rows in splits.items()), cache)
     reference = models.load_frozen(AutoModelForCausalLM, model_path, stage, frozen_config, ctx.device, offload=False)
     tables = {}
     with torch.no_grad():

@@ -197,7 +197,8 @@ class Checkpoints:
         lost mid-save) removes its tag folder there, so `latest` keeps naming the
         previous checkpoint and nothing half-written stays; the error says why."""
         tag = self.stage_folder.checkpoint_tag(step)
-        with saving(self.folder / tag, f"checkpoint {tag}"):
+        previous = self.stage_folder.latest_checkpoint()  # its size says what a save needs
+        with saving(self.folder / tag, f"checkpoint {tag}", like=previous and self.folder / previous):
             engine.save_checkpoint(str(self.folder), tag=tag, client_state=client_state, save_latest=False)
             for name, other in (others or {}).items():
                 other.save_checkpoint(str(self.folder / tag), tag=name, save_latest=False)

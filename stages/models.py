@@ -75,6 +75,7 @@ def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool,
     if stage.zero_stage == 3:
         _live_ds_configs.append(compat.hf_deepspeed_config(ds_config))
     attention = attention_implementation(stage.attention, on_gpu)
+    log.info("loading %s (%s)", path, auto_class.__name__)
     try:
         model = compat.from_pretrained(auto_class, path, DTYPES[stage.precision], attention, stage.max_len, **kwargs)
     except (OSError, ValueError) as err:

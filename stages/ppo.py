@@ -21,6 +21,7 @@ before and after training, and reference (where it was kept; null: none loaded).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -28,7 +29,7 @@ from typing import Callable, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from core import batching, kinds
+from core import batching, kinds, reward_quality
 from core.config import RULES_NEEDING_LABELS
 from core.errors import InvalidInput
 from core.flops import rollout_sequence_flops
@@ -41,6 +42,9 @@ from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, lo
 @kinds.implements("ppo")
 def run(task, ctx) -> dict:
     stage = task.stage
+    weak = reward_quality.check(stage, task.pipeline_dir)  # refuses a reward model at chance, unless allowed
+    if weak and ctx.is_main:
+        logging.getLogger("stages").warning(weak)
     torch.manual_seed(stage.seed + ctx.rank)
     model_path = models.resolve(task.init_model, ctx.builtin_root)
     tokenizer = models.load_tokenizer(model_path)

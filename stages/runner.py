@@ -161,6 +161,9 @@ def _run_stage(task: StageTask) -> dict:
 
     env = distributed.detect()
     _configure_logging(env.rank)
+    # The seconds before the rank line below (imports, joining the other processes) say what they are.
+    log.info("stage %s (%s): importing torch and DeepSpeed, then starting %d process(es)", task.name,
+             task.stage.kind, env.world_size)
     _end_with_the_run(task.folder, env.rank)
     device = distributed.init(env, task.gpus_per_node, task.stage.collective_timeout_s,
                               threads=distributed.cpu_threads(task.cpus_per_task, env.local_world_size))
@@ -265,6 +268,8 @@ def _materialize_builtins(task: StageTask, ctx: StageContext) -> None:
     if ctx.is_main:
         for name in (task.init_model, task.stage.data.path):
             if name.startswith(BUILTIN_PREFIX):
+                if not tiny.is_materialized(name[len(BUILTIN_PREFIX):], ctx.builtin_root):
+                    log.info("writing the built-in %s to %s (once for the pipeline)", name, ctx.builtin_root)
                 tiny.materialize(name[len(BUILTIN_PREFIX):], ctx.builtin_root)
     elif task.init_model.startswith(BUILTIN_PREFIX):
         # Writing the model, rank 0 imports transformers' model code (seconds on a CPU); the

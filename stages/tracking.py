@@ -17,6 +17,7 @@ import time
 from typing import Optional
 
 from core import metrics as records
+from core.failure import writing
 
 log = logging.getLogger("stages")
 
@@ -41,7 +42,8 @@ class Metrics:
             return
         if self.path.exists():
             kept = [r for r in records.read(self.path) if r["step"] <= step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            with writing(self.path, "metrics.jsonl"):
+                self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._open(purge_from=step + 1)
 
     def write(self, record: dict) -> None:
@@ -56,7 +58,7 @@ class Metrics:
             return
         if self._tensorboard is None:
             self._open(purge_from=None)
-        with open(self.path, "a") as f:
+        with writing(self.path, "metrics.jsonl"), open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         scalars = records.scalars(record)
         for name, value in scalars.items():

@@ -375,6 +375,28 @@ def test_a_runs_dir_that_cannot_be_written_is_refused(workdir):
         assert not (workdir / "shared" / "runs").exists()
 
 
+def test_a_runs_dir_that_cannot_be_created_is_refused_not_a_traceback_from_run(workdir):
+    # /proc takes no folders, even from root, who passes every permission bit.
+    run_rejected(workdir, tiny_pipeline(runs_dir="/proc/nope"),
+                 "runs_dir: the run folder /proc/nope/t cannot be created in /proc: /proc takes no new folders",
+                 "set runs_dir (now '/proc/nope') to a folder you can write")
+
+
+def test_a_runs_dir_on_a_read_only_file_system_is_refused(workdir):
+    shared = workdir / "shared"
+    shared.mkdir()
+    path = write_pipeline(workdir, tiny_pipeline(runs_dir="shared/runs"))
+    mount = f"mount -t tmpfs tmpfs {shared} && mount -o remount,ro {shared}"
+    for command in ("validate", "run"):
+        result = subprocess.run(["unshare", "-rm", "sh", "-c", f'{mount} && exec "$@"', "sh",
+                                 sys.executable, "-m", "pipeline", command, str(path)],
+                                cwd=workdir, capture_output=True, text=True, timeout=120)
+        if "mount" in result.stderr and result.returncode != 2:
+            pytest.skip(f"cannot mount a file system in a private mount namespace here: {result.stderr.strip()}")
+        assert_rejected(result, f"runs_dir: the run folder {shared / 'runs' / 't'} cannot be created in {shared}: "
+                        f"the file system holding {shared} is mounted read-only")
+
+
 def test_a_max_len_that_cuts_too_many_rows_of_a_later_stage_is_refused_before_the_first_stage(workdir):
     # The dpo stage starts from sft, whose tokenizer is the built-in one: one token per
     # character and <s>. Short pairs take 6 tokens; the 3 long ones 24, with a 21-token prompt.

@@ -199,6 +199,27 @@ def test_only_extensions_whose_library_was_built_count_as_jit_built(monkeypatch,
     assert compat.jit_built_ops() == ["cpu_adam"]
 
 
+def test_a_stage_says_it_builds_the_cpu_comm_op_before_deepspeed_does_so_silently(monkeypatch, tmp_path, caplog):
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if type(builder).__name__ != "ShareMemCommBuilder" or not deepspeed.ops.__compatible_ops__.get(builder.NAME):
+        pytest.skip("this DeepSpeed builds no CPU shared-memory comm op")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here yet
+    with caplog.at_level("INFO", logger="stages"):
+        compat.announce_cpu_comm_build()
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"building DeepSpeed's CPU communication op ({builder.NAME}) with the C++ compiler")
+    assert str(tmp_path) in said
+    caplog.clear()
+    (tmp_path / builder.NAME).mkdir()
+    (tmp_path / builder.NAME / f"{builder.NAME}.so").write_bytes(b"")  # built once: silent from then on
+    with caplog.at_level("INFO", logger="stages"):
+        compat.announce_cpu_comm_build()
+    assert not caplog.records
+
+
 def test_the_gpu_optimizer_needs_no_deepspeed_op_and_offload_needs_cpu_adam():
     from core.config import SFTStage
     from stages import engine

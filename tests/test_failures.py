@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,11 +61,54 @@ def test_a_full_disk_during_a_save_names_the_path_and_removes_the_partial_file(t
     assert not target.exists()
 
 
+def test_a_save_past_the_file_size_limit_names_the_path_the_limit_and_the_checkpoint_kept(tmp_path):
+    """torch.save under `ulimit -f` says only "unexpected pos"; the message says why."""
+    import resource
+
+    torch = pytest.importorskip("torch")
+    folder = StageFolder(tmp_path / "sft")
+    kept, target = folder.checkpoints / "step-00000001", folder.checkpoints / "step-00000002"
+    kept.mkdir(parents=True)
+    torch.save(torch.zeros(1 << 17), kept / "model.pt")  # 512 KiB
+    folder.latest_marker.write_text(kept.name)
+    target.mkdir()
+
+    def save():
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (128 << 10, hard))  # Python ignores SIGXFSZ: the write raises
+        try:
+            with failure.saving(target, "checkpoint step-00000002", like=kept):
+                torch.save(torch.zeros(1 << 17), target / "model.pt")
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+    kind, message, _ = described(save)
+    assert kind == failure.FILE_TOO_LARGE
+    assert message.startswith(f"cannot write {target} (checkpoint step-00000002): File too large: this process "
+                              "may write files of at most 128.0 KiB (`ulimit -f`, RLIMIT_FSIZE)")
+    assert re.search(rf"the previous one \({re.escape(str(kept))}\) has a file of 51\d\.\d KiB\. ", message)
+    assert "ulimit -f unlimited" in message
+    assert message.endswith(f"nothing earlier was lost, and the stage resumes from its newest complete checkpoint, "
+                            f"step-00000001 ({kept})")
+    assert not target.exists() and folder.latest_checkpoint() == "step-00000001"
+
+
+def test_an_append_the_disk_refuses_names_the_file():
+    def log_a_line():
+        with failure.writing(Path("/dev/full"), "metrics.jsonl"), open("/dev/full", "a") as f:
+            f.write("{}\n")
+
+    kind, message, _ = described(log_a_line)
+    assert kind == failure.DISK_FULL
+    assert message.startswith("cannot write /dev/full (metrics.jsonl): No space left on device")
+
+
 def test_a_folder_that_may_not_be_written_is_named():
     # Root may write almost anywhere; sysfs refuses new files even to root.
     kind, message, _ = described(lambda: open("/sys/kernel/no-such-file", "w"))
     assert kind == failure.PERMISSION_DENIED
-    assert message.startswith("/sys/kernel/no-such-file: Permission denied. Make it writable")
+    assert message.startswith(f"/sys/kernel/no-such-file: Permission denied to this user (uid {os.geteuid()}). "
+                              "Make it writable")
 
 
 def test_host_out_of_memory_names_the_place_and_points_at_the_plan():
@@ -264,6 +308,12 @@ seen["leftovers"] = [str(p) for p in folder.leftovers()]
 seen["exported"] = sorted(p.name for p in folder.model.iterdir()) == exported
 seen["resumed"] = checkpoints.load(ds)["step"]
 os.remove(work / "ballast")
+import resource
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))  # `ulimit -f 64`
+seen["too_large"] = outcome(lambda: checkpoints.save(ds, 3, {"step": 3}))
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+seen["tags_after_limit"] = folder.checkpoint_tags()
 subprocess.run(["mount", "-o", "remount,ro", str(work)], check=True)
 seen["read_only"] = outcome(lambda: checkpoints.save(ds, 3, {"step": 3}))
 print("RESULT", json.dumps(seen))
@@ -272,7 +322,8 @@ compat.remove_cpu_comm_buffer()  # its /dev/shm buffer (70 MB), which DeepSpeed 
 
 
 @pytest.mark.slow
-def test_a_full_disk_or_a_read_only_one_fails_saves_cleanly_and_keeps_the_previous_checkpoint(tmp_path):
+def test_a_full_disk_a_file_size_limit_or_a_read_only_disk_fails_saves_cleanly_and_keeps_the_previous_checkpoint(
+        tmp_path):
     # A real small file system (tmpfs) in a private mount namespace: it really fills up.
     work = tmp_path / "disk"
     work.mkdir()
@@ -298,7 +349,16 @@ def test_a_full_disk_or_a_read_only_one_fails_saves_cleanly_and_keeps_the_previo
     assert seen["exported"] is True
     assert seen["resumed"] == 1
     assert seen["read_only"]["kind"] == failure.PERMISSION_DENIED
-    assert "Read-only file system" in seen["read_only"]["message"]
+    assert "Read-only file system: the file system holding it is mounted read-only" in seen["read_only"]["message"]
+    kept = f"the stage resumes from its newest complete checkpoint, step-00000001 ({step2.parent / 'step-00000001'})"
+    assert "it needs about" in seen["checkpoint"]["message"] and kept in seen["checkpoint"]["message"]
+    # DeepSpeed's own save under `ulimit -f`: torch.save says only "unexpected pos"; named all the same.
+    step3 = work / "sft" / "checkpoints" / "step-00000003"
+    assert seen["too_large"]["kind"] == failure.FILE_TOO_LARGE
+    assert seen["too_large"]["message"].startswith(
+        f"cannot write {step3} (checkpoint step-00000003): File too large: this process may write files of at "
+        "most 64.0 KiB (`ulimit -f`, RLIMIT_FSIZE)")
+    assert kept in seen["too_large"]["message"] and seen["tags_after_limit"] == ["step-00000001"]
 
 
 def fill(folder: Path) -> None:

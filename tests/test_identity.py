@@ -57,9 +57,18 @@ def test_a_changed_input_reruns_its_stage_and_what_starts_from_it_saying_why(wor
     assert sorted(p.name.split(".")[0] for p in (workdir / "runs" / "t").glob("*.superseded-*")) == ["dpo", "rl", "sft"]
 
 
+def submitted_not_started(folder) -> None:
+    """What submitit leaves in logs/ for a Slurm job that never started (cancelled while pending)."""
+    folder.logs.mkdir(parents=True)
+    (folder.logs / "4242_submitted.pkl").write_bytes(b"pickle")
+    (folder.logs / "4242_submission.sh").write_text("#!/bin/bash\n")
+    (folder.logs / ".submission_file_0f3a.sh").symlink_to(folder.logs / "4242_submission.sh")
+
+
 def test_only_a_folder_with_outputs_is_superseded_a_never_started_one_is_reused(workdir):
     """An sft interrupted before dpo and rl started: run wrote their plan.json (and, as Slurm
-    does on submitting them, rl's spec.json); sft's data then changes."""
+    does on submitting them, rl's spec.json and the jobs' submission files in logs/); sft's
+    data then changes."""
     config = write_pipeline(workdir, chain(workdir))
     spec = config_module.load_pipeline(str(config))
     tasks = {t.name: t for t in graph.build_tasks(spec)}
@@ -67,6 +76,7 @@ def test_only_a_folder_with_outputs_is_superseded_a_never_started_one_is_reused(
     tasks["sft"].folder.metrics.write_text('{"step": 1, "loss": 2.0}\n')  # trained a little
     measured.save_plans(graph.plan_actions(list(tasks.values())), {"stages": [{"stage": n} for n in tasks]})
     write_spec(tasks["rl"])
+    submitted_not_started(tasks["rl"].folder)
 
     (workdir / "sft.jsonl").write_text('{"prompt": "1 2", "response": "4"}\n' * 20)
     states = lambda: [s["state"] for s in json.loads(run_cli("status", config, "--json", cwd=workdir).stdout)["stages"]]  # noqa: E731
@@ -76,10 +86,24 @@ def test_only_a_folder_with_outputs_is_superseded_a_never_started_one_is_reused(
     assert [(plan[n].action, plan[n].moved_aside) for n in ("dpo", "rl")] == [("run", None), ("run", None)]
     run_dir = workdir / "runs" / "t"
     assert [p.name.split(".")[0] for p in run_dir.glob("*.superseded-*")] == ["sft"]
-    assert sorted(p.name for p in (run_dir / "rl").iterdir()) == ["plan.json"]  # the stale spec.json is gone
+    assert sorted(p.name for p in (run_dir / "rl").iterdir()) == ["logs", "plan.json"]  # the stale spec.json is gone
     status = json.loads(run_cli("status", config, "--json", cwd=workdir).stdout)
     assert [s["state"] for s in status["stages"]] == ["not started"] * 3, status
     assert [s["path"].split("/")[-1].split(".")[0] for s in status["superseded"]] == ["sft"]
+
+
+def test_a_folder_whose_job_started_is_superseded_even_with_nothing_but_its_log(workdir):
+    config = write_pipeline(workdir, chain(workdir))
+    spec = config_module.load_pipeline(str(config))
+    tasks = {t.name: t for t in graph.build_tasks(spec)}
+    write_spec(tasks["sft"])
+    submitted_not_started(tasks["sft"].folder)
+    assert not tasks["sft"].folder.holds_outputs()
+    (tasks["sft"].folder.logs / "4242_0_log.err").write_text("ImportError: ...\n")  # it started, and failed
+    assert tasks["sft"].folder.holds_outputs()
+    (workdir / "sft.jsonl").write_text('{"prompt": "1 2", "response": "4"}\n' * 20)
+    plan = {p.task.name: p for p in graph.plan_actions(graph.build_tasks(spec))}
+    assert plan["sft"].moved_aside is not None and (workdir / plan["sft"].moved_aside / "logs" / "4242_0_log.err").exists()
 
 
 def test_rerun_asks_for_a_stage_and_what_starts_from_it(workdir):
