@@ -67,6 +67,8 @@ def test_tensorboard_reads_every_stage_s_events_with_the_values_of_metrics_jsonl
         assert [s for s, _ in events] == [s for s, _ in logged], stage
         assert [v for _, v in events] == pytest.approx([v for _, v in logged], rel=1e-6), stage
         assert "eval/" + ("reward" if stage == "rl" else "loss") in tags
+        if stage == "rl":  # every phase of a rollout, and its parts (null figures, e.g. GPU busy, are left out)
+            assert {records.tag(k) for k in (*records.ROLLOUT_PHASES, *records.ROLLOUT_PHASE_PARTS)} <= tags
 
 
 def test_status_shows_step_of_total_and_eta_of_a_paused_stage(tiny_chain):
