@@ -179,13 +179,17 @@ def padded(module, prompts: list[list[int]], *, tokenizer, stage, device, greedy
 # wait for the device per CHECK_EVERY tokens instead of one per token, at the cost of up to
 # CHECK_EVERY - 1 steps run after the last row ended.
 CHECK_EVERY = 32
+# The static cache's length is rounded up to a multiple of this, so that chunks of different prompt
+# widths share a few shapes: each new shape costs the compiled step a compile (~1 minute on a CPU for
+# the tiny model).
+CACHE_ROUNDING = 256
 
 
 def static_padded(module, prompts: list[list[int]], *, tokenizer, stage, device, greedy: bool,
                   compiled: bool) -> list[list[int]]:
     """The padded engine's chunks decoded by its own loop on a static KV cache (transformers' StaticCache):
     a prefill of the left-padded chunk, then one fixed-shape step per token (the whole cache's mask,
-    one token per row), the token picked on the device; nothing comes back to the host but every
+    one token per row; the cache's length rounded up to CACHE_ROUNDING), the token picked on the device; nothing comes back to the host but every
     CHECK_EVERY steps whether all rows have ended. `compiled`: the step goes through torch.compile
     (no CUDA graphs: under ZeRO-3 the gathered weights are new tensors at every call, which a
     captured graph would still point at). Greedy completions equal `padded`'s (tests/test_generation.py);
@@ -199,8 +203,9 @@ def static_padded(module, prompts: list[list[int]], *, tokenizer, stage, device,
     for start in range(0, len(prompts), stage.micro_rollout_batch_size):
         chunk = prompts[start : start + stage.micro_rollout_batch_size]
         width, rows, new = max(len(p) for p in chunk), len(chunk), stage.max_new_tokens
+        length = -(-(width + new) // CACHE_ROUNDING) * CACHE_ROUNDING
         ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in chunk], device=device)
-        mask = torch.zeros(rows, width + new, dtype=torch.long, device=device)
+        mask = torch.zeros(rows, length, dtype=torch.long, device=device)
         for i, p in enumerate(chunk):
             mask[i, width - len(p) : width] = 1
         positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
@@ -208,7 +213,7 @@ def static_padded(module, prompts: list[list[int]], *, tokenizer, stage, device,
         if not greedy:
             seed = int(torch.randint(0, 2**63 - 1, (1,)).item())
             generator = torch.Generator(device=device).manual_seed(seed)
-        cache = compat.static_kv_cache(module, width + new)
+        cache = compat.static_kv_cache(module, length)
         logits = module(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions, past_key_values=cache,
                         use_cache=True).logits[:, -1]
         position = positions[:, -1:] + 1
