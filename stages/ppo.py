@@ -14,6 +14,10 @@ DeepSpeed, the reference and reward model are frozen (optionally kept in host RA
 Without a KL term (kl_coef 0: PPOStage.needs_reference) there is no reference: it is neither
 loaded nor run, and metrics.jsonl has no `kl`.
 
+Each rollout's record says where its time went (stages/phases.py): generate_s, score_s, train_s and
+other_s add up to rollout_s, with ZeRO-3 gathering (gather_s) and offloaded models' moves (offload_s)
+inside them, the GPU's busy share in each and generation's share of the memory-bandwidth limit.
+
 Outputs: model/ (the policy), critic/ (gae: the critic, a 1-label sequence classifier), and
 result.json with initial_reward and final_reward, the mean held-out reward of greedy completions
 before and after training, and reference (where it was kept; null: none loaded).
