@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     # (a static cache and a compiled step on a GPU with transformers 5.x); padded-generate is transformers'
     # own loop beside it there, padded-static the static cache on a CPU when asked for.
     variants = {"padded": ("padded", None)}
-    if generation.padded_decoding(args.device) == "static":
+    if generation.padded_decoding(args.device, stage.zero_stage) == "static":
         variants["padded-generate"] = ("padded", "dynamic")
     elif args.static and compat.static_decoding_unavailable() is None:
         variants["padded-static"] = ("padded", "static")

@@ -182,7 +182,7 @@ def continuous_batching_available(model, zero_stage: int) -> bool:
     except ImportError:
         return False
     has_method = callable(getattr(model, "init_continuous_batching", None))
-    return has_method and (zero_stage != 3 or _unhook_helper() is not None)
+    return has_method and (zero_stage != 3 or zero3_hooks_liftable())
 
 
 # Why the pinned stack decodes padded chunks with `generate` rather than on a static cache.
@@ -224,6 +224,11 @@ def zero3_unhooked(engine):
     if helper is None:
         raise RuntimeError(f"DeepSpeed {versions()['deepspeed']} cannot lift its ZeRO-3 hooks for generation")
     return helper(engine)
+
+
+def zero3_hooks_liftable() -> bool:
+    """Can `zero3_unhooked` lift the installed DeepSpeed's hooks (0.13 cannot)?"""
+    return _unhook_helper() is not None
 
 
 def destroy_zero3_engine(engine) -> None:

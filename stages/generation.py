@@ -96,14 +96,17 @@ def generate(actor, prompts: Sequence, *, tokenizer, stage, device, greedy: bool
     module.eval()
     ids = [list(p.ids) for p in prompts]
     engine = engine_for(stage, module, device)
+    static = engine == "padded" and (decoding or padded_decoding(device, stage.zero_stage)) == "static"
     if stage.zero_stage != 3:
         held = contextlib.nullcontext()
     else:
-        held = compat.zero3_unhooked(actor) if engine == "continuous" else _gathered(module)
+        # Continuous batching and the static loop run as many forwards as their own rows need (each
+        # stops when they end): DeepSpeed's per-forward collectives could not follow, so its hooks are lifted.
+        held = compat.zero3_unhooked(actor) if engine == "continuous" or static else _gathered(module)
     with torch.no_grad(), _timed(held, device, clock):
         if engine == "continuous":
             out = continuous(module, ids, tokenizer=tokenizer, stage=stage, greedy=greedy) if ids else []
-        elif (decoding or padded_decoding(device)) == "static":
+        elif static:
             out = static_padded(module, ids, tokenizer=tokenizer, stage=stage, device=device, greedy=greedy,
                                 compiled=torch.device(device).type == "cuda")
         else:
@@ -134,14 +137,16 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def padded_decoding(device) -> str:
+def padded_decoding(device, zero_stage: int) -> str:
     """How the padded engine decodes here: "static" (a static KV cache and a fixed-shape step,
-    compiled; `static_padded`) on a GPU where transformers has the cache for it, else "dynamic"
-    (`generate`). A CPU gains nothing from either the compile or the fixed shapes, and tests
-    ask for static there by name."""
+    compiled; `static_padded`) on a GPU where transformers has the cache for it (and, under
+    ZeRO-3, DeepSpeed can lift its hooks), else "dynamic" (`generate`). A CPU gains nothing from
+    either the compile or the fixed shapes, and tests ask for static there by name."""
     if torch.device(device).type != "cuda":
         return "dynamic"
     missing = compat.static_decoding_unavailable()
+    if missing is None and zero_stage == 3 and not compat.zero3_hooks_liftable():
+        missing = f"DeepSpeed {compat.versions()['deepspeed']} cannot lift its ZeRO-3 hooks for generation"
     if missing is not None:
         if missing not in _said:
             _said.add(missing)
