@@ -150,6 +150,18 @@ def test_sampling_follows_the_torch_seed_and_the_sampling_settings(tiny_lm, engi
     assert drawn(3, top_p=1e-6) == greedy
 
 
+@needs_static
+@pytest.mark.slow
+@pytest.mark.skipif(not compat.zero3_hooks_liftable(), reason="the installed DeepSpeed cannot lift its ZeRO-3 hooks")
+def test_a_zero3_actor_decodes_the_same_greedy_tokens_on_the_static_cache_with_its_hooks_lifted(tmp_path):
+    from tests.test_compat import probe
+
+    result, code, output = probe("static-zero3", tiny.materialize("tiny-llama", tmp_path), timeout=300)
+    assert code == 0 and result is not None, output[-3000:]
+    assert result["static"] == result["dynamic"] and len(result["static"]) == 9
+    assert all(seconds > 0 for seconds in result["gather_s"].values())  # each way gathered, and timed it
+
+
 def test_a_gpu_decodes_padded_chunks_on_a_static_cache_where_transformers_has_one():
     missing = compat.static_decoding_unavailable()
     assert generation.padded_decoding("cpu", zero_stage=2) == "dynamic"
