@@ -1,0 +1,182 @@
+"""The RL group (issue 27, item 5): a GRPO step on one GPU, the project's stage as a user runs it.
+
+The actor is the shared workload's random-init model (benchmarks/gpu/workload.py) with its end
+of sequence made likely, so that completions end with lengths like real RL's instead of running
+to the cap: `config.mlp_bias` on, the last layer's MLP adds a fixed vector u*|r| (|r|: the
+residual stream's typical norm) at every position, and the EOS row of the output embedding
+points along u, scaled so that EOS has EOS_PROBABILITY per step on average over the prompts'
+positions (calibrated once from one forward pass: the scale changes no other logit). Lengths are
+then roughly geometric, mean ~1/EOS_PROBABILITY, capped at MAX_NEW_TOKENS. Any stack that loads
+a Llama with mlp_bias (transformers >= 4.41) samples the same lengths from it, which is what a
+TRL GRPOTrainer case beside this one needs (not written yet: RESULTS.md says so).
+
+Prompts: RL_PROMPTS rows of lognormal length around PROMPT_MEDIAN words; reward: the built-in
+`length` rule (a rule reward, no reward model, no label). GRPO, SAMPLES_PER_PROMPT samples per
+prompt, no KL term (TRL's GRPO default, beta 0), one optimizer step per rollout, ROLLOUTS
+rollouts, the first left out of the figures (it compiles the static-cache decode step).
+
+From the stage's metrics.jsonl (one record per rollout): seconds per rollout and per phase,
+generated tokens/s, its share of the memory-bandwidth limit, the GPU's busy share per phase,
+the mean completion length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.gpu.cases import catalogue_gpu, nvidia_smi, read_json, read_jsonl
+from core.runfolder import StageFolder
+
+REPO = Path(__file__).resolve().parents[2]
+PIPELINE_NAME = "bench-rl"
+EOS_PROBABILITY = 1 / 300
+MAX_NEW_TOKENS = 1024
+SAMPLES_PER_PROMPT = 8
+PROMPTS_PER_ROLLOUT = 16  # x 8 samples: 128 sequences, decoded together (micro_rollout_batch_size)
+ROLLOUTS = 4
+RL_PROMPTS = 128
+PROMPT_MEDIAN = 100
+SEED = 4321
+# The rollout figures each record has (stages/ppo.py rollout_record), averaged over the measured rollouts.
+FIGURES = ("rollout_s", "generate_s", "gather_s", "score_s", "offload_s", "train_s", "other_s",
+           "generate_tokens_per_s", "generate_bandwidth_fraction", "gpu_busy_generate", "gpu_busy_score",
+           "gpu_busy_train", "gpu_busy_rollout", "response_length")
+
+
+def settings_of(settings: dict) -> dict:
+    """The RL knobs (what the table shows); on a CPU (the dry run) a short cap keeps it quick."""
+    cpu = settings["device"] != "cuda"
+    return {"samples_per_prompt": SAMPLES_PER_PROMPT, "prompts_per_rollout": PROMPTS_PER_ROLLOUT,
+            "max_new_tokens": 16 if cpu else MAX_NEW_TOKENS, "eos_probability": 1 / 8 if cpu else EOS_PROBABILITY,
+            "rollouts": 2 if cpu else ROLLOUTS, "prompt_median": 8 if cpu else PROMPT_MEDIAN}
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+def prompt_rows(count: int, vocab: int, median: int, seed: int, longest: int = 10**6) -> list[dict]:
+    """Prompts of lognormal length around `median` words, at most `longest`."""
+    from benchmarks.gpu.workload import LENGTH_SIGMA, SPECIALS, _words
+
+    rng, n_words = random.Random(seed), vocab - len(SPECIALS)
+    lengths = [min(longest, max(1, round(rng.lognormvariate(math.log(median), LENGTH_SIGMA)))) for _ in range(count)]
+    return [{"prompt": _words(rng, n_words, n) + " "} for n in lengths]
+
+
+def eos_model(source: Path, folder: Path, eos_probability: float, device: str) -> dict:
+    """`source` with its end of sequence made likely (see the module doc), saved in its own dtype
+    to `folder`; returns what was set."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, mlp_bias=True, dtype="auto").to(device).eval()
+    for name, parameter in model.named_parameters():
+        if ".mlp." in name and name.endswith("_proj.bias"):  # not in the checkpoint: start at 0
+            torch.nn.init.zeros_(parameter)
+    rows = prompt_rows(8, model.config.vocab_size, 32, SEED + 1)
+    batch = tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True).to(device)
+    real = batch.attention_mask.bool()
+    seen = {}
+    hook = model.model.norm.register_forward_hook(lambda module, args, out: seen.update(into=args[0], out=out))
+    eos, head = tokenizer.eos_token_id, model.get_output_embeddings().weight
+    with torch.no_grad():
+        model(**batch)
+        residual = seen["into"][real].float().norm(dim=-1).median().item()  # the stream's typical norm
+        direction = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(SEED))
+        direction = (direction / direction.norm()).to(device)
+        model.model.layers[-1].mlp.down_proj.bias.copy_(direction * residual)
+        head[eos] = 0.0
+        logits = model(**batch).logits[real].float()
+        others = torch.logsumexp(torch.cat([logits[:, :eos], logits[:, eos + 1:]], dim=-1), dim=-1)
+        along = seen["out"][real].float() @ direction.float()  # EOS's logit is scale x this
+        # The mean EOS probability over the positions grows with the scale: bisect for the target.
+        low, high = 0.0, 1.0
+        while torch.sigmoid(high * along - others).mean() < eos_probability and high < 1e6:
+            low, high = high, high * 2
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if torch.sigmoid(mid * along - others).mean() < eos_probability else (low, mid)
+        head[eos] = (direction * high).to(head.dtype)
+    hook.remove()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.to("cpu").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return {"eos_scale": high, "residual_norm": residual, "eos_probability": eos_probability}
+
+
+# --------------------------------------------------------------------------- the case body
+
+
+def pipeline_spec(settings: dict, knobs: dict, model: Path, prompts: Path, runs_dir: Path, gpu) -> dict:
+    cluster = {"executor": "local", "time": "0:30:00"}
+    cluster.update({"gpus_per_node": 1, **({"gpu": gpu} if gpu else {})} if settings["device"] == "cuda"
+                   else {"tasks_per_node": 1})
+    sequences = knobs["prompts_per_rollout"] * knobs["samples_per_prompt"]
+    return {
+        "name": PIPELINE_NAME, "runs_dir": str(runs_dir), "cluster": cluster,
+        "stages": [{
+            "name": "grpo", "kind": "ppo", "model": str(model), "data": {"path": str(prompts)},
+            "precision": settings["precision"], "attention": "sdpa", "zero_stage": settings["zero_stage"],
+            "gradient_checkpointing": True, "max_len": settings["max_len"],
+            "max_new_tokens": knobs["max_new_tokens"], "n_samples_per_prompt": knobs["samples_per_prompt"],
+            "rollout_batch_size": knobs["prompts_per_rollout"], "micro_rollout_batch_size": sequences,
+            "micro_batch_size": settings["micro_batch_size"], "global_batch_size": sequences,
+            "advantage": "grpo", "kl_coef": 0, "reward": {"rules": [{"rule": "length"}]},
+            "learning_rate": settings["learning_rate"], "warmup_steps": 0, "max_steps": knobs["rollouts"],
+            "log_interval": 1, "save_interval": 0, "eval_prompts": 8,
+        }],
+    }
+
+
+def run(case, work: Path, settings: dict, info: dict) -> None:
+    import yaml
+
+    knobs = settings_of(settings)
+    gpu = settings.get("gpu") or (catalogue_gpu(nvidia_smi("name")) if settings["device"] == "cuda" else None)
+    model = work / "model-eos"
+    facts = {"settings": knobs, "catalogue_gpu": gpu}
+    if not (model / "config.json").is_file():
+        facts["eos"] = eos_model(Path(info["model"]), model, knobs["eos_probability"], settings["device"])
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in
+                               prompt_rows(RL_PROMPTS, _vocab(info), knobs["prompt_median"], SEED,
+                                           longest=settings["max_len"] - knobs["max_new_tokens"] - 2)))
+    runs_dir = work / "runs"
+    shutil.rmtree(runs_dir, ignore_errors=True)
+    config = work / "pipeline.yaml"
+    config.write_text("# written by benchmarks/gpu/rl.py\n"
+                      + yaml.safe_dump(pipeline_spec(settings, knobs, model, prompts, runs_dir, gpu), sort_keys=False))
+    (work / "facts.json").write_text(json.dumps(facts, indent=2) + "\n")
+    done = subprocess.run([sys.executable, "-m", "pipeline", "run", str(config), "--force"], cwd=REPO)
+    shutil.rmtree(StageFolder.of(runs_dir / PIPELINE_NAME, "grpo").model, ignore_errors=True)
+    if done.returncode != 0:
+        raise SystemExit(1)
+
+
+def _vocab(info: dict) -> int:
+    return json.loads((Path(info["model"]) / "config.json").read_text())["vocab_size"]
+
+
+# --------------------------------------------------------------------------- collect (torch-free)
+
+
+def collect(case, work: Path, settings: dict, info) -> dict:
+    facts = read_json(work / "facts.json") or {}
+    stage = StageFolder.of(work / "runs" / PIPELINE_NAME, "grpo")
+    rollouts = [r for r in read_jsonl(stage.metrics) if "rollout" in r]
+    measured = rollouts[1:] or rollouts  # the first compiles the decode step
+    out = {"stack": "project", "settings": facts.get("settings") or settings_of(settings),
+           "catalogue_gpu": facts.get("catalogue_gpu"), "eos": facts.get("eos"),
+           "rollouts_done": len(rollouts), "rollouts_measured": len(measured), "complete": stage.result.is_file(),
+           "first_rollout_s": rollouts[0]["rollout_s"] if rollouts else None}
+    for key in FIGURES:
+        values = [r[key] for r in measured if r.get(key) is not None]
+        out[key] = sum(values) / len(values) if values else None  # null: not measured (e.g. no GPU)
+    return out
