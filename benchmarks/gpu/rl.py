@@ -143,7 +143,14 @@ def run(case, work: Path, settings: dict, info: dict) -> None:
     model = work / "model-eos"
     facts = {"settings": knobs, "catalogue_gpu": gpu}
     if not (model / "config.json").is_file():
-        facts["eos"] = eos_model(Path(info["model"]), model, knobs["eos_probability"], settings["device"])
+        # In a process of its own: a CUDA context left in this one would hold GPU memory beside the stage.
+        made = subprocess.run([sys.executable, "-m", "benchmarks.gpu.rl", info["model"], str(model),
+                               str(knobs["eos_probability"]), settings["device"]],
+                              cwd=REPO, capture_output=True, text=True)
+        print(made.stdout + made.stderr, flush=True)
+        if made.returncode != 0:
+            raise SystemExit(1)
+        facts["eos"] = json.loads(made.stdout.strip().splitlines()[-1])
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in
                                prompt_rows(RL_PROMPTS, _vocab(info), knobs["prompt_median"], SEED,
@@ -180,3 +187,7 @@ def collect(case, work: Path, settings: dict, info) -> dict:
         values = [r[key] for r in measured if r.get(key) is not None]
         out[key] = sum(values) / len(values) if values else None  # null: not measured (e.g. no GPU)
     return out
+
+
+if __name__ == "__main__":  # python -m benchmarks.gpu.rl SOURCE FOLDER EOS_PROBABILITY DEVICE
+    print(json.dumps(eos_model(Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), sys.argv[4])))
