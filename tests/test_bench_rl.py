@@ -43,7 +43,10 @@ def test_the_rl_table_shows_each_phase_and_says_what_was_not_measured():
     row = next(line for line in lines if line.startswith("| project-grpo"))
     assert row == ("| project-grpo | 128 x 1024 | 12.50 | 9.00 | 0.250 | 1.50 | 1.90 | 0.100 | 3,200 | 2.1% | "
                    "41.0% / 90.0% / — | 290 |")
-    assert any("TRL GRPOTrainer" in line and "not measured" in line for line in lines)
+    assert "- Project / TRL, whole GRPO step: **not measured**" in lines
+    trl = {**case, "case": "trl-grpo", "rollout_s": 25.0}
+    assert any(line.startswith("- Project / TRL, whole GRPO step: 2.00x as fast (12.50 vs 25.00 s")
+               for line in report._rl({"project-grpo": case, "trl-grpo": trl}))
     assert report._rl({}) == []
 
 

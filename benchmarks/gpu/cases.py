@@ -102,9 +102,10 @@ SLICE = [Case("env", "env", {}, 10, 120), Case("matmul", "matmul", {}, 20, 180)]
     for kind in ("sft", "dpo") for role, suffix in (("max", ""), ("half", "-half"))
 ]
 
-# A GRPO step on one GPU (benchmarks/gpu/rl.py): the project's stage on an actor whose completions
-# end like real RL's. TRL's GRPOTrainer beside it is not written yet (issue 27, item 5).
-RL = [Case("env", "env", {}, 10, 120), Case("project-grpo", "rl", {"stack": "project"}, 240, 540)]
+# A GRPO step on one GPU (benchmarks/gpu/rl.py): the project's stage and TRL's GRPOTrainer (its
+# transformers generation) on the same actor, whose completions end like real RL's (issue 27, item 5).
+RL = [Case("env", "env", {}, 10, 120), Case("project-grpo", "rl", {"stack": "project"}, 240, 540),
+      Case("trl-grpo", "rl", {"stack": "trl"}, 240, 540)]
 
 KNOWN = {c.name: c for c in THROUGHPUT + MEMORY + SLICE + RL}
 GROUPS = {

@@ -398,9 +398,16 @@ def _rl(cases: dict) -> list[str]:
                       _num(r.get("other_s"), ".3f"), _num(r.get("generate_tokens_per_s"), ",.0f"),
                       _pct(r.get("generate_bandwidth_fraction")), busy, _num(r.get("response_length"), ".0f")])
     lines += _table(RL_COLUMNS, table, "(no RL case measured)")
-    return lines + ["", "- TRL GRPOTrainer on the same actor and prompts: **not measured** (its case is not written "
-                    "yet). Means over the rollouts after the first (which compiles the decode step); busy shares "
-                    "and the bandwidth share are null without a GPU (—).", ""]
+    lines.append("")
+    project, trl = (cases.get(name) or {} for name in ("project-grpo", "trl-grpo"))
+    if project.get("rollout_s") and trl.get("rollout_s"):
+        lines.append(f"- Project / TRL, whole GRPO step: {trl['rollout_s'] / project['rollout_s']:.2f}x as fast "
+                     f"({project['rollout_s']:.2f} vs {trl['rollout_s']:.2f} s; goal >= 1.5x on a GPU)")
+    else:
+        lines.append("- Project / TRL, whole GRPO step: **not measured**")
+    return lines + ["- Means over the rollouts (TRL: optimizer steps) after the first, which compiles or warms up; "
+                    "TRL's phases other than generation are not timed apart (—); busy shares and the bandwidth "
+                    "share are null without a GPU (—).", ""]
 
 
 def _goals(cases: dict, results: dict, dry: bool) -> list[str]:
