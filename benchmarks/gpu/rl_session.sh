@@ -25,14 +25,8 @@ DEVICE=${SESSION_DEVICE:-cuda}
 BENCH_ARGS=${SESSION_BENCH_ARGS:-}
 W=$(mktemp -d /tmp/rl-session.XXXX)
 BENCH_WORK=/tmp/rl-bench-work
-START=$(date +%s)
-mkdir -p "$OUT" "$W"
-exec > >(tee -a "$OUT/session.log") 2>&1
-
-elapsed() { echo $(( $(date +%s) - START )); }
-left() { echo $(( LIMIT_S - $(elapsed) )); }
-step() { echo; echo "=== [$(elapsed) s] $*"; }
-pack() { tar czf "$OUT/results.tgz.tmp" -C "$W" . && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"; }
+# shellcheck source=benchmarks/gpu/session_common.sh
+. "$(dirname "$0")/session_common.sh"   # START, the log, elapsed / left / step / pack / timing
 
 step "environment"
 echo "project commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
