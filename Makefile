@@ -43,7 +43,7 @@ help:
 	@echo "make status CONFIG=...        show each stage's state"
 	@echo "make report CONFIG=...        write runs/<pipeline>/report.html (curves, throughput, memory, plan vs measured)"
 	@echo "make setup                    create $(VENV) with the pinned stack ($(STACK))"
-	@echo "make bench-gpu [BENCH_ARGS=]  the GPU benchmark (project vs TRL, planner vs memory, 34B slice) -> benchmarks/RESULTS.md"
+	@echo "make bench-gpu [BENCH_ARGS=]  the GPU benchmark (project vs TRL, planner vs memory, 34B slice; --cases rl: GRPO vs TRL) -> benchmarks/RESULTS.md"
 	@echo "make bench-gpu-dry            the same cases on this CPU, tiny shape: checks the harness, measures nothing"
 
 setup: $(VENV)/.installed-$(STACK)

@@ -44,7 +44,8 @@ def main(argv=None) -> int:
 
     run = sub.add_parser("run", help="run cases, each in its own subprocess; results to OUT/<case>.json")
     run.add_argument("--cases", default="throughput,memory,slice",
-                     help="comma-separated case or group names: throughput, memory, slice (the 34B slice), all, "
+                     help="comma-separated case or group names: throughput, memory, slice (the 34B slice), rl (a GRPO "
+                          "rollout, benchmarks/gpu/rl.py), all, "
                           "or e.g. project-sft,trl-sft-packed,project-sft+packing (default: throughput,memory,slice)")
     run.add_argument("--out", help="small results (case JSONs, log tails, RESULTS.md); "
                                    "default benchmarks/out/gpu-DATE (cpu-dry-DATE on a CPU)")
@@ -161,7 +162,11 @@ def inner_command(args) -> int:
             slice_34b.run(case, folder, settings)
         else:
             info = workload.load(work / "workload")
-            if case.kind == "project":
+            if case.kind == "rl":  # the shared model, made to end its completions like RL's
+                from benchmarks.gpu import rl
+
+                rl.run(case, folder, settings, info)
+            elif case.kind == "project":
                 from benchmarks.gpu import project
 
                 project.run(case, folder, settings, info)

@@ -7,7 +7,9 @@ length-sorted micro batches save.
 It takes pipeline/configs/tiny.yaml's rl stage as it is (prompts per process per rollout,
 n_samples_per_prompt, max_new_tokens, temperature, top_p, micro_rollout_batch_size, micro_batch_size)
 and samples one process's share of N rollouts of digits prompts with the padded engine (before)
-and the continuous one (after, where the installed transformers has it), alternating so that both
+and the continuous one (after, where the installed transformers has it), and on a GPU the padded
+engine both ways (padded: the static cache and compiled step it takes there; padded-generate:
+transformers' `generate`; --static adds the uncompiled static cache on a CPU), alternating so that all
 see the same machine load, sampling and greedy (the held-out evaluation); it reports the best and
 the median rollout of each (on a shared machine the best is closest to the engine's own cost). Tokens/s counts the
 response tokens (eos included) per second of `stages.generation.generate`: what metrics.jsonl's
@@ -48,6 +50,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="result JSON (default benchmarks/results/rl-generation-DEVICE-DATE.json)")
     parser.add_argument("--out-suffix", help="appended to the default result file's name")
     parser.add_argument("--results", help="RESULTS.md to write the table into (between its markers)")
+    parser.add_argument("--static", action="store_true",
+                        help="on a CPU, also the padded engine on a static KV cache (padded-static; uncompiled)")
     args = parser.parse_args(argv)
 
     import torch
@@ -68,7 +72,17 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention).to(args.device).eval()
     rows = dict(tiny.digits_splits())["train"]
     rng = random.Random(0)
-    engines = ["padded"] + (["continuous"] if compat.continuous_batching_available(GenerationMixin, 2) else [])
+    # label -> (stage.generation, generate's decoding): "padded" decodes as the stage would on this device
+    # (a static cache and a compiled step on a GPU with transformers 5.x); padded-generate is transformers'
+    # own loop beside it there, padded-static the static cache on a CPU when asked for.
+    variants = {"padded": ("padded", None)}
+    if generation.padded_decoding(args.device, stage.zero_stage) == "static":
+        variants["padded-generate"] = ("padded", "dynamic")
+    elif args.static and compat.static_decoding_unavailable() is None:
+        variants["padded-static"] = ("padded", "static")
+    if compat.continuous_batching_available(GenerationMixin, 2):
+        variants["continuous"] = ("continuous", None)
+    engines = list(variants)
 
     def rollout_prompts():
         chosen = rng.sample(rows, per_process)
@@ -85,9 +99,10 @@ def main(argv=None) -> int:
             for engine in (engines if index % 2 == 0 else engines[::-1]):
                 torch.manual_seed(index)
                 started = time.perf_counter()
+                kind, decoding = variants[engine]
                 out = generation.generate(SimpleNamespace(module=model), prompts, tokenizer=tokenizer,
-                                          stage=stage.model_copy(update={"generation": engine}), device=args.device,
-                                          greedy=mode == "greedy")
+                                          stage=stage.model_copy(update={"generation": kind}), device=args.device,
+                                          greedy=mode == "greedy", decoding=decoding)
                 seconds = time.perf_counter() - started
                 tokens = sum(len(r) for r in out)
                 measured[engine, mode].append({"seconds": seconds, "tokens": tokens})
@@ -123,6 +138,7 @@ def main(argv=None) -> int:
                 "tokens_per_s_best": max(m["tokens"] / m["seconds"] for m in runs),
                 "seconds_median": statistics.median(m["seconds"] for m in runs),
                 "seconds_best": min(m["seconds"] for m in runs),
+                "seconds_first": runs[0]["seconds"],  # a compiled step's compile time is in here
                 "response_length_mean": sum(m["tokens"] for m in runs) / len(runs) / (
                     per_process * stage.n_samples_per_prompt),
                 "runs": runs,

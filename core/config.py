@@ -725,8 +725,10 @@ class PPOStage(StageBase):
         "auto",
         description="How rollouts are sampled: continuous (transformers' continuous batching, 5.x only: a paged "
         "KV cache, each completion leaves the batch at its eos), padded (generate on padded chunks of "
-        "micro_rollout_batch_size; every stack), or auto (continuous on a GPU where transformers has it, else "
-        "padded). Greedy output is the same; sampled output differs, so it is part of the spec hash.",
+        "micro_rollout_batch_size; every stack; on a GPU with transformers 5.x a static KV cache and a compiled "
+        "step), or auto (what the benchmark records decided per device: padded on CPUs and GPUs so far; "
+        "stages/generation.py AUTO_ENGINE). Greedy output is the same; sampled output differs, so it is part of "
+        "the spec hash.",
     )
     ppo_epochs: int = Field(1, ge=1, le=16, description="Passes over each rollout's sequences.")
     clip_eps: Optional[float] = Field(

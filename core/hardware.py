@@ -151,3 +151,11 @@ def gpu_for_device(device_name: str) -> Optional[GPU]:
     for its datasheet peak; None for a GPU the catalogue does not hold."""
     name = device_name.lower()
     return next((GPUS[entry] for spelled, entry in _DEVICE_NAMES if spelled in name), None)
+
+
+def decoding_tokens_per_s_limit(gpu: GPU, weight_bytes: float, sequences: int) -> float:
+    """The most tokens/s one GPU can decode for a model of `weight_bytes`: decoding is bound by
+    memory, every weight read once per step, each step one token for each of the `sequences`
+    decoded together, at the datasheet bandwidth (the KV cache's reads left out: a ceiling, not
+    an estimate). What RL's generate_bandwidth_fraction divides by."""
+    return sequences * gpu.memory_bandwidth_gbs * 1e9 / weight_bytes

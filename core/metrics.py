@@ -37,11 +37,24 @@ CLOCK_KEYS = ("step", "time", "total_steps")
 # What the progress line shows after the step, if the record has it.
 HEADLINE_KEYS = ("loss", "policy_loss", "reward")
 
+# Where an RL rollout's wall time (rollout_s) goes: these phases add up to it, nothing left out
+# (other_s: what is none of the others, e.g. counting the rollout's FLOPs and the KL controller).
+ROLLOUT_PHASES = ("generate_s", "score_s", "train_s", "other_s")
+# Parts of a phase, each counted inside the phase named beside it: ZeRO-3's gathering of the
+# actor's weights around generation (and their release), and moving offloaded frozen models
+# (reference, reward model) to the device and back. 0 where nothing is gathered or moved.
+ROLLOUT_PHASE_PARTS = {"gather_s": "generate_s", "offload_s": "score_s"}
+# The GPU's busy share (0-1) in each phase, as nvidia-smi shows it (NVML's utilisation, sampled
+# by the stage while the phase ran: stages/phases.py), and over the whole rollout; null without a
+# GPU or NVML, or where no reading fell in the phase: never guessed.
+GPU_BUSY_KEYS = ("gpu_busy_generate", "gpu_busy_score", "gpu_busy_train", "gpu_busy_rollout")
+
 GROUPS = {
     "perf": ("tokens_per_s", "token_efficiency", "step_s", "mfu", "rollout_s", "generate_tokens_per_s",
-             "score_tokens_per_s", "train_tokens_per_s", "train_token_efficiency"),
+             "generate_bandwidth_fraction", "score_tokens_per_s", "train_tokens_per_s", "train_token_efficiency"),
     "memory": ("gpu_mem_peak_gib", "gpu_mem_reserved_gib", "host_rss_gib"),
-    "time": ("generate_s", "score_s", "train_s"),  # where a PPO rollout's time goes
+    "time": (*ROLLOUT_PHASES, *ROLLOUT_PHASE_PARTS),  # where a PPO rollout's time goes
+    "gpu_busy": GPU_BUSY_KEYS,
     "progress": ("eta_s", "epoch", "rollout"),
     "optim": ("lr", "grad_norm", "kl_coef"),
 }

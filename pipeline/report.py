@@ -133,6 +133,10 @@ class _StageData:
         evals = _series(self.evals, "eval/")
         if evals:
             out.append(("Evaluation (by optimizer step)", _grid(evals, "step", f"{self.name} eval", marker="o")))
+        rollouts = [r for r in self.training if "rollout_s" in r]
+        if rollouts:
+            out.append(("Where each rollout's time goes (phases add up to the rollout; GPU busy share per phase)",
+                        _phases_figure(rollouts, f"{self.name} rollout phases")))
         start = min((r["time"] for r in self.records if "time" in r), default=None)
         perf = _series(self.training, "perf/", "time/", clock=start)
         if perf:
@@ -183,6 +187,50 @@ def _grid(series: dict, xlabel: str, alt: str, marker: Optional[str] = None, tog
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
+    return _embed(fig, alt)
+
+
+PHASE_COLORS = {"generate_s": "#4c72b0", "score_s": "#dd8452", "train_s": "#55a868", "other_s": "#c7c7c7"}
+
+
+def _phases_figure(rollouts: list[dict], alt: str) -> str:
+    """Per rollout, its phases stacked (core/metrics.py ROLLOUT_PHASES; the parts inside a phase,
+    ZeRO-3 gathering and offload moves, hatched at its base) against its wall time; beside it the
+    GPU's busy share per phase, or why there is none."""
+    import matplotlib.pyplot as plt
+
+    xs = [r.get("rollout", r["step"]) for r in rollouts]
+    fig, (ax, busy_ax) = plt.subplots(1, 2, figsize=(11, 3.0), gridspec_kw={"width_ratios": [3, 2]})
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.17, top=0.8, wspace=0.25)
+    base = [0.0] * len(rollouts)
+    parts_in = {phase: part for part, phase in records.ROLLOUT_PHASE_PARTS.items()}
+    for phase in records.ROLLOUT_PHASES:
+        heights = [r.get(phase) or 0.0 for r in rollouts]
+        ax.bar(xs, heights, bottom=base, color=PHASE_COLORS[phase], label=phase[:-2])
+        part = parts_in.get(phase)
+        if part is not None and any(r.get(part) for r in rollouts):
+            ax.bar(xs, [r.get(part) or 0.0 for r in rollouts], bottom=base, color="none", edgecolor="#222",
+                   hatch="//", linewidth=0, label=f"{part[:-2]} (in {phase[:-2]})")
+        base = [b + h for b, h in zip(base, heights)]
+    ax.plot(xs, [r["rollout_s"] for r in rollouts], "k_", markersize=12, label="rollout wall time")
+    ax.set_xlabel("rollout", fontsize=8)
+    ax.set_ylabel("seconds", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=4, loc="lower left", bbox_to_anchor=(0, 1.01), frameon=False)
+    measured = [k for k in records.GPU_BUSY_KEYS if any(r.get(k) is not None for r in rollouts)]
+    for key in measured:
+        busy_ax.plot(xs, [r.get(key) for r in rollouts], marker=".", label=key[len("gpu_busy_"):])
+    if measured:
+        busy_ax.set_ylim(0, 1.05)
+        busy_ax.legend(fontsize=7)
+    else:
+        busy_ax.text(0.5, 0.5, "GPU busy share not measured\n(no GPU, or NVML unreadable)", ha="center",
+                     va="center", fontsize=9, transform=busy_ax.transAxes)
+    busy_ax.set_title("GPU busy share (NVML utilisation)", fontsize=9)
+    busy_ax.set_xlabel("rollout", fontsize=8)
+    busy_ax.tick_params(labelsize=7)
+    busy_ax.grid(alpha=0.3)
     return _embed(fig, alt)
 
 

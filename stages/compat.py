@@ -182,7 +182,35 @@ def continuous_batching_available(model, zero_stage: int) -> bool:
     except ImportError:
         return False
     has_method = callable(getattr(model, "init_continuous_batching", None))
-    return has_method and (zero_stage != 3 or _unhook_helper() is not None)
+    return has_method and (zero_stage != 3 or zero3_hooks_liftable())
+
+
+# Why the pinned stack decodes padded chunks with `generate` rather than on a static cache.
+NO_STATIC_DECODING = ("transformers {version}'s StaticCache needs its batch size and device up front, and its Llama "
+                      "builds a (batch, 1, max_positions, max_positions) mask per forward and reads "
+                      "`torch.any(attention_mask != 1)` on the host at every step: a static-cache step would still "
+                      "sync and gain nothing; padded chunks use `generate` there")
+
+
+def static_decoding_unavailable() -> Optional[str]:
+    """Why stages/generation.py cannot decode on a static KV cache here (None: it can). Asked of
+    the installed StaticCache, not the version: transformers 5.x's (`StaticCache(config,
+    max_cache_len)`) sizes itself at its first update and keeps its fill level in a device tensor,
+    so a decode step takes fixed shapes and needs nothing back from the device."""
+    try:
+        from transformers import StaticCache
+    except ImportError:
+        return NO_STATIC_DECODING.format(version=versions()["transformers"])
+    if "max_batch_size" in inspect.signature(StaticCache.__init__).parameters:
+        return NO_STATIC_DECODING.format(version=versions()["transformers"])
+    return None
+
+
+def static_kv_cache(module, max_cache_len: int):
+    """A static KV cache of `max_cache_len` positions for `module` (where static_decoding_unavailable is None)."""
+    from transformers import StaticCache
+
+    return StaticCache(config=module.config, max_cache_len=max_cache_len)
 
 
 def zero3_unhooked(engine):
@@ -196,6 +224,11 @@ def zero3_unhooked(engine):
     if helper is None:
         raise RuntimeError(f"DeepSpeed {versions()['deepspeed']} cannot lift its ZeRO-3 hooks for generation")
     return helper(engine)
+
+
+def zero3_hooks_liftable() -> bool:
+    """Can `zero3_unhooked` lift the installed DeepSpeed's hooks (0.13 cannot)?"""
+    return _unhook_helper() is not None
 
 
 def destroy_zero3_engine(engine) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import importlib.util
 import logging
+import time
 import weakref
 from pathlib import Path
 from typing import Optional
@@ -201,6 +202,9 @@ class FrozenModel:
 
     def __init__(self, module, device, offload: bool, engine=None):
         self.module, self.device, self.offload, self.engine = module, device, offload, engine
+        # Seconds spent moving it to the device and back (offload without ZeRO-3; under ZeRO-3
+        # DeepSpeed moves it inside the forward, where it cannot be told apart): RL's offload_s.
+        self.moved_s = 0.0
         module.eval()
         module.requires_grad_(False)
         if engine is None:
@@ -211,12 +215,19 @@ class FrozenModel:
         if self.engine is not None:
             return self.engine(**inputs)
         if self.offload:
-            self.module.to(self.device)
+            self._move(self.device)
         try:
             return self.module(**inputs)
         finally:
             if self.offload:
-                self.module.to("cpu")
+                self._move("cpu")
+
+    def _move(self, device) -> None:
+        started = time.perf_counter()
+        self.module.to(device)
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copy is queued, not done, when .to returns
+        self.moved_s += time.perf_counter() - started
 
     def release(self) -> None:
         """Free its memory (precomputed references need it no longer), and log whether it was."""

@@ -14,6 +14,10 @@ DeepSpeed, the reference and reward model are frozen (optionally kept in host RA
 Without a KL term (kl_coef 0: PPOStage.needs_reference) there is no reference: it is neither
 loaded nor run, and metrics.jsonl has no `kl`.
 
+Each rollout's record says where its time went (stages/phases.py): generate_s, score_s, train_s and
+other_s add up to rollout_s, with ZeRO-3 gathering (gather_s) and offloaded models' moves (offload_s)
+inside them, the GPU's busy share in each and generation's share of the memory-bandwidth limit.
+
 Outputs: model/ (the policy), critic/ (gae: the critic, a 1-label sequence classifier), and
 result.json with initial_reward and final_reward, the mean held-out reward of greedy completions
 before and after training, and reference (where it was kept; null: none loaded).
@@ -29,12 +33,13 @@ from typing import Callable, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from core import batching, kinds, reward_quality
+from core import batching, hardware, kinds, reward_quality
+from core import metrics as records
 from core.config import RULES_NEEDING_LABELS
 from core.errors import InvalidInput
 from core.flops import rollout_sequence_flops
 from core.rewards import RuleReward
-from stages import data, engine, generation, models
+from stages import data, engine, generation, models, phases
 from stages import losses as L
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, logprobs_of, values_of
 
@@ -57,6 +62,7 @@ def run(task, ctx) -> dict:
                         rollout_flop_models(task, model_path, rl_models))
 
     outcome = engine.run(rollouts, stage, ctx)
+    rollouts.clock.close()
     engine.export(rl_models.actor, tokenizer, stage, ctx.folder.model, ctx.is_main)
     if rl_models.critic is not None:
         engine.export(rl_models.critic, tokenizer, critic_stage(stage), ctx.folder.critic, ctx.is_main)
@@ -85,29 +91,37 @@ class Rollouts:
         self.stage, self.ctx, self.models, self.schedule = stage, ctx, rl_models, schedule
         self.prompts, self.eval_prompts, self.flop_models = prompts, eval_prompts, flop_models
         self.engine = rl_models.actor
+        self.clock = phases.Clock(phases.nvml_reader(ctx.device) if ctx.on_gpu else None)
+        self.decoding_limit = decoding_limit(stage, ctx, rl_models.actor.module, flop_models[0][0])
         self.others = {"critic": rl_models.critic} if rl_models.critic is not None else {}
         self.total_steps, self.steps_per_unit = schedule.total_steps, schedule.steps_per_rollout
-        self.maker = RolloutMaker(stage, ctx, rl_models, RuleReward.from_specs(stage.reward.rules))
+        self.maker = RolloutMaker(stage, ctx, rl_models, RuleReward.from_specs(stage.reward.rules), clock=self.clock)
         self.kl_control = (L.AdaptiveKLController(stage.kl_coef, stage.kl_target, 10_000) if stage.kl_target
                            else L.FixedKLController(stage.kl_coef))
         self.latest: dict = {}  # the last rollout's record
 
     def advance(self, index: int, window: engine.Window) -> None:
-        stage, schedule = self.stage, self.schedule
-        started = time.time()
-        rollout = self.maker.make(
-            lambda round_: [self.prompts[i] for i in schedule.prompt_rows(index, round_, self.ctx)],
-            self.kl_control.value)
-        window.add(rollout, {}, sum(rollout_sequence_flops(self.flop_models, len(s), stage.ppo_epochs)
-                                    for s in rollout.sequences))
-        trained_at = time.time()
-        trained = update(self.models, rollout, stage, self.ctx, self.kl_control.value, index)
-        timing = {"train_s": time.time() - trained_at, "rollout_s": time.time() - started}
-        kl_per_sequence = rollout_kl(rollout)
-        if kl_per_sequence is not None:
-            self.kl_control.update(kl_per_sequence, stage.rollout_batch_size * stage.n_samples_per_prompt)
-        self.latest = rollout_record(index, rollout, trained, kl_per_sequence, self.kl_control.value, timing,
-                                     self.engine.get_lr()[0], stage)
+        stage, schedule, clock = self.stage, self.schedule, self.clock
+        clock.take()  # evaluation and saving since the last rollout are not this rollout's time
+        started = time.perf_counter()
+        # Every moment of the rollout is in one phase: other_s, unless a named one runs (stages/phases.py).
+        with clock.phase("other_s"):
+            rollout = self.maker.make(
+                lambda round_: [self.prompts[i] for i in schedule.prompt_rows(index, round_, self.ctx)],
+                self.kl_control.value)
+            window.add(rollout, {}, sum(rollout_sequence_flops(self.flop_models, len(s), stage.ppo_epochs)
+                                        for s in rollout.sequences))
+            with clock.phase("train_s"):
+                trained = update(self.models, rollout, stage, self.ctx, self.kl_control.value, index)
+            kl_per_sequence = rollout_kl(rollout)
+            if kl_per_sequence is not None:
+                self.kl_control.update(kl_per_sequence, stage.rollout_batch_size * stage.n_samples_per_prompt)
+        rollout_s = time.perf_counter() - started
+        seconds, busy = clock.take()
+        timing = {**{key: seconds.get(key, 0.0) for key in (*records.ROLLOUT_PHASES, *records.ROLLOUT_PHASE_PARTS)},
+                  "rollout_s": rollout_s}
+        self.latest = rollout_record(index, rollout, trained, kl_per_sequence, self.kl_control.value, timing, busy,
+                                     self.decoding_limit, self.engine.get_lr()[0], stage)
 
     def record(self) -> dict:
         return self.latest
@@ -333,11 +347,14 @@ def rollout_kl(rollout: Rollout) -> Optional[float]:
 
 
 def rollout_record(index: int, rollout: Rollout, trained: dict, kl: Optional[float], kl_coef: float, timing: dict,
-                   lr: float, stage) -> dict:
+                   busy: dict, decoding_limit: Optional[float], lr: float, stage) -> dict:
     """One metrics.jsonl line per rollout: each number already a mean over its updates. Without a
-    reference there is no KL to it: no `kl` (approx_kl, the update's KL to the sampling policy, stays)."""
+    reference there is no KL to it: no `kl` (approx_kl, the update's KL to the sampling policy, stays).
+    The phases' seconds (core/metrics.py ROLLOUT_PHASES) add up to rollout_s; the GPU busy shares and
+    the bandwidth fraction are null without a GPU (or NVML, or a catalogued GPU)."""
     stats = rollout.stats
     sampled = stage.rollout_batch_size * stage.n_samples_per_prompt
+    generate_tokens_per_s = stats.response_tokens / max(timing["generate_s"], 1e-9)  # tokens sampled
     return {
         "rollout": index + 1,
         "reward": stats.reward,
@@ -347,11 +364,31 @@ def rollout_record(index: int, rollout: Rollout, trained: dict, kl: Optional[flo
         **trained,
         **stats.sampling,
         "response_length": stats.response_tokens / max(sampled * stats.sampling.get("sampling_rounds", 1), 1),
-        "generate_s": stats.generate_s,
-        "score_s": stats.score_s,  # rewards, the frozen models' and the critic's passes, advantages
-        **timing,  # train_s, rollout_s
-        "generate_tokens_per_s": stats.response_tokens / max(stats.generate_s, 1e-9),  # tokens sampled
-        "score_tokens_per_s": stats.tokens / max(stats.score_s, 1e-9),  # prompt + response tokens scored
+        # generate_s (of which gather_s), score_s (rewards, the frozen models' and the critic's passes,
+        # advantages; of which offload_s), train_s, other_s; rollout_s
+        **timing,
+        "generate_tokens_per_s": generate_tokens_per_s,
+        "generate_bandwidth_fraction": generate_tokens_per_s / decoding_limit if decoding_limit else None,
+        # core/metrics.py GPU_BUSY_KEYS: NVML's utilisation in each phase and over the whole rollout
+        "gpu_busy_generate": busy.get("generate_s"),
+        "gpu_busy_score": busy.get("score_s"),
+        "gpu_busy_train": busy.get("train_s"),
+        "gpu_busy_rollout": busy.get("overall"),
+        "score_tokens_per_s": stats.tokens / max(timing["score_s"], 1e-9),  # prompt + response tokens scored
         "train_tokens_per_s": stage.ppo_epochs * stats.tokens / max(timing["train_s"], 1e-9),
         "lr": lr,
     }
+
+
+def decoding_limit(stage, ctx, actor_module, actor_shape) -> Optional[float]:
+    """Response tokens/s every process together could sample at its GPU's memory-bandwidth limit
+    for the actor's size (core/hardware.py decoding_tokens_per_s_limit), with as many sequences
+    decoded at once as the stage does (micro_rollout_batch_size, or fewer when a process has
+    fewer); None on a CPU or a GPU the catalogue does not hold."""
+    gpu = hardware.gpu_for_device(torch.cuda.get_device_name(ctx.device)) if ctx.on_gpu else None
+    if gpu is None:
+        return None
+    weight_bytes = actor_shape.n_params * next(actor_module.parameters()).element_size()
+    per_process = stage.rollout_batch_size // ctx.world_size * stage.n_samples_per_prompt
+    together = min(stage.micro_rollout_batch_size, per_process)
+    return ctx.world_size * hardware.decoding_tokens_per_s_limit(gpu, weight_bytes, together)

@@ -1,7 +1,8 @@
 """One rollout of RL: sample completions, score them, the frozen models' views of them, advantages.
 
 stages/ppo.py trains on one rollout after another (each a unit of the engine's loop); this module
-makes the rollout and hands it over as a typed `Rollout`. Three phases, each timed (metrics: generate_s, score_s):
+makes the rollout and hands it over as a typed `Rollout`. Three phases, each timed on the maker's
+clock (stages/phases.py; metrics: generate_s, score_s, and inside them gather_s and offload_s):
 
 1. sampling: `generate` (stages/generation.py: padded `generate`, or transformers' continuous
    batching) is the one function that turns prompts into completions. With
@@ -21,7 +22,6 @@ same order (ZeRO-3 gathers parameters collectively), whatever its own samples we
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -33,6 +33,7 @@ from core.rewards import RewardError, RuleReward, RunningMoments, Samples
 from stages import data, engine
 from stages import losses as L
 from stages.generation import generate
+from stages.phases import Clock
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ class RolloutStats:
     sequences: int  # sequences that train, all processes
     generate_s: float
     score_s: float  # scoring, the frozen models' views and advantages
+    gather_s: float = 0.0  # part of generate_s: ZeRO-3's gathering (and release) of the actor's weights
+    offload_s: float = 0.0  # part of score_s: moving offloaded frozen models to the device and back
     sampling: dict = field(default_factory=dict)  # dynamic sampling: groups_kept, groups_dropped, ...
 
 
@@ -164,8 +167,6 @@ class _Drawn:
     rewards: list = field(default_factory=list)  # raw summed reward
     trains: list = field(default_factory=list)  # False on places filled with a dropped group
     terms: dict = field(default_factory=dict)  # reward term -> its value's mean, once per sample
-    generate_s: float = 0.0  # time spent sampling them
-    score_s: float = 0.0  # time spent scoring them
 
     def add(self, prompts, responses, rewards, trains: bool = True, terms: Optional[dict] = None) -> None:
         self.prompts += list(prompts)
@@ -179,33 +180,47 @@ class _Drawn:
 class RolloutMaker:
     """Makes one rollout after another; holds the running reward statistics (checkpointed)."""
 
-    def __init__(self, stage, ctx, models: Models, rules: RuleReward, generate_fn: Callable = generate):
+    def __init__(self, stage, ctx, models: Models, rules: RuleReward, generate_fn: Callable = generate,
+                 clock: Optional[Clock] = None):
         self.stage, self.ctx, self.models, self.rules = stage, ctx, models, rules
         self.generate_fn = generate_fn
+        self.clock = clock if clock is not None else Clock()
         self.moments = RunningMoments()
         self.advantage_settings = L.AdvantageSettings(
             group_size=stage.n_samples_per_prompt, gamma=stage.gamma, lam=stage.lam, scale_rewards=stage.scale_rewards)
 
     def generate(self, prompts: Sequence[Prompt], greedy: bool = False) -> list[list[int]]:
         return self.generate_fn(self.models.actor, prompts, tokenizer=self.models.tokenizer, stage=self.stage,
-                                device=self.ctx.device, greedy=greedy)
+                                device=self.ctx.device, greedy=greedy, clock=self.clock)
+
+    def moved_s(self) -> float:
+        """Seconds the offloaded frozen models have spent moving so far (stages/models.py FrozenModel)."""
+        return sum(m.moved_s for m in (self.models.reference, self.models.reward_model) if m is not None)
 
     # ---- one rollout
 
     def make(self, prompts_of_round: Callable[[int], list[Prompt]], kl_coef: float) -> Rollout:
         """Sample (over rounds, with dynamic sampling), score and prepare this process's share.
         prompts_of_round(k) gives the prompts of sampling round k (round 0 = the rollout's own)."""
+        clock = self.clock
+        before = {**clock.seconds, "offload_s": self.moved_s()}
         every, kept, sampling = self._draw(prompts_of_round)
-        started = time.time()
-        scores = self._normalized(kept.rewards, every.rewards)
-        rollout = self._views(kept, scores, kl_coef)
-        response_tokens, tokens, sequences = engine.all_reduce_sums(  # one collective for the three counts
-            [float(sum(len(r) for r in every.responses)), float(rollout.real_tokens), float(sum(kept.trains))])
+        with clock.phase("score_s"):
+            scores = self._normalized(kept.rewards, every.rewards)
+            rollout = self._views(kept, scores, kl_coef)
+            response_tokens, tokens, sequences = engine.all_reduce_sums(  # one collective for the three counts
+                [float(sum(len(r) for r in every.responses)), float(rollout.real_tokens), float(sum(kept.trains))])
+        clock.add("offload_s", self.moved_s() - before["offload_s"])
+
+        def spent(name):
+            return clock.seconds.get(name, 0.0) - before.get(name, 0.0)
+
         rollout.stats = RolloutStats(
             reward=gathered_mean(every.rewards),
             terms={name: gathered_mean(values) for name, values in every.terms.items()},
             response_tokens=response_tokens, tokens=tokens, sequences=int(sequences),
-            generate_s=every.generate_s, score_s=every.score_s + time.time() - started, sampling=sampling)
+            generate_s=spent("generate_s"), score_s=spent("score_s"), gather_s=spent("gather_s"),
+            offload_s=spent("offload_s"), sampling=sampling)
         return rollout
 
     def _draw(self, prompts_of_round):
@@ -218,12 +233,10 @@ class RolloutMaker:
         for round_ in range(stage.dynamic_sampling_max_rounds if stage.dynamic_sampling else 1):
             batch = [p for p in prompts_of_round(round_) for _ in range(n)]
             wanted = len(batch)
-            t0 = time.time()
-            responses = self.generate(batch)
-            t1 = time.time()
-            rewards, terms = self.score(batch, responses)
-            every.generate_s += t1 - t0
-            every.score_s += time.time() - t1
+            with self.clock.phase("generate_s"):
+                responses = self.generate(batch)
+            with self.clock.phase("score_s"):
+                rewards, terms = self.score(batch, responses)
             every.add(batch, responses, rewards, terms=terms)
             if not stage.dynamic_sampling:
                 return every, every, {}

@@ -8,6 +8,8 @@ tests/test_compat.py runs it, with and without the compat patches (POST_TRAIN_CO
                                                         address-space limit (--limit-gib)
     python tests/compat_probe.py release FOLDER         what outlives a released frozen model,
                                                         ZeRO-2 and ZeRO-3
+    python tests/compat_probe.py static-zero3 FOLDER    greedy completions of a ZeRO-3 actor, static-cache
+                                                        loop (hooks lifted) vs generate (gathered)
 """
 
 from __future__ import annotations
@@ -147,9 +149,33 @@ def _vm_kib(field: str) -> int:
     raise KeyError(field)
 
 
+def static_zero3(folder: str) -> dict:
+    """Greedy completions of the actor as an RL stage holds it (a ZeRO-3 engine, fp32) through
+    stages/generation.py both ways, each gathering (and timing) as the stage does."""
+    from types import SimpleNamespace
+
+    from stages import generation, phases
+    from tests.test_ppo import ppo_spec
+
+    spec = stage(max_len=48, precision="fp32")
+    model, ds_config = load(folder, spec)
+    ds = engine.initialize(model, spec, ds_config, total_steps=1)
+    tokenizer = models.load_tokenizer(folder)
+    prompts = [SimpleNamespace(ids=tokenizer(f"s: sort {digits} =\na: ")["input_ids"])
+               for digits in ("3", "41", "592", "6535", "89793", "238462", "6433832", "79502884", "1")]
+    rl = ppo_spec(zero_stage=3, generation="padded", micro_rollout_batch_size=4, max_new_tokens=8)
+    out, gathered = {}, {}
+    for decoding in ("static", "dynamic"):
+        clock = phases.Clock()
+        out[decoding] = generation.generate(ds, prompts, tokenizer=tokenizer, stage=rl, device=torch.device("cpu"),
+                                            greedy=True, clock=clock, decoding=decoding)
+        gathered[decoding] = clock.take()[0].get("gather_s", 0.0)
+    return {"static": out["static"], "dynamic": out["dynamic"], "gather_s": gathered}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["rotary", "train-step", "positions", "release"])
+    parser.add_argument("scenario", choices=["rotary", "train-step", "positions", "release", "static-zero3"])
     parser.add_argument("folder")
     parser.add_argument("--limit-gib", type=float, default=4.0)
     args = parser.parse_args()
@@ -161,6 +187,8 @@ def main() -> None:
         result = train_step(args.folder)
     elif args.scenario == "positions":
         result = positions(args.folder, args.limit_gib)
+    elif args.scenario == "static-zero3":
+        result = static_zero3(args.folder)
     else:
         result = release(args.folder)
     print("PROBE " + json.dumps(result), flush=True)

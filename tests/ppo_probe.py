@@ -45,7 +45,7 @@ def pipeline(workdir: Path, world: int) -> PipelineSpec:
     })
 
 
-def fixed_completions(actor, prompts, *, tokenizer, stage, device, greedy=False):
+def fixed_completions(actor, prompts, *, tokenizer, stage, device, greedy=False, clock=None):
     """The right answer for one sample of each prompt, with a stray '.' for the other: which
     one depends on the prompt, so groups differ and the rewards are 1 and 0."""
     out = []

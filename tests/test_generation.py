@@ -6,7 +6,9 @@ the stage's own policy objective (stages/ppo.py policy_objective) on the same mo
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -38,10 +40,15 @@ def prompts(tokenizer, n: int, seed: int = 0) -> list[SimpleNamespace]:
     return [SimpleNamespace(ids=tokenizer(t)["input_ids"]) for t in texts]
 
 
-def sample(model, tokenizer, engine: str, batch, greedy: bool, **knobs) -> list[list[int]]:
+def sample(model, tokenizer, engine: str, batch, greedy: bool, decoding=None, **knobs) -> list[list[int]]:
     stage = ppo_spec(generation=engine, micro_rollout_batch_size=8, max_new_tokens=MAX_NEW, zero_stage=2, **knobs)
     return generation.generate(SimpleNamespace(module=model), batch, tokenizer=tokenizer, stage=stage, device="cpu",
-                               greedy=greedy)
+                               greedy=greedy, decoding=decoding)
+
+
+def assert_some_end_at_eos(responses, tokenizer) -> None:
+    ended = [r for r in responses if len(r) < MAX_NEW]
+    assert ended and all(r[-1] == tokenizer.eos_token_id for r in ended)  # some stop at eos, and are cut there
 
 
 needs_continuous = pytest.mark.skipif(
@@ -75,26 +82,98 @@ def test_continuous_greedy_completions_equal_padded_greedy_ones(tiny_lm):
     continuous = sample(model, tokenizer, "continuous", batch, greedy=True)
     assert continuous == padded
     assert all(0 < len(r) <= MAX_NEW for r in continuous)
-    ended = [r for r in continuous if len(r) < MAX_NEW]
-    assert ended and all(r[-1] == tokenizer.eos_token_id for r in ended)  # some stop at eos, and are cut there
+    assert_some_end_at_eos(continuous, tokenizer)
 
 
-@needs_continuous
-def test_continuous_sampling_follows_the_torch_seed_and_the_sampling_settings(tiny_lm):
+# --------------------------------------------------------------------------- what auto picks, by the records
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("device", sorted(generation.AUTO_ENGINE))
+def test_auto_engine_table_follows_its_benchmark_records(device):
+    decision = generation.AUTO_ENGINE[device]
+    other = {"padded": "continuous", "continuous": "padded"}[decision.engine]
+    for name in decision.records:
+        record = json.loads((REPO / name).read_text())
+        assert record["machine"]["device"] == device, name
+        for mode in ("sampling", "greedy"):  # the engine chosen was the faster, best and median
+            chosen, rival = (record["generation"][f"{e}/{mode}"] for e in (decision.engine, other))
+            assert chosen["tokens_per_s_best"] > rival["tokens_per_s_best"], (name, mode)
+            assert chosen["tokens_per_s_median"] > rival["tokens_per_s_median"], (name, mode)
+        sampled = [record["generation"][f"{e}/sampling"]["tokens_per_s_best"] for e in ("padded", "continuous")]
+        assert all(f"{figure:,.0f}" in decision.figures for figure in sampled), name  # the figures quoted are its own
+    readme = (REPO / "README.md").read_text()
+    assert all(Path(name).name in readme for name in decision.records)  # README's RL section cites them
+
+
+def test_auto_follows_the_recorded_decision_where_both_engines_exist():
+    with_batching = SimpleNamespace(init_continuous_batching=lambda **_: None)  # as a 5.x model has it
+    for device, decision in generation.AUTO_ENGINE.items():
+        assert generation.engine_for(ppo_spec(), with_batching, device) == decision.engine
+    assert generation.AUTO_ENGINE["cuda"].engine == "padded"  # the H200 records: continuous 1.8-20x slower
+
+
+# --------------------------------------------------------------------------- the static-cache padded path
+
+needs_static = pytest.mark.skipif(compat.static_decoding_unavailable() is not None,
+                                  reason="the installed transformers (pinned 4.38) decodes padded chunks with generate")
+
+
+@needs_static
+def test_static_cache_greedy_completions_equal_generates(tiny_lm):
+    model, tokenizer = tiny_lm
+    # Chunks of 8 (the last one 4) of prompts of 1-9 digits: left padding of different widths.
+    batch = prompts(tokenizer, 20, seed=2)
+    dynamic = sample(model, tokenizer, "padded", batch, greedy=True)
+    static = sample(model, tokenizer, "padded", batch, greedy=True, decoding="static")
+    assert static == dynamic
+    assert_some_end_at_eos(static, tokenizer)
+
+
+@pytest.mark.parametrize("engine, decoding", [pytest.param("continuous", None, marks=needs_continuous),
+                                              pytest.param("padded", "static", marks=needs_static)])
+def test_sampling_follows_the_torch_seed_and_the_sampling_settings(tiny_lm, engine, decoding):
     model, tokenizer = tiny_lm
     batch = prompts(tokenizer, 12)
 
     def drawn(seed, **knobs):
         torch.manual_seed(seed)
-        return sample(model, tokenizer, "continuous", batch, greedy=False, **knobs)
+        return sample(model, tokenizer, engine, batch, greedy=False, decoding=decoding, **knobs)
 
     first = drawn(1)
     assert drawn(1) == first  # a resumed run, same random state: the same samples
     assert drawn(2) != first
-    greedy = sample(model, tokenizer, "continuous", batch, greedy=True)
+    greedy = sample(model, tokenizer, engine, batch, greedy=True, decoding=decoding)
     assert first != greedy
     # Nucleus sampling with a tiny top_p keeps only the most likely token: greedy's completions.
     assert drawn(3, top_p=1e-6) == greedy
+
+
+@needs_static
+@pytest.mark.slow
+@pytest.mark.skipif(not compat.zero3_hooks_liftable(), reason="the installed DeepSpeed cannot lift its ZeRO-3 hooks")
+def test_a_zero3_actor_decodes_the_same_greedy_tokens_on_the_static_cache_with_its_hooks_lifted(tmp_path):
+    from tests.test_compat import probe
+
+    result, code, output = probe("static-zero3", tiny.materialize("tiny-llama", tmp_path), timeout=300)
+    assert code == 0 and result is not None, output[-3000:]
+    assert result["static"] == result["dynamic"] and len(result["static"]) == 9
+    assert all(seconds > 0 for seconds in result["gather_s"].values())  # each way gathered, and timed it
+
+
+def test_a_gpu_decodes_padded_chunks_on_a_static_cache_where_transformers_has_one():
+    missing = compat.static_decoding_unavailable()
+    assert generation.padded_decoding("cpu", zero_stage=2) == "dynamic"
+    assert generation.padded_decoding("cuda", zero_stage=2) == ("static" if missing is None else "dynamic")
+    # Under ZeRO-3 the static loop needs DeepSpeed to lift its per-forward hooks (each process stops on its own).
+    liftable = missing is None and compat.zero3_hooks_liftable()
+    assert generation.padded_decoding("cuda", zero_stage=3) == ("static" if liftable else "dynamic")
+    if missing is not None:  # the pinned stack: said why, and asking for it by name is an error, not a fallback
+        assert "transformers 4.38" in missing
+        with pytest.raises(RuntimeError, match="static-cache decoding asked for"):
+            generation.static_padded(None, [[1]], tokenizer=None, stage=ppo_spec(), device="cpu", greedy=True,
+                                     compiled=False)
 
 
 # --------------------------------------------------------------------------- length-sorted micro batches

@@ -140,7 +140,7 @@ def test_sft_rm_ppo_with_the_reward_model_as_the_reward_runs_logs_and_exports_it
     spec = tiny_pipeline(stages=[
         {"name": "sft", "kind": "sft", "model": "builtin:tiny-llama", "data": DIGITS, "max_steps": 30},
         {"name": "rm", "kind": "rm", "from": "sft", "data": DIGITS, "max_steps": 20},
-        rl_stage("ppo", advantage="gae", reward={"model": "rm"}),
+        rl_stage("ppo", advantage="gae", reward={"model": "rm"}, reward_offload=True),
         rl_stage("grpo_zero3", advantage="grpo", zero_stage=3, dynamic_sampling=True, dynamic_sampling_max_rounds=2,
                  generation=sampler, kl_coef=0,
                  importance_sampling="sequence",
@@ -168,6 +168,11 @@ def test_sft_rm_ppo_with_the_reward_model_as_the_reward_runs_logs_and_exports_it
         assert 0 < rollouts[-1]["train_token_efficiency"] <= 1
         AutoModelForCausalLM.from_pretrained(runs / name / "model")
     assert "value_loss" in [m for m in read_metrics(runs / "ppo") if "rollout" in m][-1]
+    # Where the time went: the ZeRO-3 stage gathered its actor around each generation, the other moved its
+    # offloaded reward model (on a CPU a move to the same device, but timed all the same); each part of its phase.
+    for name, part, phase in (("grpo_zero3", "gather_s", "generate_s"), ("ppo", "offload_s", "score_s")):
+        for m in [m for m in read_metrics(runs / name) if "rollout" in m]:
+            assert 0 < m[part] < m[phase], (name, part)
     last = [m for m in read_metrics(runs / "grpo_zero3") if "rollout" in m][-1]
     assert {"reward_reward_model", "reward_overlong_penalty"} <= set(last)
     sampling = [m for m in read_metrics(runs / "grpo_zero3") if "rollout" in m]

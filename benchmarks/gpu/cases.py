@@ -14,7 +14,8 @@ Groups (what `--cases` accepts besides case names):
   slice        env, matmul, then a slice of the real 34B (its width, heads and vocabulary, as many
                of its 48 layers as fit) through the project's SFT and DPO at two layer counts
                (benchmarks/gpu/slice.py)
-  all          all three
+  rl           env, then a GRPO stage on the shared model with its EOS made likely (benchmarks/gpu/rl.py)
+  all          all four
 A project case name may carry extra stage knobs: `project-sft+packing` adds
 `packing: true` to the stage, `project-sft+zero_stage=3` sets a value; a knob the
 schema does not know makes the case fail with validate's message.
@@ -101,12 +102,18 @@ SLICE = [Case("env", "env", {}, 10, 120), Case("matmul", "matmul", {}, 20, 180)]
     for kind in ("sft", "dpo") for role, suffix in (("max", ""), ("half", "-half"))
 ]
 
-KNOWN = {c.name: c for c in THROUGHPUT + MEMORY + SLICE}
+# A GRPO step on one GPU (benchmarks/gpu/rl.py): the project's stage and TRL's GRPOTrainer (its
+# transformers generation) on the same actor, whose completions end like real RL's (issue 27, item 5).
+RL = [Case("env", "env", {}, 10, 120), Case("project-grpo", "rl", {"stack": "project"}, 240, 540),
+      Case("trl-grpo", "rl", {"stack": "trl"}, 240, 540)]
+
+KNOWN = {c.name: c for c in THROUGHPUT + MEMORY + SLICE + RL}
 GROUPS = {
     "throughput": [c.name for c in THROUGHPUT],
     "memory": [c.name for c in MEMORY],
     "slice": [c.name for c in SLICE],
-    "all": list(dict.fromkeys([c.name for c in THROUGHPUT + MEMORY + SLICE])),
+    "rl": [c.name for c in RL],
+    "all": list(dict.fromkeys([c.name for c in THROUGHPUT + MEMORY + SLICE + RL])),
 }
 
 

@@ -30,15 +30,8 @@ REQUIRE_GPU=${SESSION_REQUIRE_GPU---require-gpu}
 BENCH_ARGS=${SESSION_BENCH_ARGS:-}
 W=$(mktemp -d /tmp/h100-session.XXXX)   # small results, packed into OUT/results.tgz
 BENCH_WORK=/tmp/h100-bench-work           # the 1B model, data, run folders (large, left behind)
-START=$(date +%s)
-mkdir -p "$OUT" "$W"
-exec > >(tee -a "$OUT/session.log") 2>&1
-
-elapsed() { echo $(( $(date +%s) - START )); }
-left() { echo $(( LIMIT_S - $(elapsed) )); }
-step() { echo; echo "=== [$(elapsed) s] $*"; }
-pack() { tar czf "$OUT/results.tgz.tmp" -C "$W" . && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"; }
-timing() { echo "$1 rc=$2 seconds=$3" | tee -a "$W/timings.txt"; }
+# shellcheck source=benchmarks/gpu/session_common.sh
+. "$(dirname "$0")/session_common.sh"   # START, the log, elapsed / left / step / pack / timing
 
 step "environment"
 echo "project commit: $(cat COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"

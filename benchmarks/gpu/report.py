@@ -77,6 +77,7 @@ def render(results: dict) -> str:
     lines += _throughput(cases, results)
     lines += _memory(cases)
     lines += _slice(cases, dry)
+    lines += _rl(cases)
     lines += _goals(cases, results, dry)
     lines += _notes(cases)
     return "\n".join(lines).rstrip("\n")
@@ -373,6 +374,40 @@ def _slice(cases: dict, dry: bool) -> list[str]:
               f"own plan of that file (`python -m pipeline plan {plan['file']} --json`):", ""]
     lines += _table(REDERIVED_COLUMNS, rederived_rows, "") + [""]
     return lines
+
+
+RL_COLUMNS = [("case", "---"), ("sequences x max new", "---"), ("s / rollout", "---:"), ("generate s", "---:"),
+              ("of it gather s", "---:"), ("score s", "---:"), ("train s", "---:"), ("other s", "---:"),
+              ("generated tok/s", "---:"), ("of bandwidth limit", "---:"),
+              ("GPU busy: generate / score / train", "---:"), ("mean length", "---:")]
+
+
+def _rl(cases: dict) -> list[str]:
+    """The RL group (benchmarks/gpu/rl.py): a GRPO rollout's phases, means over the measured rollouts."""
+    rows = [r for r in cases.values() if r.get("kind") == "rl"]
+    if not rows:
+        return []
+    lines = ["### RL: one GRPO rollout and its update (one GPU)", ""]
+    table = []
+    for r in rows:
+        k = r.get("settings") or {}
+        busy = " / ".join(_pct(r.get(f"gpu_busy_{p}")) for p in ("generate", "score", "train"))
+        table.append([r["case"], f"{k.get('prompts_per_rollout', 0) * k.get('samples_per_prompt', 0)} x "
+                      f"{k.get('max_new_tokens')}", _num(r.get("rollout_s"), ".2f"), _num(r.get("generate_s"), ".2f"),
+                      _num(r.get("gather_s"), ".3f"), _num(r.get("score_s"), ".2f"), _num(r.get("train_s"), ".2f"),
+                      _num(r.get("other_s"), ".3f"), _num(r.get("generate_tokens_per_s"), ",.0f"),
+                      _pct(r.get("generate_bandwidth_fraction")), busy, _num(r.get("response_length"), ".0f")])
+    lines += _table(RL_COLUMNS, table, "(no RL case measured)")
+    lines.append("")
+    project, trl = (cases.get(name) or {} for name in ("project-grpo", "trl-grpo"))
+    if project.get("rollout_s") and trl.get("rollout_s"):
+        lines.append(f"- Project / TRL, whole GRPO step: {trl['rollout_s'] / project['rollout_s']:.2f}x as fast "
+                     f"({project['rollout_s']:.2f} vs {trl['rollout_s']:.2f} s; goal >= 1.5x on a GPU)")
+    else:
+        lines.append("- Project / TRL, whole GRPO step: **not measured**")
+    return lines + ["- Means over the rollouts (TRL: optimizer steps) after the first, which compiles or warms up; "
+                    "TRL's phases other than generation are not timed apart (—); busy shares and the bandwidth "
+                    "share are null without a GPU (—).", ""]
 
 
 def _goals(cases: dict, results: dict, dry: bool) -> list[str]:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from benchmarks.gpu import cases as case_list
-from benchmarks.gpu import hf_trl, project, workload
+from benchmarks.gpu import hf_trl, project, rl, workload
 from benchmarks.gpu import slice as slice_34b
 from benchmarks.gpu.cases import Case, read_json
 
@@ -36,6 +36,7 @@ DONE = ("ok", "skipped")
 PREPARE = Case("workload", "workload", {}, 60, 900)  # model, tokenizer, data; once per WORK folder
 LOG_TAIL_BYTES = 64_000
 KILL_GRACE_S = 20
+WORKLOAD_KINDS = ("project", "trl", "rl")  # the cases that run on the shared workload (workload.py)
 
 # What a result depends on: a case is re-run when one of these changed.
 SETTINGS_KEYS = ("device", "shape", "max_len", "steps", "warmup_steps", "memory_steps", "precision", "zero_stage",
@@ -58,7 +59,7 @@ def run(settings: dict, names: str, force: bool) -> list[dict]:
             kept[case.name] = previous
     to_run = [c for c in selected if c.name not in kept]
     unprepared = None
-    if any(c.kind in ("project", "trl") for c in to_run) and not _workload_ready(settings):
+    if any(c.kind in WORKLOAD_KINDS for c in to_run) and not _workload_ready(settings):
         prepared = _run_subprocess(PREPARE, ["prepare"], settings, deadline)
         if prepared["status"] != "ok" or not _workload_ready(settings):
             unprepared = f"the workload was not prepared: {prepared['reason'] or 'workload.json missing'}"
@@ -68,7 +69,7 @@ def run(settings: dict, names: str, force: bool) -> list[dict]:
             print(f"[{case.name}] {kept[case.name]['status']} earlier with the same settings: kept", flush=True)
             results.append(kept[case.name])
             continue
-        if case.kind in ("project", "trl") and unprepared:
+        if case.kind in WORKLOAD_KINDS and unprepared:
             results.append(_write(out, case, settings, {"status": "not-run", "seconds": 0.0, "reason": unprepared}))
             continue
         results.append(_run_case(case, settings, deadline))
@@ -118,6 +119,8 @@ def _collect(case: Case, work: Path, settings: dict, info) -> dict:
         return project.collect(case, work, settings, info)
     if case.kind == "slice":  # its own workload, not the shared one
         return slice_34b.collect(case, work, settings)
+    if case.kind == "rl":
+        return rl.collect(case, work, settings, info)
     return hf_trl.collect(case, work, settings, info)
 
 
