@@ -107,8 +107,12 @@ def generate(actor, prompts: Sequence, *, tokenizer, stage, device, greedy: bool
         if engine == "continuous":
             out = continuous(module, ids, tokenizer=tokenizer, stage=stage, greedy=greedy) if ids else []
         elif static:
-            out = static_padded(module, ids, tokenizer=tokenizer, stage=stage, device=device, greedy=greedy,
-                                compiled=torch.device(device).type == "cuda")
+            try:
+                out = static_padded(module, ids, tokenizer=tokenizer, stage=stage, device=device, greedy=greedy,
+                                    compiled=torch.device(device).type == "cuda")
+            except Exception as err:  # noqa: BLE001 -- see _static_failed
+                _static_failed(err)
+                out = padded(module, ids, tokenizer=tokenizer, stage=stage, device=device, greedy=greedy)
         else:
             out = padded(module, ids, tokenizer=tokenizer, stage=stage, device=device, greedy=greedy)
     return [cut_at_eos(row, tokenizer.eos_token_id) for row in out]
@@ -137,12 +141,27 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _static_failed(err: Exception) -> None:
+    """The compiled static-cache loop has been tested on CPU only (no GPU was lent to the session
+    that wrote it): where it fails on a GPU (a compile error, a cache the model does not take), the
+    stage says why, once, and decodes with `generate` on the same device for the rest of the run,
+    rather than stop an RL stage over a faster path."""
+    global _static_broken
+    _static_broken = f"{type(err).__name__}: {err}"
+    logging.getLogger("stages").warning(
+        "static-cache decoding failed (%s); this stage decodes with generate from now on (the same GPU, "
+        "slower). Please report it with this log", _static_broken, exc_info=True)
+
+
+_static_broken: Optional[str] = None  # why the static loop failed in this process, if it did
+
+
 def padded_decoding(device, zero_stage: int) -> str:
     """How the padded engine decodes here: "static" (a static KV cache and a fixed-shape step,
     compiled; `static_padded`) on a GPU where transformers has the cache for it (and, under
     ZeRO-3, DeepSpeed can lift its hooks), else "dynamic" (`generate`). A CPU gains nothing from
     either the compile or the fixed shapes, and tests ask for static there by name."""
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or _static_broken:
         return "dynamic"
     missing = compat.static_decoding_unavailable()
     if missing is None and zero_stage == 3 and not compat.zero3_hooks_liftable():

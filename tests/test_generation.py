@@ -162,6 +162,23 @@ def test_a_zero3_actor_decodes_the_same_greedy_tokens_on_the_static_cache_with_i
     assert all(seconds > 0 for seconds in result["gather_s"].values())  # each way gathered, and timed it
 
 
+def test_a_static_loop_that_fails_says_why_and_the_stage_decodes_with_generate_from_then_on(tiny_lm, monkeypatch,
+                                                                                          caplog):
+    model, tokenizer = tiny_lm
+    batch = prompts(tokenizer, 6)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a compile error, as a GPU might give")
+
+    monkeypatch.setattr(generation, "static_padded", broken)
+    monkeypatch.setattr(generation, "_static_broken", None)
+    with caplog.at_level("WARNING", logger="stages"):
+        fell_back = sample(model, tokenizer, "padded", batch, greedy=True, decoding="static")
+    assert fell_back == sample(model, tokenizer, "padded", batch, greedy=True, decoding="dynamic")
+    assert "static-cache decoding failed (RuntimeError: a compile error" in caplog.text
+    assert generation.padded_decoding("cuda", zero_stage=2) == "dynamic"  # not tried again on a GPU
+
+
 def test_a_gpu_decodes_padded_chunks_on_a_static_cache_where_transformers_has_one():
     missing = compat.static_decoding_unavailable()
     assert generation.padded_decoding("cpu", zero_stage=2) == "dynamic"
