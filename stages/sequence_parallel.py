@@ -154,26 +154,21 @@ class _Gather(torch.autograd.Function):
         return grad[:, ctx.start:ctx.stop], None, None
 
 
-class ShardedBatch:
+@dataclass
+class ShardedBatch(data.Batch):
     """A micro batch whose lines this process runs 1/N of (positions start:stop of each line,
     the width padded to a multiple of N). Its tensors are the whole lines, so what is counted or
     read per sequence (lengths, loss mask, per_sequence, last_tokens) is as without sharing; the
-    model sees only this process's positions."""
+    model sees only this process's positions, and `logprobs` gathers what they give."""
 
-    def __init__(self, whole, layout_: Layout):
-        self.whole = whole = _padded_to(whole, layout_.size)
-        self.packed, self.lengths = whole.packed, whole.lengths
-        self.input_ids, self.position_ids = whole.input_ids, whole.position_ids
-        self.loss_mask, self.sequence = whole.loss_mask, whole.sequence
+    start: int = 0
+    stop: int = 0
+
+    @classmethod
+    def of(cls, batch: data.Batch, layout_: Layout) -> "ShardedBatch":
+        whole = _padded_to(batch, layout_.size)
         width = whole.input_ids.shape[1] // layout_.size
-        self.start, self.stop = layout_.rank * width, (layout_.rank + 1) * width
-
-    n_sequences = property(lambda self: self.whole.n_sequences)
-    real_tokens = property(lambda self: self.whole.real_tokens)
-    processed_tokens = property(lambda self: self.whole.processed_tokens)
-    attention_mask = None
-    per_sequence = property(lambda self: self.whole.per_sequence)
-    last_tokens = property(lambda self: self.whole.last_tokens)
+        return cls(**vars(whole), start=layout_.rank * width, stop=(layout_.rank + 1) * width)
 
     @contextlib.contextmanager
     def apart(self):
@@ -201,10 +196,7 @@ class ShardedBatch:
 
     def next_targets(self):
         """As Batch.next_targets, for this process's positions."""
-        part = slice(self.start, self.stop)
-        return tuple(entries[:, part] for entries in self.whole.next_targets())
-
-    logprobs = data.Batch.logprobs  # from the logits of this process's positions, gathered
+        return tuple(entries[:, self.start:self.stop] for entries in super().next_targets())
 
 
 def _padded_to(batch, size: int):
@@ -226,4 +218,4 @@ def _padded_to(batch, size: int):
 
 def shard(batch) -> object:
     """This process's part of a micro batch (the batch itself without sharing)."""
-    return ShardedBatch(batch, _layout) if _layout.size > 1 else batch
+    return ShardedBatch.of(batch, _layout) if _layout.size > 1 else batch

@@ -220,7 +220,7 @@ def test_a_shard_is_its_part_of_lines_widened_to_a_multiple_of_the_share():
 
     rows = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8, 9, 10, 11], "loss_mask": [0, 0, 1, 1]}]
     whole = packed_batch(rows, pad_id=0, flat=True)  # one line of 7 tokens
-    parts = [sequence_parallel.ShardedBatch(whole, sequence_parallel.Layout(3, rank, 0, 1)) for rank in range(3)]
+    parts = [sequence_parallel.ShardedBatch.of(whole, sequence_parallel.Layout(3, rank, 0, 1)) for rank in range(3)]
     assert all(p.input_ids.shape == (1, 9) for p in parts)  # 7 widened to 9
     assert [(p.start, p.stop) for p in parts] == [(0, 3), (3, 6), (6, 9)]
     assert parts[1].position_ids[0, 3:6].tolist() == [0, 1, 2]  # the second row starts at position 0
