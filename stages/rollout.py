@@ -88,10 +88,6 @@ class RolloutStats:
     response_tokens: float  # generated tokens, all processes
     tokens: float  # tokens of the rollout's sequences (prompt + response), all processes
     sequences: int  # sequences that train, all processes
-    generate_s: float
-    score_s: float  # scoring, the frozen models' views and advantages
-    gather_s: float = 0.0  # part of generate_s: ZeRO-3's gathering (and release) of the actor's weights
-    offload_s: float = 0.0  # part of score_s: moving offloaded frozen models to the device and back
     sampling: dict = field(default_factory=dict)  # dynamic sampling: groups_kept, groups_dropped, ...
 
 
@@ -203,24 +199,18 @@ class RolloutMaker:
         """Sample (over rounds, with dynamic sampling), score and prepare this process's share.
         prompts_of_round(k) gives the prompts of sampling round k (round 0 = the rollout's own)."""
         clock = self.clock
-        before = {**clock.seconds, "offload_s": self.moved_s()}
+        moved_before = self.moved_s()
         every, kept, sampling = self._draw(prompts_of_round)
         with clock.phase("score_s"):
             scores = self._normalized(kept.rewards, every.rewards)
             rollout = self._views(kept, scores, kl_coef)
             response_tokens, tokens, sequences = engine.all_reduce_sums(  # one collective for the three counts
                 [float(sum(len(r) for r in every.responses)), float(rollout.real_tokens), float(sum(kept.trains))])
-        clock.add("offload_s", self.moved_s() - before["offload_s"])
-
-        def spent(name):
-            return clock.seconds.get(name, 0.0) - before.get(name, 0.0)
-
+        clock.add("offload_s", self.moved_s() - moved_before)  # part of score_s (stages/phases.py)
         rollout.stats = RolloutStats(
             reward=gathered_mean(every.rewards),
             terms={name: gathered_mean(values) for name, values in every.terms.items()},
-            response_tokens=response_tokens, tokens=tokens, sequences=int(sequences),
-            generate_s=spent("generate_s"), score_s=spent("score_s"), gather_s=spent("gather_s"),
-            offload_s=spent("offload_s"), sampling=sampling)
+            response_tokens=response_tokens, tokens=tokens, sequences=int(sequences), sampling=sampling)
         return rollout
 
     def _draw(self, prompts_of_round):
