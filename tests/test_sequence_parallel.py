@@ -46,6 +46,14 @@ def tiled(kind: str, **fields) -> dict:
     return {**stage, "name": f"{kind}-tiled", "logits_tile": 16, **fields}
 
 
+def mlp_tiled(kind: str, **fields) -> dict:
+    """The `kind` stage with every MLP run in 3 tiles of positions. A hang (processes calling the
+    MLP a different number of times under ZeRO-3) fails its collectives after 2 minutes (rank 0
+    writing the built-in model, which the others wait for, takes ~20 s on a busy 2-core machine)."""
+    (stage,) = stages((kind,))
+    return {**stage, "name": f"{kind}-mlp", "mlp_tiles": 3, "collective_timeout_s": 120, **fields}
+
+
 def sharing_pipeline(processes: int, sequence_parallel: int, kinds=STAGES, **extra) -> dict:
     return tiny_pipeline("sp", stages=stages(kinds), cluster={"tasks_per_node": processes}, **extra, defaults={
         "log_interval": 1, "micro_batch_size": 8, "global_batch_size": 16, "warmup_steps": 0,
@@ -55,20 +63,24 @@ def sharing_pipeline(processes: int, sequence_parallel: int, kinds=STAGES, **ext
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     """{(processes, sequence_parallel): the run folder} of the three runs; the 2-process one also
-    runs the misaligned plug-in stage (tests/misaligned_shards.py)."""
+    runs the misaligned plug-in stage (tests/misaligned_shards.py). A fourth, of 2 processes that
+    share nothing, runs only a tiled-MLP stage."""
     out = {}
     with pytest.MonkeyPatch.context() as patch:  # the plug-in imports in the stage jobs too
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        for processes, share in ((1, 1), (2, 2), (4, 2)):
+        for processes, share in ((1, 1), (2, 2), (4, 2), (2, 1)):
             workdir = tmp_path_factory.mktemp(f"sp{processes}x{share}")
             kinds, extra = STAGES, {}
             if (processes, share) == (2, 2):
                 kinds, extra = STAGES + ("sft_misaligned",), {"plugins": ["tests.misaligned_shards"]}
             spec = sharing_pipeline(processes, share, kinds, **extra)
-            if (processes, share) == (1, 1):  # tiled logits, alone and under ZeRO-3
-                spec["stages"] += [tiled("sft", zero_stage=3)]
-            if (processes, share) == (2, 2):  # tiled logits with shared sequences, policy and reference
-                spec["stages"] += [tiled("dpo")]
+            if (processes, share) == (1, 1):  # tiled logits, alone and under ZeRO-3; tiled MLPs, checkpointed
+                spec["stages"] += [tiled("sft", zero_stage=3),
+                                   mlp_tiled("rm", zero_stage=3, gradient_checkpointing=True)]
+            if (processes, share) == (2, 2):  # tiled logits and MLPs with shared sequences, policy and reference
+                spec["stages"] += [tiled("dpo", mlp_tiles=3)]
+            if (processes, share) == (2, 1):  # tiled MLPs under ZeRO-3, the 2 processes' lines of different widths
+                spec["stages"] = [mlp_tiled("sft", zero_stage=3)]
             done = run_cli("run", write_pipeline(workdir, spec), cwd=workdir)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
             out[processes, share] = workdir / "runs" / "sp"
@@ -117,6 +129,17 @@ def test_a_tiled_lm_head_learns_what_the_whole_one_learns(layouts, kind, layout)
 
 @needs_the_stack
 @pytest.mark.e2e
+@pytest.mark.parametrize("kind,layout,name", [("rm", (1, 1), "rm-mlp"), ("sft", (2, 1), "sft-mlp"),
+                                               ("dpo", (2, 2), "dpo-tiled")],
+                         ids=["rm-zero3-checkpointed", "sft-zero3-2-processes", "dpo-2-sharing"])
+def test_tiled_mlps_learn_what_whole_ones_learn(layouts, kind, layout, name):
+    assert disagreements(layouts[1, 1] / kind, layouts[layout] / name) == []
+    log = next((layouts[layout] / name / "logs").glob("*_0_log.out")).read_text()
+    assert "mlp_tiles 3: every decoder layer's MLP runs" in log, log[-2000:]
+
+
+@needs_the_stack
+@pytest.mark.e2e
 def test_shards_at_the_wrong_positions_do_not_match(layouts):
     wrong = disagreements(layouts[1, 1] / "sft", layouts[2, 2] / "sft_misaligned")
     assert wrong, "the misaligned shards matched one process: the comparison cannot fail"
@@ -131,10 +154,14 @@ def test_a_share_must_divide_the_processes():
     assert "stages[0] (sft).sequence_parallel: 2 does not divide the stage's 3 processes" in err.value.message
 
 
+def ppo_stage(**fields) -> dict:
+    return {"name": "rl", "kind": "ppo", "model": "builtin:tiny-llama", "data": {"path": "builtin:digits"},
+            "reward": {"rules": [{"rule": "exact_match"}]}, **fields}
+
+
 def test_only_kinds_that_can_share_may_ask(tmp_path):
     spec = sharing_pipeline(2, 1)
-    spec["stages"] = [{"name": "rl", "kind": "ppo", "model": "builtin:tiny-llama", "sequence_parallel": 2,
-                       "data": {"path": "builtin:digits"}, "reward": {"rules": [{"rule": "exact_match"}]}}]
+    spec["stages"] = [ppo_stage(sequence_parallel=2)]
     with pytest.raises(InvalidInput) as err:
         load_pipeline_of(spec)
     assert "stages[0] (rl).sequence_parallel: a ppo stage cannot share its sequences" in err.value.message
@@ -174,11 +201,11 @@ def test_validate_names_a_share_that_does_not_divide_the_heads(workdir):
 
 
 @pytest.mark.skipif(rules.stack_problem() is None, reason="this stack has Ulysses attention (the pinned one has not)")
-@pytest.mark.parametrize("field", ["sequence_parallel", "logits_tile"])
+@pytest.mark.parametrize("field", ["sequence_parallel", "logits_tile", "mlp_tiles"])
 def test_a_stack_without_them_is_refused_before_anything_runs(workdir, field):
     spec = sharing_pipeline(2, 2 if field == "sequence_parallel" else 1)
-    if field == "logits_tile":
-        spec["stages"][0]["logits_tile"] = 16
+    if field != "sequence_parallel":
+        spec["stages"][0][field] = 16
     done = run_cli("run", write_pipeline(workdir, spec), cwd=workdir)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"stages[0] (sft).{field} needs transformers >= 4.51.3" in done.stderr
@@ -265,3 +292,11 @@ def test_only_kinds_with_logits_tile_them():
     with pytest.raises(InvalidInput) as err:
         load_pipeline_of(spec)
     assert "logits_tile: a rm stage does not tile its logits (kinds that do: sft, dpo)" in err.value.message
+
+
+def test_only_kinds_with_mlps_to_tile_tile_them():
+    spec = sharing_pipeline(2, 1)
+    spec["stages"] = [ppo_stage(mlp_tiles=4)]
+    with pytest.raises(InvalidInput) as err:
+        load_pipeline_of(spec)
+    assert "mlp_tiles: a ppo stage does not tile its MLPs (kinds that do: sft, rm, dpo)" in err.value.message
