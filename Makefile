@@ -13,6 +13,11 @@ CONFIG ?= tiny
 # Extra arguments for the pipeline commands, e.g. ARGS=--scale-model (a scale model of CONFIG first).
 ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for test, test-e2e and test-pinned (0: none, in one process). A file's
+# tests stay on one worker (--dist loadfile), so a module-scoped run happens once; the
+# session-wide tiny chain is run by the first worker that needs it (tests/conftest.py).
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 BIN := $(VENV)/bin
 # DeepSpeed JIT-builds C++ ops once per machine; keeping them beside the venv
@@ -79,11 +84,11 @@ report: setup
 # `make test-e2e` runs: CI runs both.
 test: setup
 	$(BIN)/python tests/prebuild_deepspeed_ops.py
-	$(BIN)/python -m pytest -q -m "not e2e" $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest -q -m "not e2e" $(PARALLEL) $(PYTEST_ARGS) tests
 
 test-e2e: setup
 	$(BIN)/python tests/prebuild_deepspeed_ops.py
-	$(BIN)/python -m pytest -q -m e2e $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest -q -m e2e $(PARALLEL) $(PYTEST_ARGS) tests
 
 # The whole suite again on the pinned stack (containers/requirements-pinned-ci.txt:
 # transformers 4.38.2, DeepSpeed 0.13.2, peft 0.10, on torch 2.13 CPU) in its own venv and
@@ -93,7 +98,7 @@ test-e2e: setup
 test-pinned:
 	$(MAKE) --no-print-directory setup VENV=$(PINNED_VENV) STACK=pinned-ci
 	PYTHONPATH=$(abspath tests/pinned_shims) TORCH_EXTENSIONS_DIR=$(abspath $(PINNED_VENV))/torch_extensions \
-	  $(PINNED_VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests
+	  $(PINNED_VENV)/bin/python -m pytest -q $(PARALLEL) $(PYTEST_ARGS) tests
 
 # transformers 4.37.2 (rotary forward(x, seq_len), before 4.38 changed it) with the rest of
 # the pinned stack: the compat tests. pip changes nothing else for it, so it is not a venv of its

@@ -162,10 +162,26 @@ class TinyChain:
 def tiny_chain(tmp_path_factory) -> TinyChain:
     """`python -m pipeline run tiny` once per test session (the shipped chain, ~2 min on 2 cores),
     with secrets in its environment; its sft stage is paused (SIGSTOP) after its first training
-    record while `status` looks at it, then let go."""
+    record while `status` looks at it, then let go. With parallel workers (pytest-xdist) the
+    first worker that needs it runs it, and the others wait for it and read what it left."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return run_tiny_chain(tmp_path_factory.mktemp("tiny-chain"))
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp().parent / "tiny-chain"  # the workers' common folder
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        told = shared / "told.json"
+        if not told.exists():
+            shared.mkdir(exist_ok=True)
+            chain = run_tiny_chain(shared)
+            told.write_text(json.dumps({"stdout": chain.stdout, "status_while_paused": chain.status_while_paused}))
+        return TinyChain(shared, shared / "runs" / "tiny", **json.loads(told.read_text()))
+
+
+def run_tiny_chain(workdir: Path) -> TinyChain:
     import psutil
 
-    workdir = tmp_path_factory.mktemp("tiny-chain")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **SECRET_MARKERS}
     process = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "tiny"], cwd=workdir, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
