@@ -250,7 +250,8 @@ class Schedule:
 
 
 def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, index: int) -> dict[str, float]:
-    """ppo_epochs passes over the rollout in optimizer steps; the means over steps of what to log."""
+    """ppo_epochs passes over the rollout in optimizer steps; the means over steps of what to log
+    (grad_norm, critic_grad_norm: the gradient norm of every process's step, before clipping)."""
     actor, critic = rl_models.actor, rl_models.critic
     actor.train()
     if critic is not None:
@@ -259,6 +260,7 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
     order_generator = torch.Generator().manual_seed(stage.seed * 7919 + index)
     lengths = [len(s) for s in rollout.sequences]
     sums: dict[str, float] = {}
+    norms: dict[str, list[float]] = {}
     steps = processed = 0
     for _ in range(stage.ppo_epochs):
         order = torch.randperm(len(rollout), generator=order_generator).tolist()
@@ -275,10 +277,15 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
                                            boundary=j == len(micro) - 1)
                 for key, value in shares.items():
                     sums[key] = sums.get(key, 0.0) + value
+            for key, model in (("grad_norm", actor), ("critic_grad_norm", critic)):
+                norm = model.get_global_grad_norm() if model is not None else None
+                if norm is not None:
+                    norms.setdefault(key, []).append(float(norm))
             steps += 1
     *totals, processed_all, real_all = engine.all_reduce_sums(
         list(sums.values()) + [float(processed), float(stage.ppo_epochs * rollout.real_tokens)])
     means = {key: total / steps for key, total in zip(sums, totals)}
+    means.update({key: sum(values) / len(values) for key, values in norms.items()})
     return {**means, "train_token_efficiency": real_all / max(processed_all, 1.0)}
 
 
