@@ -299,10 +299,13 @@ def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, k
     this micro batch's shares of the step's logged means."""
     actor, critic = rl_models.actor, rl_models.critic
     share = step_share(batch, stage, tokens, sequences)
-    loss, new, logits, clipped = policy_objective(actor, batch, stage, kl_coef, share)
-    # DeepSpeed averages gradients over processes; the shares add up over them.
     actor.set_gradient_accumulation_boundary(boundary)
-    actor.backward(loss * world, scale_wrt_gas=False)
+    # Backward inside apart() too: gradient checkpointing recomputes the forward there (on shared
+    # sequences, with the exchange).
+    with batch.tokens.apart():
+        loss, new, logits, clipped = policy_objective(actor, batch, stage, kl_coef, share)
+        # DeepSpeed averages gradients over processes; the shares add up over them.
+        actor.backward(loss * world, scale_wrt_gas=False)
     actor.step()
     with torch.no_grad():
         record = {
@@ -312,12 +315,13 @@ def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, k
             "entropy": share(entropy_of(batch.tokens, logits.detach())).item(),
         }
     if critic is not None:
-        values = values_of(critic, batch.tokens)
-        value_losses, value_clipped = L.value_loss(values, batch.values, batch.returns, batch.mask,
-                                                   stage.value_clip_eps)
-        value_loss = share(value_losses)
         critic.set_gradient_accumulation_boundary(boundary)
-        critic.backward(value_loss * world, scale_wrt_gas=False)
+        with batch.tokens.apart():
+            values = values_of(critic, batch.tokens)
+            value_losses, value_clipped = L.value_loss(values, batch.values, batch.returns, batch.mask,
+                                                       stage.value_clip_eps)
+            value_loss = share(value_losses)
+            critic.backward(value_loss * world, scale_wrt_gas=False)
         critic.step()
         record.update(value_loss=value_loss.item(), value_clip_fraction=share(value_clipped.float()).item())
     return record
