@@ -58,8 +58,10 @@ def stages(kinds=STAGES) -> list[dict]:
 
 def rl_stages(names=RL_STAGES, kind="ppo_fixed_samples") -> list[dict]:
     """GRPO (2 samples of 4 prompts a rollout) and PPO with a critic (8 prompts), 2 rollouts of one
-    optimizer step each, rewarded by exact_match and the rm stage's reward model, with a reference."""
+    optimizer step each, rewarded by exact_match and the rm stage's reward model, with a reference;
+    gradient checkpointing, so the backward recomputes shared passes."""
     rl = {"kind": kind, "model": "builtin:tiny-llama", "data": {"path": "builtin:digits", "eval_split": "eval"},
+          "gradient_checkpointing": True,
           "max_steps": 2, "micro_batch_size": 4, "global_batch_size": 8, "micro_rollout_batch_size": 4,
           "max_new_tokens": 8, "eval_prompts": 4, "kl_coef": 0.05, "allow_weak_reward_model": True,
           "reward": {"rules": [{"rule": "exact_match"}], "model": "rm", "normalize": False}}
