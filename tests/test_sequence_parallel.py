@@ -11,15 +11,16 @@ float-rounding differences (1e-7) between any two layouts into 1e-3.
 
 The same runs hold two RL stages scored by a reward model (the 1-process run's rm stage, for
 every layout) and exact_match, with a reference: GRPO, and PPO with a critic (gae, the critic
-starting from the reward model). Their
-completions are fixed per prompt and sample (tests/fixed_samples.py: sampling draws from each
-process's own generator, so what it draws depends on the layout); everything else is ppo's own
-code: each process of a group samples its share of the group's prompts and the group gathers
-them, then the scoring passes (actor, reference, critic, reward model) and the training passes
-run shared. Every reward, loss, gradient norm, KL and held-out reward of both rollouts must agree.
-Without the group's gather the processes of a group would hold different sequences: their
-exchanges would mix lines of different samples (or of different widths, and fail), and the
-rewards, advantages and losses would be those of one process's samples only.
+starting from the reward model). Their completions are fixed per prompt and sample
+(tests/fixed_samples.py: sampling draws from each process's own generator, so what it draws
+depends on the layout); everything else is ppo's own code: each process of a group samples its
+share of the group's prompts and the group gathers them, then the scoring passes (actor,
+reference, critic, reward model) and the training passes run shared, with gradient
+checkpointing. Every reward, loss, gradient norm, KL and held-out reward of both rollouts must
+agree; a GRPO whose shards run at the wrong positions must not. Without the group's gather the
+processes of a group would hold different sequences: their exchanges would mix lines of
+different samples (or of different widths, and fail), and the rewards, advantages and losses
+would be those of one process's samples only.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def stages(kinds=STAGES) -> list[dict]:
 
 def rl_stages(names=RL_STAGES, kind="ppo_fixed_samples") -> list[dict]:
     """GRPO (2 samples of 4 prompts a rollout) and PPO with a critic (8 prompts), 2 rollouts of one
-    optimizer step each, rewarded by exact_match and the rm stage's reward model, with a reference;
-    gradient checkpointing, so the backward recomputes shared passes."""
+    optimizer step each, rewarded by exact_match and the reward model of the pipeline's rm stage,
+    with a reference; gradient checkpointing, so the backward recomputes shared passes."""
     rl = {"kind": kind, "model": "builtin:tiny-llama", "data": {"path": "builtin:digits", "eval_split": "eval"},
           "gradient_checkpointing": True,
           "max_steps": 2, "micro_batch_size": 4, "global_batch_size": 8, "micro_rollout_batch_size": 4,
