@@ -146,6 +146,10 @@ def agreeing_with_one_process(layouts, layout, pipeline: str, name: str) -> list
     assert read_result(shared)["world_size"] == layout[0]
     log = next((shared / "logs").glob("*_0_log.out")).read_text()
     assert f"{layout[0] // layout[1]} data-parallel" in log, log[-2000:]
+    # Host memory per node counts every process of it, sharing or not (~processes x one process's).
+    rss = [next(r["host_rss_gib"] for r in read_metrics(folder) if "host_rss_gib" in r)
+           for folder in (layouts[1, 1] / pipeline / name, shared)]
+    assert rss[1] > rss[0] * (layout[0] / 2 + 0.25), rss
     return read_metrics(shared)
 
 
