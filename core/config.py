@@ -372,6 +372,16 @@ class TrainingKnobs(Strict):
         "The same loss up to rounding; the head's matmul runs once more. sft and dpo (policy and "
         "reference); needs the current stack.",
     )
+    mlp_tiles: Optional[int] = Field(
+        None, ge=2, le=65_536,
+        description="How many tiles each decoder layer's MLP runs a micro batch's positions in (this "
+        "process's positions, under sequence_parallel), in the forward and again in the backward, keeping only "
+        "the MLP's input: memory for one tile's intermediates (gate, up, their product; positions x "
+        "intermediate_size each) instead of all positions'. A count, not a size in positions: under ZeRO-3 "
+        "every call of the MLP gathers its weights from all processes, so every process must make the same "
+        "number of calls, whatever the width of its lines. The same loss up to rounding; the MLP's forward "
+        "runs once more. sft, rm and dpo (policy and reference); needs the current stack.",
+    )
     lora: Optional[LoraSpec] = Field(None, description="Train LoRA adapters instead of all parameters.")
     max_len: int = Field(
         2048, ge=8, le=1_000_000,
@@ -493,11 +503,12 @@ class StageBase(TrainingKnobs):
         return self
 
     @model_validator(mode="after")
-    def _tiles_only_what_has_logits(self):
-        if self.logits_tile is not None and not kinds.get(self.kind).tiled_logits:
-            able = [k.name for k in kinds.all_kinds() if k.tiled_logits]
-            raise ValueError(f"logits_tile: a {self.kind} stage does not tile its logits (kinds that do: "
-                             f"{', '.join(able)}); leave it out")
+    def _tiles_only_what_its_kind_tiles(self):
+        for name, declared, what in (("logits_tile", "tiled_logits", "logits"), ("mlp_tiles", "tiled_mlp", "MLPs")):
+            if getattr(self, name) is not None and not getattr(kinds.get(self.kind), declared):
+                able = [k.name for k in kinds.all_kinds() if getattr(k, declared)]
+                raise ValueError(f"{name}: a {self.kind} stage does not tile its {what} (kinds that do: "
+                                 f"{', '.join(able)}); leave it out")
         return self
 
     @model_validator(mode="after")
@@ -560,7 +571,7 @@ class SFTStage(StageBase):
 
 
 kinds.register(StageKind("sft", SFTStage, rows="completion", headline="final_eval_loss",
-                         sequence_parallel=True, tiled_logits=True))
+                         sequence_parallel=True, tiled_logits=True, tiled_mlp=True))
 
 
 class RMStage(StageBase):
@@ -573,7 +584,7 @@ class RMStage(StageBase):
 
 
 kinds.register(StageKind("rm", RMStage, rows="preference", headline="eval_accuracy", trained_head="scalar",
-                         sequence_parallel=True))
+                         sequence_parallel=True, tiled_mlp=True))
 
 
 class DPOStage(StageBase):
@@ -605,7 +616,7 @@ class DPOStage(StageBase):
 
 
 kinds.register(StageKind("dpo", DPOStage, rows="preference", headline="eval_reward_accuracy", frozen_reference=True,
-                         sequence_parallel=True, tiled_logits=True))
+                         sequence_parallel=True, tiled_logits=True, tiled_mlp=True))
 
 
 # Built-in rules that compare a completion with the row's label column (label_key).

@@ -36,6 +36,7 @@ class StageKind:
     rollouts: bool = False  # samples its own training sequences (its unit of work is a rollout)
     sequence_parallel: bool = False  # its passes can share a sequence over processes (stages/sequence_parallel.py)
     tiled_logits: bool = False  # its language-model passes can run the LM head a tile of positions at a time
+    tiled_mlp: bool = False  # its passes can run each decoder layer's MLP over positions in tiles (mlp_tiles)
     run: Optional[Callable] = field(default=None, repr=False)  # run(task, ctx) -> result dict
 
     @property

@@ -1,7 +1,8 @@
 """The rules of long sequences, torch-free: sharing sequences over processes (Ulysses, DeepSpeed's
-ALST; the runtime is stages/sequence_parallel.py) and tiling the LM head's logits
-(stages/losses.py tiled_next_token_logprobs): what a stack needs for them and which models
-can be shared how. The planner and preflight ask here.
+ALST; the runtime is stages/sequence_parallel.py), tiling the LM head's logits
+(stages/losses.py tiled_next_token_logprobs) and the decoder's MLPs (stages/models.py
+tile_mlps): what a stack needs for them and which models can be shared how. The planner,
+preflight and the stage itself ask here.
 """
 
 from __future__ import annotations
@@ -31,6 +32,19 @@ def stack_problem(field: str = "sequence_parallel", off: str = "leave sequence_p
             f"sequence_parallel: DeepSpeed's Ulysses attention, {ULYSSES_MODULE}); this stack has transformers "
             f"{have['transformers']} and DeepSpeed {have['deepspeed']} (the pinned stack does not have it). Run "
             f"the stage on the current stack (containers/current.def), or {off}")
+
+
+# Fields that compute a pass in tiles, each telling DeepSpeed's ZeRO to wait for a weight's last
+# tile before reducing its gradient (`ds_grad_is_ready`, DeepSpeed 0.18 and later).
+TILE_FIELDS = ("logits_tile", "mlp_tiles")
+
+
+def tiles_problem(stage) -> Optional[str]:
+    """Why the installed stack cannot run the tiling `stage` asks for (its first such field), or None."""
+    for name in TILE_FIELDS:
+        if getattr(stage, name) is not None:
+            return stack_problem(name, f"leave {name} out")
+    return None
 
 
 def heads_problem(heads: int, kv_heads: int, n: int) -> Optional[str]:

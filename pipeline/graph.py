@@ -26,10 +26,11 @@ from core.task import StageTask, is_finished
 from pipeline.identity import Digests, changed_inputs, input_digests
 
 # Fields that change how a stage is run or logged, not what it produces (nodes and sequence_parallel
-# lay the same work out over other processes, logits_tile computes the same loss in pieces;
+# lay the same work out over other processes, logits_tile and mlp_tiles compute the same loss in pieces;
 # tests/test_sequence_parallel.py shows the figures equal).
 OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints", "eval_interval", "nodes",
-                      "sequence_parallel", "logits_tile", "max_truncated_share", "hang_factor", "hang_min_s",
+                      "sequence_parallel", "logits_tile", "mlp_tiles",
+                      "max_truncated_share", "hang_factor", "hang_min_s",
                       "collective_timeout_s", "allow_weak_reward_model"}
 
 

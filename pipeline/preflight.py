@@ -62,7 +62,7 @@ def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
         check_positions(stage, root, where, cache)
         check_sequence_parallel(spec, stage, root, where, cache, spec.cluster.processes_per_node * stage.nodes,
                                 stack_is_here=executor.runs_this_python(spec))
-        check_logits_tile(stage, where, stack_is_here=executor.runs_this_python(spec))
+        check_tiles(stage, where, stack_is_here=executor.runs_this_python(spec))
         found = check_data(stage, where, hub)
         check_chat_template(stage, root, where, found.chats, cache)
         check_step_rows(spec, stage, where, found)
@@ -187,11 +187,10 @@ def check_sequence_parallel(spec: PipelineSpec, stage, root: str, where: str, ca
         raise InvalidInput(f"{where}.{problem}")
 
 
-def check_logits_tile(stage, where: str, stack_is_here: bool) -> None:
-    """The stack can tile the LM head's logits (checked where the stages run with this python; a
-    container's stack is checked by the stage itself when it starts)."""
-    problem = stage.logits_tile is not None and stack_is_here and sequence_parallel.stack_problem(
-        "logits_tile", "leave logits_tile out")
+def check_tiles(stage, where: str, stack_is_here: bool) -> None:
+    """The stack can tile the LM head's logits and the MLPs as the stage asks (checked where the
+    stages run with this python; a container's stack is checked by the stage itself when it starts)."""
+    problem = stack_is_here and sequence_parallel.tiles_problem(stage)
     if problem:
         raise InvalidInput(f"{where}.{problem}")
 

@@ -82,7 +82,94 @@ def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool,
     except (OSError, ValueError) as err:
         raise InvalidInput(f"model {path}: cannot load: {err}") from None
     log.info("loaded %s from %s (%s, attention=%s)", type(model).__name__, path, stage.precision, attention)
+    if getattr(stage, "mlp_tiles", None):
+        tile_mlps(model, stage.mlp_tiles)
+        log.info("mlp_tiles %d: every decoder layer's MLP runs a micro batch's positions in %d tiles",
+                 stage.mlp_tiles, stage.mlp_tiles)
     return model
+
+
+def tile_bounds(positions: int, tiles: int) -> list[tuple[int, int]]:
+    """(start, stop) of `tiles` tiles over `positions` positions, the first ones a position longer
+    where they do not divide; always `tiles` of them, empty ones where positions are fewer."""
+    size, longer = divmod(positions, tiles)
+    stops = [(i + 1) * size + min(i + 1, longer) for i in range(tiles)]
+    return list(zip([0] + stops[:-1], stops))
+
+
+class _TiledMLP(torch.autograd.Function):
+    """mlp(x) over `tiles` tiles of x's positions, each position's output its own (an MLP mixes
+    no positions). The forward keeps only x; the backward runs each tile's MLP again and
+    backpropagates it on its own, so one tile's intermediates (gate, up, their product, and
+    their gradients) exist at a time, as in DeepSpeed's TiledMLP (ulysses_sp.py).
+
+    Every call makes exactly `tiles` calls of the MLP, in the forward and in the backward, empty
+    tiles included: under ZeRO-3 each call gathers the MLP's weights from all processes, whose
+    lines may be of different widths. ZeRO reduces a weight's gradient when told it is ready
+    (`ds_grad_is_ready`): the MLP's trained weights are marked ready at the last tile only, so
+    each is reduced once, whole.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mlp, tiles: int, trained: tuple):
+        ctx.mlp, ctx.tiles, ctx.trained = mlp, tiles, trained
+        ctx.save_for_backward(x)
+        flat = x.reshape(1, -1, x.shape[-1])
+        out = torch.cat([mlp(flat[:, a:b]) for a, b in tile_bounds(flat.shape[1], tiles)], dim=1)
+        return out.view(x.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        flat = x.detach().reshape(1, -1, x.shape[-1])
+        grads, grad_x = grad_out.reshape(flat.shape), torch.zeros_like(flat)
+        bounds = tile_bounds(flat.shape[1], ctx.tiles)
+        for i, (a, b) in enumerate(bounds):
+            for param in ctx.trained:
+                param.ds_grad_is_ready = i == len(bounds) - 1
+            piece = flat[:, a:b].detach().requires_grad_(True)
+            with torch.enable_grad():
+                out = ctx.mlp(piece)
+            torch.autograd.backward(out, grads[:, a:b])
+            if piece.grad is not None:
+                grad_x[:, a:b] = piece.grad
+        for param in ctx.trained:
+            param.ds_grad_is_ready = True
+        return grad_x.view_as(x), None, None, None
+
+
+def tiled_mlp(mlp, x: torch.Tensor, tiles: int, trained=()) -> torch.Tensor:
+    """mlp(x), with `mlp` (a position-wise module's plain forward) run on `tiles` tiles of x's
+    positions in the forward and again in the backward (_TiledMLP). `trained`: the weights it
+    trains, for DeepSpeed's gradient bucketing (empty without DeepSpeed)."""
+    if tiles < 1:
+        raise ValueError(f"tiles must be at least 1, got {tiles}")
+    trained = tuple(trained)
+    if trained and torch.is_grad_enabled() and not x.requires_grad:
+        # The weights' gradients come out of this function's backward, which autograd runs only
+        # for an input that needs a gradient (e.g. the first layer's MLP with LoRA on the MLP only).
+        x = x.detach().requires_grad_(True)
+    return _TiledMLP.apply(x, mlp, tiles, trained)
+
+
+def tile_mlps(model, tiles: int) -> int:
+    """Run every decoder layer's MLP (`layer.mlp`, Llama-style) in `tiles` tiles of positions
+    (tiled_mlp); LoRA adapters added later are inside it. Returns the MLPs tiled."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(base.get_decoder(), "layers", None)
+    mlps = [getattr(layer, "mlp", None) for layer in layers or ()]
+    if not mlps or any(mlp is None for mlp in mlps):
+        raise InvalidInput(f"mlp_tiles: {type(base).__name__} has no `mlp` in each decoder layer to tile (Llama-"
+                           "style models have); leave mlp_tiles out")
+    for mlp in mlps:
+        plain = mlp.forward
+
+        def forward(x, plain=plain, mlp=mlp):
+            return tiled_mlp(plain, x, tiles, [p for p in mlp.parameters() if p.requires_grad])
+
+        mlp.forward = forward
+    return len(mlps)
 
 
 def prepare_for_training(model, stage, task_type: str, modules_to_save=None):

@@ -70,10 +70,10 @@ def layout() -> Layout:
 def setup(stage, rank: int, world_size: int) -> Layout:
     """Form the groups and make the attention registry's entries shard-aware (once per process,
     before any model is built; nothing to do for sequence_parallel 1). A stage that tiles its
-    logits is refused here where the stack cannot (a container's stack, which validate did not see)."""
+    logits or MLPs is refused here where the stack cannot (a container's stack, which validate did not see)."""
     global _layout
     sequence_parallel = stage.sequence_parallel
-    why = stage.logits_tile is not None and rules.stack_problem("logits_tile", "leave logits_tile out")
+    why = rules.tiles_problem(stage)
     if why:
         raise InvalidInput(why)
     if sequence_parallel == 1:

@@ -3,7 +3,7 @@ code for everything else) whose sampler writes, for each prompt, the right answe
 samples and the right answer with a stray '.' in the others; which sample is right depends on the
 prompt, so a group's rewards differ. Sampling draws from each process's own generator, so what it
 draws depends on how the prompts are split over processes; with these completions runs over
-different layouts train on the same rollouts (tests/test_sequence_parallel.py compares them).
+different layouts train on the same rollouts (tests/test_sequence_parallel_rl.py compares them).
 Greedy (held-out) completions are right for even rows and stray for odd ones.
 """
 

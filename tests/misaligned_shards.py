@@ -1,8 +1,8 @@
 """A deliberately broken sequence-parallel stage, as plug-in kinds: `sft_misaligned` is SFT whose
 processes all run their part of each line at the first part's positions (the offset every shard
 needs, left out), and `ppo_misaligned` the same for RL (ppo with tests/fixed_samples.py's
-completions). tests/test_sequence_parallel.py shows that their figures no longer match one
-process's: the comparisons there can fail."""
+completions). tests/test_sequence_parallel.py and tests/test_sequence_parallel_rl.py show that
+their figures no longer match one process's: the comparisons there can fail."""
 
 from __future__ import annotations
 

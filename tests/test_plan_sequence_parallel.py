@@ -86,15 +86,21 @@ def test_seeds_faster_zero2_at_8192_does_not_fit_even_shared_so_the_plan_keeps_z
     assert p.suggestions[0].changes == {"zero_stage": 3} and p.suggestions[0].estimate.fits
     offered = {s.changes["sequence_parallel"] for s in p.suggestions if "sequence_parallel" in s.changes}
     assert offered <= {2}
-    assert all("max_len" in s.changes for s in p.suggestions if "sequence_parallel" in s.changes)
+    # shared, it fits only with its MLPs tiled (22.8 GiB) or shorter rows
+    assert all({"max_len", "mlp_tiles"} & s.changes.keys() for s in p.suggestions if "sequence_parallel" in s.changes)
 
 
-def test_seeds_rm_at_16384_fits_only_shared_by_two():
+def test_seeds_rm_at_16384_fits_shared_by_two_or_with_its_mlps_tiled():
     p = seeds_rm(sequence_parallel=1, max_len=16384)
     assert p.fits is False
-    first = p.suggestions[0]
-    assert first.changes == {"sequence_parallel": 2} and first.estimate.fits and not first.changes_training
-    assert "max_len stays 16384" in first.description
+    shared = [s for s in p.suggestions if s.changes == {"sequence_parallel": 2}]
+    assert shared and shared[0].estimate.fits and not shared[0].changes_training
+    assert "max_len stays 16384" in shared[0].description
+    # cheaper per row, by 2%: 8 tiles of 4,096 positions on twice the GPUs, or with the optimizer offloaded
+    first, second = p.suggestions[:2]
+    assert first.changes == {"nodes": 2, "global_batch_size": 48, "mlp_tiles": 8}
+    assert second.changes == {"optimizer_offload": True, "mlp_tiles": 8}
+    assert p.suggestions[2] is shared[0] and p.suggestions[-1].changes == {"max_len": 8192}
 
 
 # --------------------------------------------------------------------------- 34B at 32k on the shipped 8 x A100 80 GB node
@@ -230,3 +236,45 @@ def test_a_tile_is_offered_among_the_fixes_that_keep_the_training():
     offered = [s for s in suggest(sft, shape, hw) if "logits_tile" in s.changes]
     assert offered and offered[0].changes["logits_tile"] == 1024 and not offered[0].changes_training
     assert offered[0].estimate.fits
+
+
+# --------------------------------------------------------------------------- mlp_tiles
+
+
+def test_tiled_mlps_hold_one_tile_of_intermediates_and_run_the_mlp_once_more():
+    # CodeLlama-34B SFT at 32,768 tokens on the shipped 8 A100 (checkpointed, optimizer offloaded):
+    # hidden 8192, MLP width 22,016, 48 layers, 32,768 positions a micro batch
+    from core.flops import matmul_flops_per_position
+
+    h, i, positions = 8192, 22016, 32768
+    whole = shipped("llama34b_dpo_8xa100", "sft", max_len=positions)
+    tiled = shipped("llama34b_dpo_8xa100", "sft", max_len=positions, mlp_tiles=4)
+    # the recomputed layer and its activation gradients count the MLP's input (2h bytes a position)
+    # instead of its four bf16 intermediates (8i), and one tile of 8,192 positions holds its
+    # intermediates and their gradients (16i)
+    assert activations(whole) - activations(tiled) == pytest.approx(2 * positions * (8 * i - 2 * h) - 8192 * 16 * i)
+    assert any("one tile of 8,192 positions (mlp_tiles 4)" in item.name for item in tiled.memory.items)
+    assert whole.memory.gpu_peak / GiB == pytest.approx(72.2, abs=0.05)
+    assert tiled.memory.gpu_peak / GiB == pytest.approx(64.6, abs=0.05)
+    # the MLP's forward once more in the backward (2 x 3hi FLOPs a position and layer), beside the 4
+    # passes of every matmul (forward, recompute, backward x2)
+    shape = shapes.resolve_shape(CODELLAMA_34B)
+    extra = tiled.time.work["matmul_flops"] / whole.time.work["matmul_flops"] - 1
+    assert extra == pytest.approx(6 * h * i * 48 / (4 * matmul_flops_per_position(shape, "lm")), rel=1e-9)
+    assert 11.2 * 60 < whole.time.step_s < 11.4 * 60 and 12.2 * 60 < tiled.time.step_s < 12.4 * 60
+
+
+def test_tiled_mlps_are_offered_where_a_long_max_len_does_not_fit():
+    # The same SFT at 40,960 tokens needs 84.9 GiB of 79.3; 5 tiles of 8,192 positions make it fit
+    from pipeline.plan.fixes import mlp_tiles_for, settings_relaxed, suggest
+
+    long = shipped("llama34b_dpo_8xa100", "sft", max_len=40960)
+    shape, hw = shapes.resolve_shape(CODELLAMA_34B), hardware_of(load_pipeline("llama34b_dpo_8xa100"))
+    assert not long.memory.fits and long.memory.gpu_peak / GiB == pytest.approx(84.9, abs=0.05)
+    assert mlp_tiles_for(long.knobs, shape) == 5
+    assert mlp_tiles_for(replace(long.knobs, sequence_parallel=8), shape) == 2  # 5,120 positions a process
+    offered = [s for s in suggest(long.knobs, shape, hw) if s.changes == {"mlp_tiles": 5}]
+    assert offered and not offered[0].changes_training and offered[0].estimate.fits
+    assert offered[0].estimate.memory.gpu_peak / GiB == pytest.approx(74.6, abs=0.05)
+    tiled = replace(long.knobs, mlp_tiles=5)
+    assert [s.description for s in settings_relaxed(tiled, shape, hw) if s.changes == {"mlp_tiles": None}]

@@ -21,6 +21,7 @@ Torch-free.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,10 +166,16 @@ def _project_case(record: Record):
     stage = PipelineSpec.model_validate(spec).stages[0]
     knobs = Knobs.from_stage(stage)
     name = project.stage_settings(case, run_settings)["data"]
-    rows = workload.data_files(described["rows"], config["vocab_size"], info["median_setting"],
-                               described["max_len"])[name]
-    per_row = [tuple(workload.sequence_lengths([row])) for row in rows]
-    return knobs, shape, RowLengths(tuple(per_row), f"{len(rows)} rows of {name}, made again", "words")
+    per_row = _row_lengths(described["rows"], config["vocab_size"], info["median_setting"], described["max_len"])[name]
+    return knobs, shape, RowLengths(per_row, f"{len(per_row)} rows of {name}, made again", "words")
+
+
+@functools.lru_cache(maxsize=None)
+def _row_lengths(rows: int, vocab: int, median: int, max_len: int) -> dict[str, tuple]:
+    """The sequence lengths of every row of a workload's data files, by file name. Making the rows
+    again draws tens of millions of random words, and the records share a few workloads: once each."""
+    return {name: tuple(tuple(workload.sequence_lengths([row])) for row in made)
+            for name, made in workload.data_files(rows, vocab, median, max_len).items()}
 
 
 def compare(record: Record, calibration=None) -> dict:

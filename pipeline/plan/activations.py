@@ -24,6 +24,10 @@ the training precision.
   (8 bytes). A chunk's backward holds up to four fp32 chunk-sized tensors at once
   (the previous chunk's two and the current one's two), its forward three. A
   frozen LM's forward: T*V*b + the forward's chunk. Scalar heads have no logits.
+- tiled MLPs (mlp_tiles K, stages/models.py tiled_mlp): a layer keeps its MLP's input (b*h)
+  instead of its four intermediates (4bi); the MLP's backward recomputes one tile of
+  ceil(T/K) positions at a time and holds that tile's intermediates and their gradients
+  (8bi per position), a frozen forward one tile's intermediates (4bi).
 - sequence parallel (N > 1): each process holds its 1/N of every line's positions, so T is
   its share (activations, activation gradients, logits: each process computes the logits of
   its own positions); attention runs over the whole lines for 1/N of the heads (the same
@@ -52,7 +56,7 @@ def layer_activation_bytes(shape: ModelShape, knobs: Knobs, kernel: str, width: 
     h, b = shape.hidden, knobs.weight_bytes
     norms = 2 * (4 * h + 2 * b * h)
     attention = b * (2 * shape.q_width + 2 * shape.kv_width) + 4 * shape.heads
-    mlp = 4 * b * shape.intermediate
+    mlp = b * h if knobs.mlp_tiles else 4 * b * shape.intermediate  # tiled: the MLP keeps only its input
     lora = b * knobs.lora_rank * len(knobs.lora_targets) if knobs.lora_rank else 0
     scores = shape.heads * width * (4 + (b if b < 4 else 0)) if kernel == "eager" else 0.0
     return norms + attention + mlp + lora + scores
@@ -103,6 +107,21 @@ def tiled(knobs: Knobs) -> str:
     return f" (one tile of {knobs.logits_tile} positions)" if knobs.logits_tile else ""
 
 
+def mlp_tile_positions(knobs: Knobs, tokens: int) -> int:
+    """Positions of a tiled MLP's largest tile (mlp_tiles), of a process's `tokens`."""
+    return -(-tokens // knobs.mlp_tiles)
+
+
+def mlp_tile(role: str, shape: ModelShape, knobs: Knobs, tokens: int, trained: bool) -> list[Pass]:
+    """One tile's MLP intermediates (and, trained, their gradients) under mlp_tiles; none without."""
+    if not knobs.mlp_tiles:
+        return []
+    positions = mlp_tile_positions(knobs, tokens)
+    what = "intermediates + their gradients" if trained else "intermediates"
+    return [(f"{role} MLP {what} of one tile of {positions:,} positions (mlp_tiles {knobs.mlp_tiles})",
+             "activations", positions * (8 if trained else 4) * knobs.weight_bytes * shape.intermediate)]
+
+
 def _stored(shape: ModelShape, knobs: Knobs, tokens: int, layer: float) -> float:
     """Activations a trained model's forward keeps for its backward (checkpointing: each layer's input)."""
     if knobs.gradient_checkpointing:
@@ -129,6 +148,7 @@ def trained_pass(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str) -
         at_loss, in_layers = [stored], [stored]
     in_layers.append((f"{role} activation gradients (one layer)", "activations",
                       tokens * (layer + 4 * shape.hidden + 2 * b * shape.hidden)))
+    in_layers += mlp_tile(role, shape, knobs, tokens, trained=True)
     if knobs.sequence_parallel > 1:
         in_layers.append((f"{role} all-to-all copies of one layer's q, k, v and output", "buffers",
                           tokens * b * (2 * shape.q_width + 2 * shape.kv_width)))
@@ -145,6 +165,7 @@ def frozen_forward(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str)
     layer = layer_activation_bytes(shape, knobs, kernel, line_width(knobs, workload, kernel, tokens))
     out = [(f"{role} forward activations (one layer, no grad)", "activations", tokens * layer),
            (f"{role} attention mask ({kernel})", "activations", attention_mask_bytes(knobs, workload, kernel, tokens))]
+    out += mlp_tile(role, shape, knobs, tokens, trained=False)
     if use.head == "lm":
         out.append((f"{role} logits ({knobs.precision}), fp32 log-prob chunks{tiled(knobs)}", "logits",
                     logits_bytes(shape, logit_positions(knobs, tokens), knobs.weight_bytes, trained=False)))

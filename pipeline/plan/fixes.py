@@ -15,7 +15,7 @@ from core.sequence_parallel import SHARDABLE_ATTENTION, shares_for
 from core.shapes import ModelShape
 from pipeline.lengths import RowLengths
 from pipeline.plan.estimate import Estimate, estimate_stage
-from pipeline.plan.inputs import REFERENCE_PLACEMENTS, Hardware, Knobs, PPOWorkload
+from pipeline.plan.inputs import REFERENCE_PLACEMENTS, Hardware, Knobs, PPOWorkload, Workload
 
 
 @dataclass
@@ -51,6 +51,13 @@ def logits_tile_for(vocab: int) -> int:
     """The logits_tile to suggest: the largest power of two of positions whose logits stay within
     TILE_LOGITS (1024 for a 128K vocabulary), at least 64."""
     return max(64, 2 ** int(math.log2(max(TILE_LOGITS // vocab, 1))))
+
+
+def mlp_tiles_for(knobs: Knobs, shape: ModelShape) -> int:
+    """The mlp_tiles to suggest: tiles of about `hidden` positions of a process's micro batch (as
+    DeepSpeed's ALST picks them), whose intermediates are then the size of one MLP weight; at least 2."""
+    tokens = Workload(knobs.stage_kind.sequences_per_row, knobs.max_len).train_tokens(knobs)
+    return max(2, -(-tokens // shape.hidden))
 
 
 def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tuple[str, dict, str, bool]]:
@@ -100,6 +107,11 @@ def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tu
         tile = logits_tile_for(shape.vocab)
         out.append(("logits", {"logits_tile": tile},
                     f"logits_tile: {tile} (the LM head's logits {tile} positions at a time; the same loss)", False))
+    if knobs.stage_kind.tiled_mlp and not knobs.mlp_tiles:
+        tiles = mlp_tiles_for(knobs, shape)
+        out.append(("mlp", {"mlp_tiles": tiles},
+                    f"mlp_tiles: {tiles} (each MLP over {tiles} tiles of positions, recomputed in the backward; "
+                    "the same loss)", False))
     for n in sequence_shares(knobs, shape, hw):
         out.append(("sequence", {"sequence_parallel": n},
                     f"sequence_parallel: {n} ({processes // n} data-parallel group{'' if processes == n else 's'} of {n} processes sharing each "
@@ -199,6 +211,8 @@ def settings_relaxed(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Option
         options.append(({"sequence_parallel": 1}, "sequence_parallel: 1 (every process a sequence of its own)"))
     if knobs.logits_tile:
         options.append(({"logits_tile": None}, "no logits_tile (all of a micro batch's logits at once)"))
+    if knobs.mlp_tiles:
+        options.append(({"mlp_tiles": None}, "no mlp_tiles (each MLP over all of a micro batch's positions at once)"))
     if knobs.optimizer_offload:
         more = knobs.nodes + 1
         while (more * hw.processes_per_node) % knobs.sequence_parallel:  # the shares must still divide the processes

@@ -41,6 +41,7 @@ class Knobs:
     reference: Optional[str] = "live"  # dpo, ppo: where the frozen reference waits; None: ppo holds none
     sequence_parallel: int = 1  # processes sharing each micro batch's sequences (Ulysses)
     logits_tile: Optional[int] = None  # positions whose logits the LM head computes at once (None: all)
+    mlp_tiles: Optional[int] = None  # tiles each MLP runs a micro batch's positions in (None: all at once)
 
     @classmethod
     def from_stage(cls, stage) -> "Knobs":
@@ -65,6 +66,7 @@ class Knobs:
             reference=reference_placement(stage),
             sequence_parallel=stage.sequence_parallel,
             logits_tile=stage.logits_tile,
+            mlp_tiles=stage.mlp_tiles,
         )
 
     @property

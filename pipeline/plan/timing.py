@@ -15,6 +15,8 @@ default), so a term that is wrong can be found and measured on its own:
     attention   4 x layers x q_width per query-key pair the kernel computes (whole lines under
                 sdpa/eager masks, each sequence's own with flash), same pass multiples; at the
                 kernel's share of the datasheet peak
+    tiled MLP   (mlp_tiles) the MLP's matmuls once more in the backward, where it reruns each
+                tile (ZeRO-3's gathers and hooks for each tile's call are not counted)
     the loss    logits (positions x vocabulary) through the loss forward and backward, at
                 bytes per logit through GPU memory
     ZeRO-3      its fetch and release hooks: a fixed cost per layer and pass (forward,
@@ -67,6 +69,8 @@ COMM_OVERLAP = 0.5
 # Passes a trained layer makes per micro batch, in units of one forward: the backward launches
 # about twice the forward's kernels.
 BACKWARD_PASSES = 2
+# The MLP's linear layers (core/shapes.py linear_dims), which a tiled MLP reruns in the backward.
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -292,16 +296,19 @@ def pass_work(shape: ModelShape, head: str, positions: float, attended: float, *
     layer_passes = shape.layers * (1 + recompute + BACKWARD_PASSES)
     # A tiled head (logits_tile) runs again in the backward: its matmul and the loss's read of the logits.
     tiled = bool(knobs.logits_tile) and head == "lm"
+    # A tiled MLP (mlp_tiles) runs its forward again in the backward, tile by tile.
+    dims = shape.linear_dims()
+    mlp_again = (2 * shape.layers * positions * sum(a * o for a, o in (dims[m] for m in MLP_LINEARS))
+                 if knobs.mlp_tiles else 0.0)
     work = GPUWork(
         matmul_flops=matmul * (1 + recompute + (1 if lora else 2)) + (2 * shape.hidden * shape.vocab * positions
-                                                                      if tiled else 0.0),
+                                                                      if tiled else 0.0) + mlp_again,
         attention_flops=attention * (1 + recompute + 2),
         logits=(3 if tiled else 2) * logits,
         layer_passes=layer_passes,
         exchanged_bytes=exchanged * (1 + recompute + 1),  # the backward exchanges the gradients back
     )
     if lora:
-        dims = shape.linear_dims()
         adapted = sum(a + o for a, o in (dims[t] for t in knobs.lora_targets if t in dims))
         work.lora_elements = positions * layer_passes * adapted
         work.matmul_flops += 4 * sum(shape.lora_tensors(knobs.lora_rank, knobs.lora_targets)) * positions
