@@ -360,8 +360,9 @@ class TrainingKnobs(Strict):
         "between them (all-to-alls of queries, keys and values in and of the output back, in every layer). "
         "The rows are split over processes / N. N must divide the processes and the model's attention heads, "
         "and its key-value heads (or they divide N); consecutive processes share, so N up to the GPUs per "
-        "node keeps the exchange inside a node. sft, rm and dpo; needs transformers >= 4.51.3 and DeepSpeed "
-        ">= 0.18 (the current stack, not the pinned one).",
+        "node keeps the exchange inside a node. sft, rm, dpo and ppo (its scoring and training passes; "
+        "sampling stays whole-sequence, each process of a group sampling 1/N of the group's prompts); needs "
+        "transformers >= 4.51.3 and DeepSpeed >= 0.18 (the current stack, not the pinned one).",
     )
     logits_tile: Optional[int] = Field(
         None, ge=1, le=1_000_000,
@@ -890,7 +891,7 @@ class PPOStage(StageBase):
                 f"{where}.rollout_batch_size: {self.rollout_batch_size} prompts do "
                 f"not split evenly over {processes} processes"
             )
-        per_step = rows_per_step(self.global_batch_size, self.micro_batch_size, processes)
+        per_step = rows_per_step(self.global_batch_size, self.micro_batch_size, self.data_parallel(processes))
         if sequences % per_step:
             raise ValueError(
                 f"{where}.rollout_batch_size: a rollout of {sequences} sequences "
@@ -900,7 +901,7 @@ class PPOStage(StageBase):
 
 
 kinds.register(StageKind("ppo", PPOStage, rows="prompt", headline="final_reward", frozen_reference=True,
-                         rollouts=True))
+                         rollouts=True, sequence_parallel=True))
 
 
 def _stage_of_its_kind(value: Any, handler, info) -> Any:

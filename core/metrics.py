@@ -56,7 +56,7 @@ GROUPS = {
     "time": (*ROLLOUT_PHASES, *ROLLOUT_PHASE_PARTS),  # where a PPO rollout's time goes
     "gpu_busy": GPU_BUSY_KEYS,
     "progress": ("eta_s", "epoch", "rollout"),
-    "optim": ("lr", "grad_norm", "kl_coef"),
+    "optim": ("lr", "grad_norm", "critic_grad_norm", "kl_coef"),
 }
 _GROUP_OF = {key: group for group, keys in GROUPS.items() for key in keys}
 

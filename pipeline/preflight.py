@@ -60,7 +60,7 @@ def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
         check_upstream(spec, stage, where, cache)
         root = root_model(spec, stage)
         check_positions(stage, root, where, cache)
-        check_sequence_parallel(stage, root, where, cache, spec.cluster.processes_per_node * stage.nodes,
+        check_sequence_parallel(spec, stage, root, where, cache, spec.cluster.processes_per_node * stage.nodes,
                                 stack_is_here=executor.runs_this_python(spec))
         check_tiles(stage, where, stack_is_here=executor.runs_this_python(spec))
         found = check_data(stage, where, hub)
@@ -165,16 +165,23 @@ def check_positions(stage, root: str, where: str, cache: HFCache) -> None:
         )
 
 
-def check_sequence_parallel(stage, root: str, where: str, cache: HFCache, processes: int, stack_is_here: bool) -> None:
-    """Processes can share the stage's sequences: the model's heads split over them, and the stack
-    has Ulysses attention (checked here where the stages run with this python; a container's stack
-    is checked by the stage itself when it starts)."""
+def check_sequence_parallel(spec: PipelineSpec, stage, root: str, where: str, cache: HFCache, processes: int,
+                            stack_is_here: bool) -> None:
+    """Processes can share the stage's sequences: the heads of every model it runs (its own, and
+    the upstream ones it loads: ppo's reward model, which scores shared batches too) split over
+    them, and the stack has Ulysses attention (checked here where the stages run with this python;
+    a container's stack is checked by the stage itself when it starts)."""
     if stage.sequence_parallel == 1:
         return
-    shape = shape_of(root, cache)
-    problem = shape and sequence_parallel.share_problem(shape.heads, shape.kv_heads, processes, stage.sequence_parallel)
-    if problem:
-        raise InvalidInput(f"{where}.sequence_parallel: {problem} (model {root})")
+    models = {root: ""}
+    for field, name in stage.upstream_references:
+        models.setdefault(root_model(spec, spec.stage(name)), f", the {field}")
+    for model, which in models.items():
+        shape = shape_of(model, cache)
+        problem = shape and sequence_parallel.share_problem(shape.heads, shape.kv_heads, processes,
+                                                            stage.sequence_parallel)
+        if problem:
+            raise InvalidInput(f"{where}.sequence_parallel: {problem} (model {model}{which})")
     problem = stack_is_here and sequence_parallel.stack_problem()
     if problem:
         raise InvalidInput(f"{where}.{problem}")

@@ -499,7 +499,8 @@ class Window:
             mfu=flops / (elapsed * world * self.peak_flops) if self.peak_flops else None,
             gpu_mem_peak_gib=gpu_peak,
             gpu_mem_reserved_gib=gpu_reserved,
-            host_rss_gib=rss / self.nodes / 2**30,
+            # Every process's own memory: all_reduce_sums counted a sequence-sharing group's once.
+            host_rss_gib=rss * sequence_parallel.layout().size / self.nodes / 2**30,
         )
         self.restart()
         return record

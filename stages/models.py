@@ -247,6 +247,22 @@ def output_of(module):
         handle.remove()
 
 
+def position_scores(model, batch):
+    """(lines, width): a scalar head's output at every position of `batch` under `model` (a reward
+    model or critic: a DeepSpeed engine or a FrozenModel), read from the head before transformers
+    picks a position; a shared batch's whole lines (stages/sequence_parallel.py)."""
+    with output_of(score_head(model.module)) as scores:
+        batch.forward(model)
+    return batch.gathered(scores.value.squeeze(-1).float())
+
+
+def sequence_scores(model, batch, pad_id: int):
+    """(sequences,): each sequence's score under a sequence classifier: the head's output at the
+    token transformers' classifier reads (its last token that is not the pad id), so a model scores
+    as it was trained, packed, padded or shared."""
+    return position_scores(model, batch).reshape(-1)[batch.last_tokens(skip_id=pad_id)]
+
+
 def next_token_logprobs(model, batch, tile: Optional[int] = None):
     """(lines, width - 1): the log-prob of each next response token of `batch` under `model` (a
     DeepSpeed engine or a FrozenModel), as Batch.logprobs gives. With `tile`, the LM head runs on

@@ -39,9 +39,9 @@ from core.config import RULES_NEEDING_LABELS
 from core.errors import InvalidInput
 from core.flops import rollout_sequence_flops
 from core.rewards import RuleReward
-from stages import data, engine, generation, models, phases
+from stages import data, engine, generation, models, phases, sequence_parallel
 from stages import losses as L
-from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, logprobs_of, values_of
+from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, entropy_of, logprobs_of, values_of
 
 
 @kinds.implements("ppo")
@@ -91,6 +91,7 @@ class Rollouts:
         self.stage, self.ctx, self.models, self.schedule = stage, ctx, rl_models, schedule
         self.prompts, self.eval_prompts, self.flop_models = prompts, eval_prompts, flop_models
         self.engine = rl_models.actor
+        self.group = sequence_parallel.layout().data_rank  # whose prompts this process's rollouts hold
         self.clock = phases.Clock(phases.nvml_reader(ctx.device) if ctx.on_gpu else None)
         self.decoding_limit = decoding_limit(stage, ctx, rl_models.actor.module, flop_models[0][0])
         self.others = {"critic": rl_models.critic} if rl_models.critic is not None else {}
@@ -107,7 +108,7 @@ class Rollouts:
         # Every moment of the rollout is in one phase: other_s, unless a named one runs (stages/phases.py).
         with clock.phase("other_s"):
             rollout = self.maker.make(
-                lambda round_: [self.prompts[i] for i in schedule.prompt_rows(index, round_, self.ctx)],
+                lambda round_: [self.prompts[i] for i in schedule.prompt_rows(index, round_, self.group)],
                 self.kl_control.value)
             window.add(rollout, {}, sum(rollout_sequence_flops(self.flop_models, len(s), stage.ppo_epochs)
                                         for s in rollout.sequences))
@@ -213,7 +214,8 @@ def rollout_flop_models(task, model_path: str, rl_models: Models) -> list:
 class Schedule:
     """How prompts become rollouts and rollouts optimizer steps."""
 
-    per_rank_prompts: int  # prompts per process per rollout
+    per_group_prompts: int  # prompts per data-parallel group per rollout (a process: without shared sequences)
+    groups: int  # data-parallel groups: the processes, or processes / sequence_parallel
     steps_per_rollout: int  # optimizer steps (all ppo_epochs)
     rollouts_per_epoch: int
     total_steps: int
@@ -224,25 +226,27 @@ class Schedule:
 
     @classmethod
     def of(cls, stage, world: int, ds_config: dict, n_prompts: int) -> "Schedule":
-        per_rank = stage.rollout_batch_size // world
+        groups = stage.data_parallel(world)
+        per_group = stage.rollout_batch_size // groups
         sequences_per_step = stage.micro_batch_size * ds_config["gradient_accumulation_steps"]
-        steps_per_rollout = stage.ppo_epochs * per_rank * stage.n_samples_per_prompt // sequences_per_step
+        steps_per_rollout = stage.ppo_epochs * per_group * stage.n_samples_per_prompt // sequences_per_step
         rollouts_per_epoch = n_prompts // stage.rollout_batch_size
         if rollouts_per_epoch == 0:
             raise InvalidInput(f"{stage.data.path}: {n_prompts} training prompts are fewer than one rollout "
                                f"(rollout_batch_size {stage.rollout_batch_size})")
         total_steps = stage.max_steps or stage.epochs * rollouts_per_epoch * steps_per_rollout
-        return cls(per_rank, steps_per_rollout, rollouts_per_epoch, total_steps, -(-total_steps // steps_per_rollout),
+        return cls(per_group, groups, steps_per_rollout, rollouts_per_epoch, total_steps, -(-total_steps // steps_per_rollout),
                    n_prompts, stage.rollout_batch_size, stage.seed)
 
-    def prompt_rows(self, rollout: int, round_: int, ctx) -> tuple[int, ...]:
-        """This process's prompts for sampling round `round_` of a rollout: round 0 takes the epoch's
-        order; dynamic sampling's later rounds take the same place in orders reshuffled per round,
-        so a resumed run draws the same prompts."""
+    def prompt_rows(self, rollout: int, round_: int, group: int) -> tuple[int, ...]:
+        """Data-parallel group `group`'s prompts (sequence_parallel.Layout.data_rank: a process's
+        own, without shared sequences) for sampling round `round_` of a rollout: round 0 takes the
+        epoch's order; dynamic sampling's later rounds take the same place in orders reshuffled per
+        round, so a resumed run draws the same prompts."""
         epoch, position = divmod(rollout, self.rollouts_per_epoch)
         steps = batching.epoch_steps(self.n_prompts, rows_per_step=self.rollout_batch_size,
-                                     micro_batch_size=self.per_rank_prompts, rank=ctx.rank,
-                                     world_size=ctx.world_size, seed=self.seed + 1_000_003 * round_, epoch=epoch)
+                                     micro_batch_size=self.per_group_prompts, rank=group,
+                                     world_size=self.groups, seed=self.seed + 1_000_003 * round_, epoch=epoch)
         return steps[position].micro_batches[0].rows
 
 
@@ -250,7 +254,8 @@ class Schedule:
 
 
 def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, index: int) -> dict[str, float]:
-    """ppo_epochs passes over the rollout in optimizer steps; the means over steps of what to log."""
+    """ppo_epochs passes over the rollout in optimizer steps; the means over steps of what to log
+    (grad_norm, critic_grad_norm: the gradient norm of every process's step, before clipping)."""
     actor, critic = rl_models.actor, rl_models.critic
     actor.train()
     if critic is not None:
@@ -259,6 +264,7 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
     order_generator = torch.Generator().manual_seed(stage.seed * 7919 + index)
     lengths = [len(s) for s in rollout.sequences]
     sums: dict[str, float] = {}
+    norms: dict[str, list[float]] = {}
     steps = processed = 0
     for _ in range(stage.ppo_epochs):
         order = torch.randperm(len(rollout), generator=order_generator).tolist()
@@ -275,10 +281,15 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
                                            boundary=j == len(micro) - 1)
                 for key, value in shares.items():
                     sums[key] = sums.get(key, 0.0) + value
+            for key, model in (("grad_norm", actor), ("critic_grad_norm", critic)):
+                norm = model.get_global_grad_norm() if model is not None else None
+                if norm is not None:
+                    norms.setdefault(key, []).append(float(norm))
             steps += 1
     *totals, processed_all, real_all = engine.all_reduce_sums(
         list(sums.values()) + [float(processed), float(stage.ppo_epochs * rollout.real_tokens)])
     means = {key: total / steps for key, total in zip(sums, totals)}
+    means.update({key: sum(values) / len(values) for key, values in norms.items()})
     return {**means, "train_token_efficiency": real_all / max(processed_all, 1.0)}
 
 
@@ -288,25 +299,29 @@ def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, k
     this micro batch's shares of the step's logged means."""
     actor, critic = rl_models.actor, rl_models.critic
     share = step_share(batch, stage, tokens, sequences)
-    loss, new, logits, clipped = policy_objective(actor, batch, stage, kl_coef, share)
-    # DeepSpeed averages gradients over processes; the shares add up over them.
     actor.set_gradient_accumulation_boundary(boundary)
-    actor.backward(loss * world, scale_wrt_gas=False)
+    # Backward inside apart() too: gradient checkpointing recomputes the forward there (on shared
+    # sequences, with the exchange).
+    with batch.tokens.apart():
+        loss, new, logits, clipped = policy_objective(actor, batch, stage, kl_coef, share)
+        # DeepSpeed averages gradients over processes; the shares add up over them.
+        actor.backward(loss * world, scale_wrt_gas=False)
     actor.step()
     with torch.no_grad():
         record = {
             "policy_loss": loss.item(),
             "clip_fraction": share(clipped.float()).item(),
             "approx_kl": share(L.kl_penalty(batch.old_logprobs, new.detach(), "k3")).item(),
-            "entropy": share(L.entropy_from_logits(logits[:, :-1].detach().float())).item(),
+            "entropy": share(entropy_of(batch.tokens, logits.detach())).item(),
         }
     if critic is not None:
-        values = values_of(critic, batch.tokens)
-        value_losses, value_clipped = L.value_loss(values, batch.values, batch.returns, batch.mask,
-                                                   stage.value_clip_eps)
-        value_loss = share(value_losses)
         critic.set_gradient_accumulation_boundary(boundary)
-        critic.backward(value_loss * world, scale_wrt_gas=False)
+        with batch.tokens.apart():
+            values = values_of(critic, batch.tokens)
+            value_losses, value_clipped = L.value_loss(values, batch.values, batch.returns, batch.mask,
+                                                       stage.value_clip_eps)
+            value_loss = share(value_losses)
+            critic.backward(value_loss * world, scale_wrt_gas=False)
         critic.step()
         record.update(value_loss=value_loss.item(), value_clip_fraction=share(value_clipped.float()).item())
     return record

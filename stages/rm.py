@@ -37,13 +37,10 @@ def run(task, ctx) -> dict:
     eval_set = data.TokenRows(eval_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=2)
     steps_per_epoch, total_steps = engine.step_counts(len(train_tokens), train_set.rows_per_step, stage)
     ds = engine.initialize(model, stage, ds_config, total_steps)
-    score_head = models.score_head(ds.module)
 
     def rewards(batch):
         """(chosen rewards, rejected rewards) of the batch's pairs."""
-        with models.output_of(score_head) as scores:
-            batch.forward(ds)
-        read = batch.gathered(scores.value.squeeze(-1).float()).reshape(-1)[batch.last_tokens(skip_id=tokenizer.pad_token_id)]
+        read = models.sequence_scores(ds, batch, tokenizer.pad_token_id)
         return read[0::2], read[1::2]
 
     # ---- loss and evaluation

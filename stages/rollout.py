@@ -18,6 +18,16 @@ clock (stages/phases.py; metrics: generate_s, score_s, and inside them gather_s 
 
 Every process holds the same number of sequences and makes the same collective calls in the
 same order (ZeRO-3 gathers parameters collectively), whatever its own samples were.
+
+Shared sequences (sequence_parallel N, stages/sequence_parallel.py): the prompts are split over the
+data-parallel groups, and every process of a group holds the group's whole rollout, in the same
+order. Sampling stays whole-sequence (attention runs as usual outside a shared batch): each
+process of a group samples its 1/N of the group's prompts (whole groups of samples) and the
+group gathers the completions (`RolloutMaker.sample`). From there every process of the group
+computes the same rewards (rules on the same text; the reward model on a shared batch) and runs
+the scoring passes (actor, reference, critic, reward model) on shared batches, each process its
+1/N of every sequence's positions, gathered into whole lines. Sums over processes count a
+group's numbers once (engine.all_reduce_sums).
 """
 
 from __future__ import annotations
@@ -30,9 +40,10 @@ import torch.distributed as dist
 
 from core import batching
 from core.rewards import RewardError, RuleReward, RunningMoments, Samples
-from stages import data, engine
+from stages import data, engine, sequence_parallel
 from stages import losses as L
 from stages.generation import generate
+from stages.models import position_scores, sequence_scores
 from stages.phases import Clock
 
 
@@ -68,7 +79,9 @@ class Models:
 @dataclass
 class TrainBatch:
     """A micro batch of a rollout for one training pass: B sequences right-padded to their
-    longest (W tokens); the per-token tensors are (B, W - 1), aligned with token_logprobs."""
+    longest (W tokens); the per-token tensors are (B, W - 1), aligned with token_logprobs.
+    Where processes share sequences `tokens` is this process's part (lines widened to a multiple
+    of the processes: `whole` cuts what they give back)."""
 
     tokens: data.Batch
     mask: torch.Tensor  # response tokens that train
@@ -123,16 +136,24 @@ class Rollout:
         return sum(len(s) for s in self.sequences)
 
     def train_batch(self, rows: Sequence[int], pad_id: int, device) -> TrainBatch:
-        tokens = data.padded_batch([{"input_ids": self.sequences[i], "loss_mask": self.response_masks[i]}
-                                    for i in rows], pad_id).to(device)
+        """The rows as a micro batch (this process's part of it when processes share sequences)."""
+        tokens = padded(self.sequences, self.response_masks, rows, pad_id, device)
         index = torch.tensor(list(rows), device=self.mask.device)
-        width = tokens.input_ids.shape[1] - 1
+        width = max(tokens.lengths) - 1
 
         def take(tensor):
             return None if tensor is None else tensor[index, :width]
 
         return TrainBatch(tokens, take(self.mask), take(self.old_logprobs), take(self.ref_logprobs),
                           take(self.advantages), take(self.returns), take(self.values))
+
+
+def padded(sequences, response_masks, rows: Sequence[int], pad_id: int, device):
+    """Rows of a rollout as a right-padded micro batch on the device: this process's part of it
+    where processes share sequences (its tensors are still the whole lines, widened to a multiple
+    of the processes: `whole` cuts what they give back to the rollout's width)."""
+    batch = data.padded_batch([{"input_ids": sequences[i], "loss_mask": response_masks[i]} for i in rows], pad_id)
+    return sequence_parallel.shard(batch.to(device))
 
 
 # --------------------------------------------------------------------------- sampling
@@ -145,7 +166,9 @@ def informative_groups(rewards: Sequence[float], group_size: int) -> list[bool]:
 
 
 def sum_over_processes(values: torch.Tensor) -> torch.Tensor:
-    """A 1-D tensor summed over every process, in float64 (losses.SumOverProcesses)."""
+    """A 1-D tensor summed over every process, in float64, on the host (losses.SumOverProcesses: a
+    new tensor; engine.sum_over_processes sums in place where the tensor lies). Processes that share
+    sequences hold the same rollout: its numbers count once."""
     return torch.tensor(engine.all_reduce_sums(values.detach().double().cpu().clone()), dtype=torch.float64)
 
 
@@ -224,7 +247,7 @@ class RolloutMaker:
             batch = [p for p in prompts_of_round(round_) for _ in range(n)]
             wanted = len(batch)
             with self.clock.phase("generate_s"):
-                responses = self.generate(batch)
+                responses = self.sample(batch)
             with self.clock.phase("score_s"):
                 rewards, terms = self.score(batch, responses)
             every.add(batch, responses, rewards, terms=terms)
@@ -243,6 +266,19 @@ class RolloutMaker:
         sampling = {"groups_kept": counts[0], "groups_dropped": counts[1], "groups_filled": counts[2],
                     "sampling_rounds": round_ + 1}
         return every, kept, sampling
+
+    def sample(self, prompts: Sequence[Prompt], greedy: bool = False) -> list[list[int]]:
+        """Completions of `prompts`. Where processes share sequences, every process of a group holds
+        the same prompts: each samples its 1/N of them (contiguous, so a prompt's samples stay
+        together; whole sequences, as without sharing) and the group gathers them in order."""
+        layout = sequence_parallel.layout()
+        if layout.size == 1:
+            return self.generate(prompts, greedy)
+        part = len(prompts) // layout.size  # callers give a multiple of the group's processes
+        mine = self.generate(prompts[layout.rank * part : (layout.rank + 1) * part], greedy)
+        everyone = [None] * layout.size
+        dist.all_gather_object(everyone, mine, group=layout.group)
+        return [response for responses in everyone for response in responses]
 
     def score(self, prompts: Sequence[Prompt], responses: list[list[int]]) -> tuple[list[float], dict[str, float]]:
         """Summed reward per completion, before normalisation, and each term's mean. A reward rule that
@@ -281,8 +317,10 @@ class RolloutMaker:
         scores = [0.0] * len(rows)
         lengths = [len(row["input_ids"]) for row in rows]
         for part in batching.by_length(range(len(rows)), lengths, stage.micro_rollout_batch_size):
-            batch = data.padded_batch([rows[i] for i in part], tokenizer.pad_token_id).to(self.ctx.device)
-            for i, score in zip(part, batch.forward(self.models.reward_model).logits.squeeze(-1).float().tolist()):
+            batch = sequence_parallel.shard(data.padded_batch([rows[i] for i in part], tokenizer.pad_token_id)
+                                            .to(self.ctx.device))
+            read = sequence_scores(self.models.reward_model, batch, tokenizer.pad_token_id)
+            for i, score in zip(part, read.tolist()):
                 scores[i] = score
         return scores
 
@@ -293,7 +331,8 @@ class RolloutMaker:
         if stage.reward.normalize:
             everyone = [None] * self.ctx.world_size
             dist.all_gather_object(everyone, drawn)
-            self.moments.update([r for part in everyone for r in part])
+            # The processes of a sharing group (consecutive ranks) drew the same: one of each group.
+            self.moments.update([r for part in everyone[:: sequence_parallel.layout().size] for r in part])
             return self.moments.normalize(rewards, stage.reward.clip)
         if stage.reward.clip:
             return [max(-stage.reward.clip, min(stage.reward.clip, r)) for r in rewards]
@@ -319,15 +358,14 @@ class RolloutMaker:
         processed = 0
         lengths = [len(s) for s in sequences]
         for rows in batching.by_length(range(len(sequences)), lengths, stage.micro_rollout_batch_size):
-            batch = data.padded_batch([{"input_ids": sequences[i], "loss_mask": response_masks[i]} for i in rows],
-                                      models.tokenizer.pad_token_id).to(device)
-            w = batch.input_ids.shape[1] - 1
+            batch = padded(sequences, response_masks, rows, models.tokenizer.pad_token_id, device)
+            w = max(batch.lengths) - 1
             processed += batch.processed_tokens
             part = torch.tensor(rows, device=device)
             old[part, :w] = logprobs_of(models.actor, batch, stage.temperature)[0]
             if ref is not None:
                 ref[part, :w] = logprobs_of(models.reference, batch, stage.temperature)[0]
-            mask[part, :w] = batch.loss_mask[:, 1:].float()
+            mask[part, :w] = batch.loss_mask[:, 1 : w + 1].float()
             if values is not None:
                 values[part, :w] = values_of(models.critic, batch)
         mask *= torch.tensor(drawn.trains, dtype=mask.dtype, device=device).unsqueeze(1)
@@ -347,26 +385,38 @@ class RolloutMaker:
 
     @torch.no_grad()
     def held_out_reward(self, prompts: Sequence[Prompt]) -> float:
-        """Mean reward of greedy completions of the held-out prompts (each scored once, over all processes)."""
-        rank, world = self.ctx.rank, self.ctx.world_size
-        share = list(prompts[rank::world])
-        calls = -(-len(prompts) // world)  # the same number of prompts on every process
-        padded = share + (share or list(prompts))[:1] * (calls - len(share))
-        rewards, _ = self.score(padded, self.generate(padded, greedy=True))
+        """Mean reward of greedy completions of the held-out prompts (each scored once, over all
+        data-parallel groups; a group's processes sample its prompts together: `sample`)."""
+        layout = sequence_parallel.layout()
+        share = list(prompts[layout.data_rank :: layout.data_world])
+        calls = -(-len(prompts) // layout.data_world)  # the same number of prompts on every group,
+        calls = -(-calls // layout.size) * layout.size  # split evenly over its processes
+        filled = share + (share or list(prompts))[:1] * (calls - len(share))
+        rewards, _ = self.score(filled, self.sample(filled, greedy=True))
         return gathered_mean(rewards[: len(share)])
+
+
+def whole(batch: data.Batch, per_token: torch.Tensor) -> torch.Tensor:
+    """A (B, W'-1) per-token tensor of a padded micro batch cut to its sequences' width W - 1 (a
+    shared batch's lines are widened to a multiple of its processes: stages/sequence_parallel.py)."""
+    return per_token[:, : max(batch.lengths) - 1]
 
 
 def logprobs_of(model, batch: data.Batch, temperature: float):
     """Token log-probs (B, W-1) of the batch's response tokens under the model (sampling
-    temperature applied), and the logits."""
+    temperature applied; losses.token_logprobs' alignment), whole lines where processes share them,
+    and the logits of the positions this process ran."""
     logits = batch.forward(model).logits
-    return L.token_logprobs(logits.float() / temperature, batch.input_ids, batch.loss_mask), logits
+    return whole(batch, batch.logprobs(logits.float() / temperature)), logits
+
+
+def entropy_of(batch: data.Batch, logits: torch.Tensor) -> torch.Tensor:
+    """The policy's entropy (B, W-1) at each position that predicts a token, from its logits as
+    they are (no temperature), whole lines where processes share them (each computes its own
+    positions')."""
+    return whole(batch, batch.gathered(L.entropy_from_logits(logits.float()))[:, :-1])
 
 
 def values_of(critic, batch: data.Batch) -> torch.Tensor:
     """The critic's value (B, W-1) at each position, aligned with token_logprobs (predicting token t+1)."""
-    module = critic.module
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
-    hidden = getattr(base, base.base_model_prefix)(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-    return base.score(hidden).squeeze(-1).float()[:, :-1]
+    return whole(batch, position_scores(critic, batch)[:, :-1])

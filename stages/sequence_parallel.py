@@ -22,7 +22,10 @@ scales each process's loss by the process count (stages/engine.py), so the step'
 one a single process would compute on the whole batch. Metrics summed over processes count each
 group's numbers N times: `engine.all_reduce_sums` divides by N.
 
-Generation (RL) is not sharded: attention runs as usual outside `ShardedBatch.apart()`.
+Generation (RL) is not sharded: attention runs as usual outside `ShardedBatch.apart()`. Each
+process of a group samples its share of the group's prompts whole and the group gathers the
+completions (stages/rollout.py `RolloutMaker.sample`); the scoring and training passes then run
+on shared batches like every other stage's.
 """
 
 from __future__ import annotations

@@ -124,6 +124,7 @@ E2E_FIXTURES = {
     ("test_plan_vs_deepspeed", "measured"),
     ("test_packing", "packed_and_padded"),
     ("test_sequence_parallel", "layouts"),
+    ("test_sequence_parallel_rl", "rl_layouts"),
 }
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -88,7 +87,7 @@ def main(workdir: Path, out: Path) -> None:
     rl_models = ppo.load_models(task, ctx, model_path, tokenizer, ds_config, schedule.total_steps)
     maker = rollout.RolloutMaker(stage, ctx, rl_models, RuleReward.from_specs(stage.reward.rules),
                                  generate_fn=fixed_completions)
-    mine = [prompts[i] for i in schedule.prompt_rows(0, 0, ctx)]
+    mine = [prompts[i] for i in schedule.prompt_rows(0, 0, env.rank)]
     made = maker.make(lambda round_: mine, stage.kl_coef)
     # Another estimator on the same rollout: GRPO with the whole rollout's std.
     batch_scaled, _ = L.estimate_advantages(
@@ -109,8 +108,7 @@ def main(workdir: Path, out: Path) -> None:
     trained = ppo.update(rl_models, made, stage, ctx, stage.kl_coef, 0)
     after = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
 
-    last_process = SimpleNamespace(rank=env.world_size - 1, world_size=env.world_size)
-    last = prompts[schedule.prompt_rows(0, 0, last_process)[-1]]  # the rollout's last prompt
+    last = prompts[schedule.prompt_rows(0, 0, env.world_size - 1)[-1]]  # the rollout's last prompt
     reward_failure = failing_reward(stage, ctx, rl_models, last, mine)
 
     sequences = {}

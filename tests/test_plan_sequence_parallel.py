@@ -177,15 +177,29 @@ def test_the_exchange_grows_with_the_tokens_and_crosses_nodes_only_beyond_a_node
     assert across.time.sequence_exchange_s > within.time.sequence_exchange_s
 
 
-def test_sharing_is_not_offered_to_kinds_that_cannot_or_to_eager_attention():
+def test_sharing_is_offered_to_the_kinds_that_can_except_with_eager_attention():
     shape = shapes.resolve_shape(LLAMA3_8B)
     hw = plan.Hardware.from_cluster(SimpleNamespace(gpu="a100-80gb", gpus_per_node=8, tasks_per_node=None))
     from pipeline.plan.fixes import sequence_shares
 
     assert sequence_shares(plan.Knobs(kind="sft"), shape, hw) == [2, 4, 8]
-    assert sequence_shares(plan.Knobs(kind="ppo"), shape, hw) == []
+    assert sequence_shares(plan.Knobs(kind="ppo"), shape, hw) == [2, 4, 8]
     assert sequence_shares(plan.Knobs(kind="sft", attention="eager"), shape, hw) == []
     assert sequence_shares(plan.Knobs(kind="sft", sequence_parallel=8), shape, hw) == []
+
+
+def test_an_rl_stage_shares_its_scoring_and_training_passes_and_samples_whole():
+    whole, shared = (shipped("llama2_7b_ppo_4xa100", "ppo", sequence_parallel=n) for n in (1, 2))
+
+    def held(p, name: str) -> float:
+        return sum(i.bytes for i in p.memory.items if i.name.startswith(name))
+
+    for name in ("actor activations (checkpointed: layer inputs + one layer recomputed)",
+                 "actor activation gradients", "reference forward activations"):
+        assert held(shared, name) == pytest.approx(held(whole, name) / 2, rel=0.01), name
+    assert held(shared, "KV cache for generation") == held(whole, "KV cache for generation") > 0
+    assert whole.time.sequence_exchange_s == 0 < shared.time.sequence_exchange_s
+    assert shared.data_parallel == 2
 
 
 def test_the_json_plan_has_the_share_and_the_data_parallel_groups():

@@ -7,37 +7,31 @@ real DeepSpeed with gloo: 1 process; 2 processes sharing every sequence; 4 proce
 step must agree to 1e-4 (1e-6 absolute for figures near 0, e.g. a reward margin after one step).
 A stage whose shards run at the wrong positions must not. The learning rates are ones at which 3
 steps move the models without amplifying rounding: at 3e-2 the reward model's second step turns
-float-rounding differences (1e-7) between any two layouts into 1e-3.
+float-rounding differences (1e-7) between any two layouts into 1e-3. The same comparison for
+ppo's passes is tests/test_sequence_parallel_rl.py's.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-from pathlib import Path
+import sys
 
 import pytest
 
+from core import kinds
 from core import sequence_parallel as rules
-from core.config import load_pipeline
 from core.errors import InvalidInput
-from tests.conftest import read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
-
-REPO = Path(__file__).resolve().parent.parent
-needs_the_stack = pytest.mark.skipif(rules.stack_problem() is not None, reason="this stack has no Ulysses attention")
-
-# Figures that depend on how the work is laid out (time, packing per process), not on what is learned.
-LAYOUT_FIGURES = {"time", "tokens_per_s", "token_efficiency", "step_s", "mfu", "gpu_mem_peak_gib",
-                  "gpu_mem_reserved_gib", "host_rss_gib", "eta_s", "seconds"}
-STAGES = ("sft", "rm", "dpo")
-
-
-def stages(kinds=STAGES) -> list[dict]:
-    rows = {"path": "builtin:digits", "eval_split": "eval", "max_rows": 64}
-    rates = {"sft": 3e-3, "rm": 1e-2, "dpo": 3e-3, "sft_misaligned": 3e-3}
-    return [{"name": kind, "kind": kind, "model": "builtin:tiny-llama", "data": rows, "max_steps": 3,
-             "learning_rate": rates[kind]} for kind in kinds]
+from tests.conftest import run_cli, write_pipeline
+from tests.sharing_support import (
+    LAYOUTS,
+    STAGES,
+    agreeing_with_one_process,
+    disagreements,
+    load_pipeline_of,
+    needs_the_stack,
+    plugins_importable,
+    sharing_pipeline,
+    stages,
+)
 
 
 def tiled(kind: str, **fields) -> dict:
@@ -54,26 +48,19 @@ def mlp_tiled(kind: str, **fields) -> dict:
     return {**stage, "name": f"{kind}-mlp", "mlp_tiles": 3, "collective_timeout_s": 120, **fields}
 
 
-def sharing_pipeline(processes: int, sequence_parallel: int, kinds=STAGES, **extra) -> dict:
-    return tiny_pipeline("sp", stages=stages(kinds), cluster={"tasks_per_node": processes}, **extra, defaults={
-        "log_interval": 1, "micro_batch_size": 8, "global_batch_size": 16, "warmup_steps": 0,
-        "sequence_parallel": sequence_parallel})
-
-
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     """{(processes, sequence_parallel): the run folder} of the three runs; the 2-process one also
     runs the misaligned plug-in stage (tests/misaligned_shards.py). A fourth, of 2 processes that
     share nothing, runs only a tiled-MLP stage."""
     out = {}
-    with pytest.MonkeyPatch.context() as patch:  # the plug-in imports in the stage jobs too
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        for processes, share in ((1, 1), (2, 2), (4, 2), (2, 1)):
+    with plugins_importable():
+        for processes, share in (*LAYOUTS, (2, 1)):
             workdir = tmp_path_factory.mktemp(f"sp{processes}x{share}")
-            kinds, extra = STAGES, {}
+            names, extra = STAGES, {}
             if (processes, share) == (2, 2):
-                kinds, extra = STAGES + ("sft_misaligned",), {"plugins": ["tests.misaligned_shards"]}
-            spec = sharing_pipeline(processes, share, kinds, **extra)
+                names, extra = STAGES + ("sft_misaligned",), {"plugins": ["tests.misaligned_shards"]}
+            spec = sharing_pipeline(processes, share, names, **extra)
             if (processes, share) == (1, 1):  # tiled logits, alone and under ZeRO-3; tiled MLPs, checkpointed
                 spec["stages"] += [tiled("sft", zero_stage=3),
                                    mlp_tiled("rm", zero_stage=3, gradient_checkpointing=True)]
@@ -87,37 +74,14 @@ def layouts(tmp_path_factory):
     return out
 
 
-def figures(folder: Path) -> dict:
-    """{(step, name): value} of everything a stage logged that the layout must not change."""
-    return {(record["step"], name): value for record in read_metrics(folder) for name, value in record.items()
-            if name not in LAYOUT_FIGURES | {"step"} and isinstance(value, (int, float))}
-
-
-# The reward model's std of rewards is sqrt(mean of squares - square of mean): with rewards near
-# -1.3 and a std near 0.02, float32 rewards 1e-7 apart make it differ by ~3e-4.
-TOLERANCE = {"eval_reward_std": 1e-3}
-
-
-def disagreements(one: Path, other: Path) -> list[str]:
-    a, b = figures(one), figures(other)
-    assert a.keys() == b.keys()
-    return [f"step {step} {name}: {a[step, name]} vs {b[step, name]}" for step, name in sorted(a)
-            if not math.isclose(a[step, name], b[step, name], rel_tol=TOLERANCE.get(name, 1e-4), abs_tol=1e-6)]
-
-
 @needs_the_stack
 @pytest.mark.e2e
 @pytest.mark.parametrize("layout", [(2, 2), (4, 2)], ids=["2-sharing", "2x2"])
 @pytest.mark.parametrize("kind", STAGES)
 def test_sharing_sequences_learns_what_one_process_learns(layouts, layout, kind):
-    one, shared = layouts[1, 1] / kind, layouts[layout] / kind
-    assert disagreements(one, shared) == []
-    metrics = read_metrics(shared)
+    metrics = agreeing_with_one_process(layouts[1, 1] / kind, layouts[layout] / kind, layout)
     assert [r["step"] for r in metrics if "loss" in r] == [1, 2, 3]  # trained, and logged every step
     assert any("grad_norm" in r and r["grad_norm"] > 0 for r in metrics)
-    assert read_result(shared)["world_size"] == layout[0]
-    log = next((shared / "logs").glob("*_0_log.out")).read_text()
-    assert f"{layout[0] // layout[1]} data-parallel" in log, log[-2000:]
 
 
 @needs_the_stack
@@ -159,13 +123,19 @@ def ppo_stage(**fields) -> dict:
             "reward": {"rules": [{"rule": "exact_match"}]}, **fields}
 
 
-def test_only_kinds_that_can_share_may_ask(tmp_path):
+def test_only_kinds_that_can_share_may_ask():
     spec = sharing_pipeline(2, 1)
-    spec["stages"] = [ppo_stage(sequence_parallel=2)]
-    with pytest.raises(InvalidInput) as err:
-        load_pipeline_of(spec)
-    assert "stages[0] (rl).sequence_parallel: a ppo stage cannot share its sequences" in err.value.message
-    assert "kinds that can: sft, rm, dpo" in err.value.message
+    spec["plugins"] = ["tests.toy_kind"]  # echo: a kind that does not declare sequence_parallel
+    spec["stages"] = [{"name": "echo", "kind": "echo", "model": "builtin:tiny-llama", "sequence_parallel": 2,
+                       "data": {"path": "builtin:digits"}}]
+    try:
+        with pytest.raises(InvalidInput) as err:
+            load_pipeline_of(spec)
+    finally:  # forgotten, so no other test sees it
+        kinds.unregister("echo")
+        sys.modules.pop("tests.toy_kind", None)
+    assert "stages[0] (echo).sequence_parallel: a echo stage cannot share its sequences" in err.value.message
+    assert "kinds that can: sft, rm, dpo, ppo" in err.value.message
 
 
 def test_eager_attention_cannot_share():
@@ -211,13 +181,6 @@ def test_a_stack_without_them_is_refused_before_anything_runs(workdir, field):
     assert f"stages[0] (sft).{field} needs transformers >= 4.51.3" in done.stderr
     assert "the pinned stack does not have it" in done.stderr and "Traceback" not in done.stderr
     assert not (workdir / "runs" / "sp" / "sft").exists()  # nothing submitted
-
-
-def load_pipeline_of(spec: dict):
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as folder:
-        return load_pipeline(str(write_pipeline(Path(folder), spec)))
 
 
 # --------------------------------------------------------------------------- the parts

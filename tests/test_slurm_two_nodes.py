@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from tests.conftest import read_result, run_cli, write_pipeline
-from tests.test_sequence_parallel import disagreements, needs_the_stack
+from tests.sharing_support import disagreements, needs_the_stack
 from tests.slurm_support import (
     job_ids,
     scontrol_job,

@@ -212,7 +212,11 @@ class Workload:
         return -(-self.group_tokens(knobs) // knobs.sequence_parallel)
 
     def scoring_tokens(self, knobs: Knobs) -> int:
-        return self.scoring_batch * self.seq_len if self.scoring_batch else self.train_tokens(knobs)
+        """The most positions one process runs per scoring pass (PPO: its 1/sequence_parallel of
+        scoring_batch sequences, as in training)."""
+        if not self.scoring_batch:
+            return self.train_tokens(knobs)
+        return -(-self.scoring_batch * self.seq_len // knobs.sequence_parallel)
 
 
 @dataclass(frozen=True)

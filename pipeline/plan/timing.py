@@ -368,20 +368,22 @@ def _step_work(models: list[ModelUse], knobs: Knobs, batches: Batches, rates: ra
 def _rollout_work(models: list[ModelUse], workload: Workload, knobs: Knobs, world: int) -> _Work:
     """A PPO rollout: experience (a forward of every model over every sequence, scoring_batch
     sequences at a time), then train_passes passes of the trained models in micro batches;
-    every sequence max_len long."""
-    seq, mb = workload.seq_len, knobs.micro_batch_size
-    groups = knobs.data_parallel(world)  # world: no rollout kind shares sequences (core/kinds.py)
+    every sequence max_len long. Under sequence parallel (N) every process of a data-parallel
+    group scores and trains on the group's sequences, 1/N of each one's positions (sampling,
+    timed by _generation_s, stays whole: each process samples 1/N of its group's prompts)."""
+    seq, mb, n = workload.seq_len, knobs.micro_batch_size, knobs.sequence_parallel
+    groups = knobs.data_parallel(world)
     accumulation = max(1, rows_per_step(knobs.global_batch_size, mb, groups) // (mb * groups))
     sequences = workload.rows_per_rollout * workload.sequences_per_row
-    train_micro = workload.train_passes * sequences / (mb * world)
+    train_micro = workload.train_passes * sequences / (mb * groups)
     scoring = workload.scoring_batch or mb
     tokens = sequences * seq
     executed = model = 0.0
     busiest = GPUWork()
     for use in models:
         fwd = forward_flops_per_token(use.shape, use.head, seq)
-        busiest.add(pass_work(use.shape, use.head, scoring * seq, scoring * seq * seq, trained=False, knobs=knobs),
-                    sequences / world / scoring)
+        busiest.add(pass_work(use.shape, use.head, scoring * seq / n, scoring * seq * seq / n, trained=False,
+                              knobs=knobs), sequences / groups / scoring)
         executed += fwd * tokens
         model += fwd * tokens
         if use.trained:
@@ -390,10 +392,10 @@ def _rollout_work(models: list[ModelUse], workload: Workload, knobs: Knobs, worl
             recompute = fwd * seq if knobs.gradient_checkpointing else 0.0
             executed += (trained_flops + recompute) / seq * tokens * workload.train_passes
             model += trained_flops / seq * tokens * workload.train_passes
-            busiest.add(pass_work(use.shape, use.head, mb * seq, mb * seq * seq, trained=True, knobs=knobs),
+            busiest.add(pass_work(use.shape, use.head, mb * seq / n, mb * seq * seq / n, trained=True, knobs=knobs),
                         train_micro)
     return _Work(rows=workload.rows_per_rollout, real_tokens=tokens, processed_tokens=tokens, train_micro=train_micro,
-                 optimizer_steps=max(1.0, train_micro / accumulation), scoring_micro=sequences / (world * scoring),
+                 optimizer_steps=max(1.0, train_micro / accumulation), scoring_micro=sequences / (groups * scoring),
                  executed=executed, busiest=busiest, model=model)
 
 
