@@ -213,6 +213,16 @@ def static_kv_cache(module, max_cache_len: int):
     return StaticCache(config=module.config, max_cache_len=max_cache_len)
 
 
+def enable_checkpointing(model) -> None:
+    """Gradient (activation) checkpointing on `model`, non-reentrant. transformers 5.x calls it
+    activation_checkpointing_enable and warns on every call of the old name, which 4.x has alone."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def zero3_unhooked(engine):
     """Context: a ZeRO-3 engine's parameters gathered and its per-module forward hooks lifted until
     exit. Inside `GatheredParameters` alone those hooks still release and fetch parameters with

@@ -175,7 +175,7 @@ def tile_mlps(model, tiles: int) -> int:
 def prepare_for_training(model, stage, task_type: str, modules_to_save=None):
     """Gradient checkpointing and LoRA adapters, as the stage asks."""
     if stage.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        compat.enable_checkpointing(model)
         model.config.use_cache = False
     if stage.lora:
         from peft import LoraConfig, get_peft_model

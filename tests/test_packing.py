@@ -171,7 +171,7 @@ def test_gradient_checkpointing_recomputes_packed_attention_on_autograd_s_own_th
     for batch in (data.padded_batch(rows, tokenizer.pad_token_id), packed):
         model = load(tiny_model_dir, "sdpa")
         model.train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        compat.enable_checkpointing(model)
         failures = []
 
         def backward(loss):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stages import compat
 from stages.models import tile_bounds, tile_mlps, tiled_mlp
 
 
@@ -94,7 +95,7 @@ def test_a_tiled_model_learns_what_the_plain_one_does(lora, checkpointing):
         if tiles:
             assert tile_mlps(model, tiles) == 2
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            compat.enable_checkpointing(model)
         if lora:
             from peft import LoraConfig, get_peft_model
 
