@@ -139,7 +139,7 @@ class Rollout:
         """The rows as a micro batch (this process's part of it when processes share sequences)."""
         tokens = padded(self.sequences, self.response_masks, rows, pad_id, device)
         index = torch.tensor(list(rows), device=self.mask.device)
-        width = max(tokens.lengths) - 1
+        width = token_width(tokens)
 
         def take(tensor):
             return None if tensor is None else tensor[index, :width]
@@ -359,7 +359,7 @@ class RolloutMaker:
         lengths = [len(s) for s in sequences]
         for rows in batching.by_length(range(len(sequences)), lengths, stage.micro_rollout_batch_size):
             batch = padded(sequences, response_masks, rows, models.tokenizer.pad_token_id, device)
-            w = max(batch.lengths) - 1
+            w = token_width(batch)
             processed += batch.processed_tokens
             part = torch.tensor(rows, device=device)
             old[part, :w] = logprobs_of(models.actor, batch, stage.temperature)[0]
@@ -396,10 +396,15 @@ class RolloutMaker:
         return gathered_mean(rewards[: len(share)])
 
 
+def token_width(batch: data.Batch) -> int:
+    """W - 1, the per-token entries of a padded micro batch of sequences at most W long (a shared
+    batch's lines are wider: widened to a multiple of its processes, stages/sequence_parallel.py)."""
+    return max(batch.lengths) - 1
+
+
 def whole(batch: data.Batch, per_token: torch.Tensor) -> torch.Tensor:
-    """A (B, W'-1) per-token tensor of a padded micro batch cut to its sequences' width W - 1 (a
-    shared batch's lines are widened to a multiple of its processes: stages/sequence_parallel.py)."""
-    return per_token[:, : max(batch.lengths) - 1]
+    """A (B, W'-1) per-token tensor of a padded micro batch cut to its sequences' width W - 1."""
+    return per_token[:, : token_width(batch)]
 
 
 def logprobs_of(model, batch: data.Batch, temperature: float):

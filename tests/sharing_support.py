@@ -15,7 +15,7 @@ import pytest
 from core import metrics
 from core import sequence_parallel as rules
 from core.config import load_pipeline
-from tests.conftest import REPO, read_metrics, read_result, tiny_pipeline, write_pipeline
+from tests.conftest import REPO, read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
 
 needs_the_stack = pytest.mark.skipif(rules.stack_problem() is not None, reason="this stack has no Ulysses attention")
 
@@ -42,6 +42,13 @@ def sharing_pipeline(processes: int, sequence_parallel: int, kinds=STAGES, name=
     return tiny_pipeline(name, stages=stages(kinds), cluster={"tasks_per_node": processes}, **extra, defaults={
         "log_interval": 1, "micro_batch_size": 8, "global_batch_size": 16, "warmup_steps": 0,
         "sequence_parallel": sequence_parallel})
+
+
+def ran(workdir: Path, spec: dict) -> Path:
+    """`run` of the pipeline `spec` in `workdir`, which must succeed: its run folder."""
+    done = run_cli("run", write_pipeline(workdir, spec), cwd=workdir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return workdir / "runs" / spec["name"]
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from tests.sharing_support import (
     load_pipeline_of,
     needs_the_stack,
     plugins_importable,
+    ran,
     sharing_pipeline,
     stages,
 )
@@ -68,9 +69,7 @@ def layouts(tmp_path_factory):
                 spec["stages"] += [tiled("dpo", mlp_tiles=3)]
             if (processes, share) == (2, 1):  # tiled MLPs under ZeRO-3, the 2 processes' lines of different widths
                 spec["stages"] = [mlp_tiled("sft", zero_stage=3)]
-            done = run_cli("run", write_pipeline(workdir, spec), cwd=workdir)
-            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-            out[processes, share] = workdir / "runs" / "sp"
+            out[processes, share] = ran(workdir, spec)
     return out
 
 

@@ -29,7 +29,7 @@ import pytest
 
 from core.config import load_pipeline
 from core.errors import InvalidInput
-from tests.conftest import run_cli, write_pipeline
+from tests.conftest import write_pipeline
 from tests.sharing_support import (
     LAYOUTS,
     agreeing_with_one_process,
@@ -37,6 +37,7 @@ from tests.sharing_support import (
     load_pipeline_of,
     needs_the_stack,
     plugins_importable,
+    ran,
     sharing_pipeline,
 )
 
@@ -73,9 +74,7 @@ def rl_layouts(tmp_path_factory):
                 spec["stages"] += rl_stages(("grpo",), kind="ppo_misaligned")
             if out:
                 shutil.copytree(out[1, 1] / "rm", workdir / "runs" / "sprl" / "rm")
-            done = run_cli("run", write_pipeline(workdir, spec), cwd=workdir)
-            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-            out[processes, share] = workdir / "runs" / "sprl"
+            out[processes, share] = ran(workdir, spec)
     return out
 
 
