@@ -195,6 +195,42 @@ def _checkpoint_load_full_pickles(mod):
     cls._pinned_shims_patched = True
 
 
+class _GatherWaits:
+    """deepspeed.comm as DeepSpeed 0.13.2's partition_parameters sees it, except that an
+    asynchronous all-gather has finished when the call returns (see README.md: ZeRO-3's blocking
+    gather of several parameters waited for the last one only)."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def all_gather_into_tensor(self, *args, **kwargs):
+        return self._finished(self._comm.all_gather_into_tensor(*args, **kwargs))
+
+    def all_gather(self, *args, **kwargs):
+        return self._finished(self._comm.all_gather(*args, **kwargs))
+
+    @staticmethod
+    def _finished(handle):
+        if handle is not None:
+            handle.wait()
+        return handle
+
+
+# (e) ZeRO-3 on gloo: a blocking gather of several parameters waits for every one, not the last
+@_post_import("deepspeed.runtime.zero.partition_parameters")
+def _zero3_gathers_wait(mod):
+    if os.environ.get("DS_ACCELERATOR") == "cpu" and "gather_waits" not in _skipped():
+        mod.dist = _GatherWaits(mod.dist)
+
+
+def _skipped() -> set:
+    """Shims named in PINNED_SHIMS_SKIP (comma-separated): a test shows what one of them prevents."""
+    return {name.strip() for name in os.environ.get("PINNED_SHIMS_SKIP", "").split(",") if name.strip()}
+
+
 def _chain_next_sitecustomize():
     """Python imports only the first sitecustomize on sys.path; run the next
     one (a venv's or the distribution's) so putting this folder first on
