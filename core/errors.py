@@ -42,6 +42,13 @@ class StageFailed(PipelineError):
     exit_code = EXIT_FAILED
 
 
+class Diverged(PipelineError):
+    """Training stopped computing numbers (a loss or gradient norm became nan or inf): the stage
+    stops before saving or exporting weights that are not numbers."""
+
+    exit_code = EXIT_FAILED
+
+
 class Interrupted(PipelineError):
     """A run stopped by a signal (Ctrl-C, `kill`): the message says what was saved and how to resume."""
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from core.errors import InvalidInput
+from core.errors import Diverged, InvalidInput
 from core.runfolder import StageFolder, remove, temporary
 
 INVALID_INPUT = "invalid input"
@@ -39,6 +39,7 @@ PERMISSION_DENIED = "permission denied"
 HOST_OUT_OF_MEMORY = "host out of memory"
 GPU_OUT_OF_MEMORY = "GPU out of memory"
 PROCESS_DIED = "process died"
+DIVERGED = "diverged"  # a loss or gradient norm became nan or inf
 STOPPED = "stopped"  # on purpose: e.g. the local `run` that started it is gone
 LOST_PEER = "lost a peer"
 ERROR = "error"
@@ -111,6 +112,8 @@ def describe(err: BaseException) -> tuple[str, str, bool]:
     for cause in causes(err):
         if isinstance(cause, InvalidInput):
             return INVALID_INPUT, cause.message, False
+        if isinstance(cause, Diverged):
+            return DIVERGED, cause.message, False
         if type(cause).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(cause):
             return GPU_OUT_OF_MEMORY, (
                 f"{_first_line(cause)}. {PLAN_HINT}; lower micro_batch_tokens or max_len, or turn on "

@@ -60,6 +60,17 @@ GROUPS = {
 }
 _GROUP_OF = {key: group for group, keys in GROUPS.items() for key in keys}
 
+# The numbers that say training still computes numbers (stages/engine.py looks at the weights
+# when one of them is nan or inf).
+GRADIENT_NORMS = ("grad_norm", "critic_grad_norm")
+
+
+def not_finite(values: dict) -> list[str]:
+    """The losses and gradient norms among `values` that are nan or inf."""
+    return [key for key, value in values.items()
+            if (key == "loss" or key.endswith("_loss") or key in GRADIENT_NORMS)
+            and isinstance(value, float) and not math.isfinite(value)]
+
 
 def tag(key: str) -> Optional[str]:
     """The TensorBoard tag of a record key (train/loss, eval/loss, perf/mfu, ...); None

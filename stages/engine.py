@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 from core import timeline
 from core import batching
+from core import metrics as records
 from core.batching import accumulation_steps
 from core.deepspeed_settings import bucket_elements, offloads_optimizer, persistence_threshold
-from core.errors import InvalidInput
+from core.errors import Diverged, InvalidInput
 from core.failure import saving
 from core.runfolder import temporary
 from stages import compat, preemption, sequence_parallel, tracking, watchdog
@@ -305,12 +306,14 @@ def run(work: Work, stage, ctx) -> dict:
     checkpoints = Checkpoints(ctx.folder, stage.keep_checkpoints, ctx.is_main, ctx.rank)
     metrics = Metrics(ctx, work.total_steps)
 
+    numbers = Numbers(stage, checkpoints, work)
     state = checkpoints.load(work.engine, work.others)
     if state is None:
         start_step = 0
         initial = work.evaluate()
         metrics.truncate_after(-1)
         metrics.write(_evaluation(0, initial))
+        numbers.evaluated(0, initial)
     else:
         start_step = state["step"]
         # An RL checkpoint from before this loop kept its initial evaluation under its own name.
@@ -320,17 +323,24 @@ def run(work: Work, stage, ctx) -> dict:
 
     with preemption.Signals(ctx) as signals:
         loop_started = time.time()
-        step = _units(work, stage, ctx, checkpoints, metrics, signals, initial, start_step)
+        step = _units(work, stage, ctx, checkpoints, metrics, numbers, signals, initial, start_step)
         log.info(signals.cost_line(time.time() - loop_started))
 
     final = work.evaluate()
     metrics.write(_evaluation(step, final))
+    numbers.evaluated(step, final)
+    numbers.before_exporting(step)  # the stage exports when this returns
     metrics.close()
     return {"initial": initial, "final": final, "steps": step}
 
 
-def _units(work, stage, ctx, checkpoints, metrics, signals, initial, start_step: int) -> int:
+def _units(work, stage, ctx, checkpoints, metrics, numbers, signals, initial, start_step: int) -> int:
     """The units after `start_step`; at a signal, save and requeue (never returns then)."""
+
+    def save(step: int, client_state: dict) -> None:
+        numbers.before_saving(logged, step)
+        checkpoints.save(work.engine, step, client_state, work.others)
+
     window = Window(ctx)
     step = logged = saved = start_step
     hangs = watchdog.Watchdog(ctx, stage.hang_factor, stage.hang_min_s, ctx.task.max_retries,
@@ -346,29 +356,111 @@ def _units(work, stage, ctx, checkpoints, metrics, signals, initial, start_step:
         last = step == work.total_steps
         if crossed(work.log_interval, previous, step) or last:
             # The first window after a resume may be short: it starts at the resumed step.
-            metrics.write({"step": step, **window.close(step - logged), **work.record()})
+            record = {"step": step, **window.close(step - logged), **work.record()}
+            metrics.write(record)
+            numbers.recorded(logged, record)
             logged = step
         paused = time.time()  # evaluation and saving are not training time
         if crossed(stage.eval_interval, previous, step) and not last:
-            metrics.write(_evaluation(step, work.evaluate()))
+            evaluation = work.evaluate()
+            metrics.write(_evaluation(step, evaluation))
+            numbers.evaluated(step, evaluation)
         client_state = {"step": step, "initial_eval": initial, **work.state()}
         # The last step is saved too: a job stopped in the final evaluation or the export
         # resumes there, not save_interval steps back, and the export can be checked against it.
         if stage.save_interval and (crossed(stage.save_interval, previous, step) or last):
-            checkpoints.save(work.engine, step, client_state, work.others)
+            save(step, client_state)
             saved = step
         signal_name = signals.requested(unit + 1, unit_s, last=last)
         if signal_name:
             metrics.close()
             at_signal = {**client_state, "signal": signal_name}
-            signals.save_and_requeue(signal_name, step, None if saved == step else
-                                     lambda: checkpoints.save(work.engine, step, at_signal, work.others))
+            signals.save_and_requeue(signal_name, step, None if saved == step else lambda: save(step, at_signal))
         window.started += time.time() - paused
     return step
 
 
 def _evaluation(step: int, results: dict) -> dict:
     return {"step": step, **{f"eval_{k}": v for k, v in results.items()}}
+
+
+def _steps(since: int, step: int) -> str:
+    return f"step {step}" if step == since + 1 else f"steps {since + 1}-{step}"
+
+
+class Numbers:
+    """Stops a stage whose weights stopped being numbers (nan or inf), before they are saved,
+    exported or handed to the next stage, and says in which steps and what to change.
+
+    The weights (each process's share, every trained model's) are looked at before every save,
+    before the export, and at every training record whose losses or gradient norms are not
+    numbers: DeepSpeed skips some steps whose gradients are not (fp16's loss scaling always; some
+    versions in bf16 and fp32 too), and then the weights are intact and training goes on. An
+    evaluation whose losses are not numbers stops the stage too. Every rank decides alike: records
+    and evaluations are the same on every rank, and the look at the weights is a collective."""
+
+    def __init__(self, stage, checkpoints: Checkpoints, work):
+        self.stage, self.checkpoints = stage, checkpoints
+        self.engines = [work.engine, *work.others.values()]
+
+    def recorded(self, since: int, record: dict) -> None:
+        """A training record of the steps after `since`."""
+        bad = records.not_finite(record)
+        if not bad:
+            return
+        steps = _steps(since, record["step"])
+        if not self._weights_finite():
+            raise Diverged(f"training diverged: {self._values(bad, record)} in {steps}, and the weights are no "
+                           f"longer numbers. {self._advice()}")
+        log.warning("%s: %s; the weights are still numbers (DeepSpeed skipped %d step(s) in all whose gradients "
+                    "were not), so training goes on", steps, self._values(bad, record), self.engines[0].skipped_steps)
+
+    def before_saving(self, since: int, step: int) -> None:
+        if not self._weights_finite():
+            raise Diverged(f"training diverged: the weights stopped being numbers in {_steps(since, step)} (found "
+                           f"before saving step {step}). {self._advice()}")
+
+    def before_exporting(self, step: int) -> None:
+        if not self._weights_finite():
+            raise Diverged(f"training diverged: the weights at step {step} are not numbers (found before exporting "
+                           f"them). {self._advice()}")
+
+    def evaluated(self, step: int, results: dict) -> None:
+        bad = records.not_finite(results)
+        if not bad:
+            return
+        if step == 0:
+            raise Diverged(
+                f"the model this stage starts from gives {self._values(bad, results, 'eval ')} before any training: its "
+                f"weights are not all numbers, or overflow in {self.stage.precision}. If an earlier stage made it, that "
+                "stage's export is not usable; otherwise check the model, or train in bf16 or fp32")
+        raise Diverged(f"evaluation at step {step} gave {self._values(bad, results, 'eval ')}. {self._advice()}")
+
+    def _weights_finite(self) -> bool:
+        """Whether every process's share of every trained model's weights is numbers (a collective)."""
+        flags: dict[torch.device, list[torch.Tensor]] = {}  # one read per device (offloaded shares are on the host)
+        for engine in self.engines:
+            for param in engine.module.parameters():
+                for tensor in (getattr(param, "ds_tensor", None), param.data):  # ZeRO-3: the share, and any gathered
+                    if tensor is not None and tensor.numel():
+                        flags.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
+        finite = all(bool(torch.stack(group).all()) for group in flags.values())
+        return not all_reduce_sums([0.0 if finite else 1.0])[0]
+
+    @staticmethod
+    def _values(keys: list[str], values: dict, prefix: str = "") -> str:
+        return ", ".join(f"{prefix}{key} {values[key]}" for key in keys)
+
+    def _advice(self) -> str:
+        stage = self.stage
+        tag = self.checkpoints.stage_folder.latest_checkpoint()
+        kept = f"its newest checkpoint, {tag}, is from before" if tag else "no checkpoint of it was saved"
+        fixes = [f"a lower learning_rate ({stage.learning_rate:g} now)",
+                 "max_grad_norm above 0 (gradient clipping is off now)" if not stage.max_grad_norm else None,
+                 "warmup_steps" if not stage.warmup_steps else None,
+                 "bf16 or fp32 rather than fp16" if stage.precision == "fp16" else None]
+        return (f"The stage stopped before saving or exporting weights that are not numbers; {kept}. "
+                f"Try {', '.join(f for f in fixes if f)}")
 
 
 @dataclass
