@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -48,6 +49,15 @@ def tiny_pipeline(name="t", stages=None, **overrides) -> dict:
         else:
             spec[key] = value
     return spec
+
+
+@contextlib.contextmanager
+def plugins_importable():
+    """tests/ importable here and in the stage jobs, which import a pipeline's plug-ins (the test
+    kinds: tests/toy_kind.py, tests/diverging_kind.py, ...) like any pickled code."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        yield
 
 
 def write_pipeline(folder: Path, spec: dict, filename="pipeline.yaml") -> Path:

@@ -4,9 +4,7 @@ several layouts, and how two runs' figures are compared."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import tempfile
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 from core import metrics
 from core import sequence_parallel as rules
 from core.config import load_pipeline
-from tests.conftest import REPO, read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
+from tests.conftest import read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
 
 needs_the_stack = pytest.mark.skipif(rules.stack_problem() is not None, reason="this stack has no Ulysses attention")
 
@@ -49,14 +47,6 @@ def ran(workdir: Path, spec: dict) -> Path:
     done = run_cli("run", write_pipeline(workdir, spec), cwd=workdir)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return workdir / "runs" / spec["name"]
-
-
-@contextlib.contextmanager
-def plugins_importable():
-    """The test plug-ins (tests/misaligned_shards.py, ...) importable in the stage jobs too."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        yield
 
 
 def figures(folder: Path) -> dict:

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tests.conftest import run_cli, tiny_pipeline, write_pipeline
+from tests.conftest import plugins_importable, run_cli, tiny_pipeline, write_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,8 @@ def diverging_run(tmp_path, **defaults):
     stage = {"name": "sft", "kind": "sft_diverging", "diverge_at": 3, "model": "builtin:tiny-llama",
              "data": {"path": "builtin:digits", "eval_split": "eval"}, "max_steps": 8}
     spec = tiny_pipeline(stages=[stage], defaults=defaults, plugins=["tests.diverging_kind"])
-    result = run_cli("run", write_pipeline(tmp_path, spec), cwd=tmp_path, timeout=600)
+    with plugins_importable():
+        result = run_cli("run", write_pipeline(tmp_path, spec), cwd=tmp_path, timeout=600)
     stage_dir = tmp_path / "runs" / "t" / "sft"
     return result, result.stdout + result.stderr, stage_dir
 

@@ -5,9 +5,7 @@ knowing its name."""
 from __future__ import annotations
 
 import json
-import os
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,17 +13,16 @@ from core import kinds, tiny
 from core.config import load_pipeline
 from core.errors import InvalidInput
 from pipeline import plan
-from tests.conftest import run_cli, tiny_pipeline, write_pipeline
+from tests.conftest import plugins_importable, run_cli, tiny_pipeline, write_pipeline
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def plugin_path(monkeypatch):
+def plugin_path():
     """tests/ importable here and in the stage jobs (a plug-in must be, like any pickled code);
     the toy kind forgotten afterwards, so no other test sees it."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    yield
+    with plugins_importable():
+        yield
     kinds.unregister("echo")
     sys.modules.pop("tests.toy_kind", None)
 

@@ -102,7 +102,10 @@ def test_rng_states_round_trip():
 
 
 class JsonEngine:
-    """A stand-in for a DeepSpeed engine: its checkpoint is the client state, as JSON."""
+    """A stand-in for a DeepSpeed engine: its checkpoint is the client state, as JSON; its weights,
+    one layer's (numbers: the loop looks at them before it saves)."""
+
+    module = torch.nn.Linear(2, 1)
 
     def save_checkpoint(self, folder, tag, client_state=None, save_latest=False):
         (Path(folder) / tag).mkdir(parents=True, exist_ok=True)

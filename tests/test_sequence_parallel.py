@@ -20,7 +20,7 @@ import pytest
 from core import kinds
 from core import sequence_parallel as rules
 from core.errors import InvalidInput
-from tests.conftest import run_cli, write_pipeline
+from tests.conftest import plugins_importable, run_cli, write_pipeline
 from tests.sharing_support import (
     LAYOUTS,
     STAGES,
@@ -28,7 +28,6 @@ from tests.sharing_support import (
     disagreements,
     load_pipeline_of,
     needs_the_stack,
-    plugins_importable,
     ran,
     sharing_pipeline,
     stages,

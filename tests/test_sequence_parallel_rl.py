@@ -29,14 +29,13 @@ import pytest
 
 from core.config import load_pipeline
 from core.errors import InvalidInput
-from tests.conftest import write_pipeline
+from tests.conftest import plugins_importable, write_pipeline
 from tests.sharing_support import (
     LAYOUTS,
     agreeing_with_one_process,
     disagreements,
     load_pipeline_of,
     needs_the_stack,
-    plugins_importable,
     ran,
     sharing_pipeline,
 )
