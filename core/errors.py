@@ -43,8 +43,8 @@ class StageFailed(PipelineError):
 
 
 class Diverged(PipelineError):
-    """Training stopped computing numbers (a loss or gradient norm became nan or inf): the stage
-    stops before saving or exporting weights that are not numbers."""
+    """A stage's weights (or its evaluation loss) stopped being numbers, nan or inf: it stops
+    before saving or exporting them (stages/engine.py `Numbers`)."""
 
     exit_code = EXIT_FAILED
 

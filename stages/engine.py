@@ -434,7 +434,12 @@ class Numbers:
                 f"the model this stage starts from gives {self._values(bad, results, 'eval ')} before any training: its "
                 f"weights are not all numbers, or overflow in {self.stage.precision}. If an earlier stage made it, that "
                 "stage's export is not usable; otherwise check the model, or train in bf16 or fp32")
-        raise Diverged(f"evaluation at step {step} gave {self._values(bad, results, 'eval ')}. {self._advice()}")
+        if not self._weights_finite():
+            raise Diverged(f"training diverged: evaluation at step {step} gave {self._values(bad, results, 'eval ')}, "
+                           f"and the weights are no longer numbers. {self._advice()}")
+        raise Diverged(f"evaluation at step {step} gave {self._values(bad, results, 'eval ')}, though the weights are "
+                       f"numbers: the model overflows in {self.stage.precision} on the evaluation rows. The stage "
+                       f"stopped before saving or exporting it. Try {self._fixes()}")
 
     def _weights_finite(self) -> bool:
         """Whether every process's share of every trained model's weights is numbers (a collective)."""
@@ -452,15 +457,17 @@ class Numbers:
         return ", ".join(f"{prefix}{key} {values[key]}" for key in keys)
 
     def _advice(self) -> str:
-        stage = self.stage
         tag = self.checkpoints.stage_folder.latest_checkpoint()
         kept = f"its newest checkpoint, {tag}, is from before" if tag else "no checkpoint of it was saved"
+        return f"The stage stopped before saving or exporting weights that are not numbers; {kept}. Try {self._fixes()}"
+
+    def _fixes(self) -> str:
+        stage = self.stage
         fixes = [f"a lower learning_rate ({stage.learning_rate:g} now)",
                  "max_grad_norm above 0 (gradient clipping is off now)" if not stage.max_grad_norm else None,
                  "warmup_steps" if not stage.warmup_steps else None,
                  "bf16 or fp32 rather than fp16" if stage.precision == "fp16" else None]
-        return (f"The stage stopped before saving or exporting weights that are not numbers; {kept}. "
-                f"Try {', '.join(f for f in fixes if f)}")
+        return ", ".join(f for f in fixes if f)
 
 
 @dataclass

@@ -31,7 +31,7 @@ def records(stage_dir) -> list[dict]:
 def test_a_nan_in_a_training_record_stops_the_stage_before_it_exports(tmp_path):
     result, output, stage_dir = diverging_run(tmp_path, log_interval=5, save_interval=0)
     assert result.returncode == 1, output[-3000:]
-    assert "diverged on rank 0" in output and "training diverged: loss nan" in output, output[-3000:]
+    assert "failed: diverged on rank" in output and "training diverged: loss nan" in output, output[-3000:]
     assert "in steps 1-5, and the weights are no longer numbers" in output
     assert "a lower learning_rate (0.003 now)" in output and "no checkpoint of it was saved" in output
     assert "Traceback" not in result.stdout
@@ -52,4 +52,28 @@ def test_the_weights_are_looked_at_before_each_save_by_every_process(tmp_path):
     checkpoints = stage_dir / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step-00000002"
     assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000002"]
+    assert not (stage_dir / "model").exists()
+
+
+def test_a_stage_that_starts_from_weights_that_are_not_numbers_stops_before_training(tmp_path):
+    # As a stage would that starts from a diverged export of an earlier one (written before this check).
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from core import tiny
+
+    broken = tmp_path / "broken"
+    tiny.write_tiny_llama(broken)
+    model = AutoModelForCausalLM.from_pretrained(broken)
+    with torch.no_grad():
+        model.model.norm.weight[0] = math.nan
+    model.save_pretrained(broken)
+    stage = {"name": "sft", "kind": "sft", "model": str(broken), "data": {"path": "builtin:digits", "eval_split": "eval"},
+             "max_steps": 8}
+    result = run_cli("run", write_pipeline(tmp_path, tiny_pipeline(stages=[stage])), cwd=tmp_path, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert "the model this stage starts from gives eval loss nan before any training" in output, output[-3000:]
+    stage_dir = tmp_path / "runs" / "t" / "sft"
+    assert [r["step"] for r in records(stage_dir)] == [0]  # its evaluation, and not one step
     assert not (stage_dir / "model").exists()
