@@ -23,6 +23,7 @@ from typing import Optional
 from core import calibration
 from core.errors import InvalidInput
 from core.hardware import gpu_for_device
+from stages.distributed import free_port
 
 # A timed sample is this many calls of a product, at least this long (seconds), so that the
 # launch overhead of a small GEMM does not count as its speed.
@@ -267,9 +268,7 @@ def collective_rates(world: int, backend: str, nbytes: int, repeats: int, timeou
 
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    with socket.socket() as probe:  # a free port for the processes' rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # the processes' rendezvous
     processes = mp.start_processes(_collective_process, args=(world, backend, port, nbytes, repeats, results),
                                    nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s

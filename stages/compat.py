@@ -946,17 +946,14 @@ def rotary_error_under_zero3(positions: int = 4096) -> tuple[float | None, str]:
 
 
 def _load_under_real_zero3(auto_class, folder: str, positions: int):
-    import socket
-
     import deepspeed
 
     started_here = not torch.distributed.is_initialized()
     if started_here:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from stages.distributed import free_port
+
         for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1",
-                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
             os.environ.setdefault(key, value)
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     world = torch.distributed.get_world_size()

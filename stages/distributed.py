@@ -70,7 +70,7 @@ def detect() -> DistEnv:
         )
     else:
         source = "single"
-        layout = (0, 1, 0, 1, "127.0.0.1", _free_port())
+        layout = (0, 1, 0, 1, "127.0.0.1", free_port())
     rank, world, local_rank, local_world, addr, port = layout
     os.environ.update(
         RANK=str(rank),
@@ -97,7 +97,8 @@ def _in_submitit_job() -> bool:
     return "SUBMITIT_EXECUTOR" in os.environ or "SUBMITIT_LOCAL_JOB_ID" in os.environ
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port of this host that nothing listens on now, for a rendezvous of processes started here."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

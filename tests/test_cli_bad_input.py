@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from stages.distributed import free_port
 from tests.conftest import REPO, run_cli, tiny_pipeline, write_pipeline
 
 
@@ -267,9 +267,7 @@ def test_a_hub_model_missing_from_the_cache_without_network_points_at_prepare(wo
 def test_a_hub_that_does_not_answer_counts_as_offline(workdir, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(workdir / "empty-cache"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    with socket.socket() as closed:  # a port that was free a moment ago: nothing listens there
-        closed.bind(("127.0.0.1", 0))
-        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     spec = tiny_pipeline()
     spec["stages"][0]["data"] = {"path": "some-org/some-rows"}

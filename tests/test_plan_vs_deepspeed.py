@@ -273,13 +273,15 @@ def measured(tmp_path_factory) -> dict:
         pytest.skip("DeepSpeed is not installed")
     if not installed.startswith(DEEPSPEED_MODELLED):
         pytest.skip(f"the planner models DeepSpeed {DEEPSPEED_MODELLED}x allocations; this is {installed}")
+    from stages.distributed import free_port
+
     folder = tmp_path_factory.mktemp("deepspeed-memory")
     model_dir = folder / "model"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))}
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun) if torchrun.exists() else sys.executable, *([] if torchrun.exists() else ["-m", "torch.distributed.run"]),
-               "--nproc_per_node", str(WORLD), "--master_port", str(_free_port()),
+               "--nproc_per_node", str(WORLD), "--master_port", str(free_port()),
                __file__, "--worker", str(model_dir), str(folder), json.dumps(CONFIGS)]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
@@ -287,13 +289,6 @@ def measured(tmp_path_factory) -> dict:
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {"model_dir": str(model_dir), "ranks": ranks}
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _result(measured: dict, rank: int, config: dict) -> dict:

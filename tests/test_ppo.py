@@ -4,7 +4,6 @@ DeepSpeed, 1 vs 2 processes), and whole stages through `python -m pipeline run` 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import torch
 
 from core.config import PPOStage
 from stages import compat
+from stages.distributed import free_port
 from tests.conftest import REPO, read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
 
 DIGITS = {"path": "builtin:digits", "eval_split": "eval"}
@@ -71,9 +71,7 @@ def test_only_a_kl_term_needs_the_reference_model():
 
 
 def _probe(workdir, world: int) -> list[subprocess.Popen]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = workdir / f"probe-{world}.pt"
     processes = []
     for rank in range(world):

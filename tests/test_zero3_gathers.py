@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +18,14 @@ from pathlib import Path
 import deepspeed
 import pytest
 
+from stages.distributed import free_port
+
 SCRIPT = Path(__file__).with_name("zero3_gathers.py")
 PINNED = deepspeed.__version__.startswith("0.13.")
 
 
 def wrong_gathers(trials: int, **env) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = subprocess.run([sys.executable, str(SCRIPT), str(trials), str(port)], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, str(SCRIPT), str(trials), str(free_port())], capture_output=True, text=True,
                             timeout=300, env={**os.environ, **env})
     found = re.search(r"wrong gathers: (\d+) of", result.stdout)
     assert result.returncode == 0 and found, result.stdout[-2000:] + result.stderr[-3000:]
