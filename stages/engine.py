@@ -402,6 +402,7 @@ class Numbers:
     def __init__(self, stage, checkpoints: Checkpoints, work):
         self.stage, self.checkpoints = stage, checkpoints
         self.engines = [work.engine, *work.others.values()]
+        self.finite_at: Optional[int] = None  # the step whose weights were last found numbers
 
     def recorded(self, since: int, record: dict) -> None:
         """A training record of the steps after `since`."""
@@ -409,21 +410,15 @@ class Numbers:
         if not bad:
             return
         steps = _steps(since, record["step"])
-        if not self._weights_finite():
-            raise Diverged(f"training diverged: {self._values(bad, record)} in {steps}, and the weights are no "
-                           f"longer numbers. {self._advice()}")
+        self._look(record["step"], f"{self._values(bad, record)} in {steps}, and the weights are no longer numbers")
         log.warning("%s: %s; the weights are still numbers (DeepSpeed skipped %d step(s) in all whose gradients "
                     "were not), so training goes on", steps, self._values(bad, record), self.engines[0].skipped_steps)
 
     def before_saving(self, since: int, step: int) -> None:
-        if not self._weights_finite():
-            raise Diverged(f"training diverged: the weights stopped being numbers in {_steps(since, step)} (found "
-                           f"before saving step {step}). {self._advice()}")
+        self._look(step, f"the weights stopped being numbers in {_steps(since, step)} (found before saving step {step})")
 
     def before_exporting(self, step: int) -> None:
-        if not self._weights_finite():
-            raise Diverged(f"training diverged: the weights at step {step} are not numbers (found before exporting "
-                           f"them). {self._advice()}")
+        self._look(step, f"the weights at step {step} are not numbers (found before exporting them)")
 
     def evaluated(self, step: int, results: dict) -> None:
         bad = records.not_finite(results)
@@ -434,12 +429,20 @@ class Numbers:
                 f"the model this stage starts from gives {self._values(bad, results, 'eval ')} before any training: its "
                 f"weights are not all numbers, or overflow in {self.stage.precision}. If an earlier stage made it, that "
                 "stage's export is not usable; otherwise check the model, or train in bf16 or fp32")
-        if not self._weights_finite():
-            raise Diverged(f"training diverged: evaluation at step {step} gave {self._values(bad, results, 'eval ')}, "
-                           f"and the weights are no longer numbers. {self._advice()}")
+        self._look(step, f"evaluation at step {step} gave {self._values(bad, results, 'eval ')}, and the weights are no "
+                         "longer numbers")
         raise Diverged(f"evaluation at step {step} gave {self._values(bad, results, 'eval ')}, though the weights are "
                        f"numbers: the model overflows in {self.stage.precision} on the evaluation rows. The stage "
                        f"stopped before saving or exporting it. Try {self._fixes()}")
+
+    def _look(self, step: int, what: str) -> None:
+        """Stop, saying `what`, unless the weights at `step` are numbers; once per step (nothing
+        trains between the last step's save and the export)."""
+        if self.finite_at == step:
+            return
+        if not self._weights_finite():
+            raise Diverged(f"training diverged: {what}. {self._advice()}")
+        self.finite_at = step
 
     def _weights_finite(self) -> bool:
         """Whether every process's share of every trained model's weights is numbers (a collective)."""
