@@ -49,6 +49,11 @@ ROLLOUT_PHASE_PARTS = {"gather_s": "generate_s", "offload_s": "score_s"}
 # GPU or NVML, or where no reading fell in the phase: never guessed.
 GPU_BUSY_KEYS = ("gpu_busy_generate", "gpu_busy_score", "gpu_busy_train", "gpu_busy_rollout")
 
+# The gradient norms a training record holds (the critic's: gae). With the losses, the numbers
+# that say training still computes numbers (stages/engine.py looks at the weights when one of
+# them is nan or inf).
+GRADIENT_NORMS = ("grad_norm", "critic_grad_norm")
+
 GROUPS = {
     "perf": ("tokens_per_s", "token_efficiency", "step_s", "mfu", "rollout_s", "generate_tokens_per_s",
              "generate_bandwidth_fraction", "score_tokens_per_s", "train_tokens_per_s", "train_token_efficiency"),
@@ -56,14 +61,9 @@ GROUPS = {
     "time": (*ROLLOUT_PHASES, *ROLLOUT_PHASE_PARTS),  # where a PPO rollout's time goes
     "gpu_busy": GPU_BUSY_KEYS,
     "progress": ("eta_s", "epoch", "rollout"),
-    "optim": ("lr", "grad_norm", "critic_grad_norm", "kl_coef"),
+    "optim": ("lr", *GRADIENT_NORMS, "kl_coef"),
 }
 _GROUP_OF = {key: group for group, keys in GROUPS.items() for key in keys}
-
-# The numbers that say training still computes numbers (stages/engine.py looks at the weights
-# when one of them is nan or inf).
-GRADIENT_NORMS = ("grad_norm", "critic_grad_norm")
-
 
 def not_finite(values: dict) -> list[str]:
     """The losses and gradient norms among `values` that are nan or inf."""
