@@ -110,6 +110,12 @@ def manifest(step: int, sizes: dict[str, int], crcs: dict[tuple[str, int], str])
     return {"step": step, "checksum": CHECKSUM, "files": listed}
 
 
+def manifest_text(content: dict) -> str:
+    """A manifest as JSON with one line per file, for a person to read."""
+    listed = ",\n".join(f"  {json.dumps(name)}: {json.dumps(entry)}" for name, entry in content["files"].items())
+    return f'{{"step": {content["step"]}, "checksum": {json.dumps(content["checksum"])}, "files": {{\n{listed}\n}}}}\n'
+
+
 def read_manifest(path: Path) -> Union[dict, str, None]:
     """The manifest at `path`; None if there is none; why it cannot be used (a str) if it is damaged."""
     try:
@@ -241,6 +247,13 @@ class Verdict:
         if self.lost_steps:
             said += f" ({self.problems()}: {self.lost_steps} steps to train again)"
         return said
+
+    def refusal(self, folder: StageFolder) -> str:
+        """Why a stage does not resume (`refused`), and how to start it over."""
+        stage = folder.path.name
+        return (f"no intact checkpoint to resume from in {folder.checkpoints}: {self.problems()}. Nothing was moved "
+                f"or deleted. Put back an intact copy, or start the stage over from step 0 with `python -m pipeline "
+                f"run <pipeline file> --rerun {stage}`, which moves its folder aside")
 
     def problems(self) -> str:
         found = [f"`latest` names {self.gone}, which is gone"] if self.gone else []

@@ -15,7 +15,6 @@ back to the next intact one. With checkpoints present but none intact, the stage
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Callable, Optional
@@ -118,7 +117,7 @@ class Checkpoints:
         path = self.stage_folder.manifest(tag)
         tmp = temporary(path)
         with saving(tmp, f"the manifest of checkpoint {tag}"):
-            tmp.write_text(json.dumps(content, indent=1) + "\n")
+            tmp.write_text(manifests.manifest_text(content))
         os.replace(tmp, path)
 
     def _verify(self, tag: str) -> None:
@@ -156,7 +155,7 @@ class Checkpoints:
         found = _from_main(lambda: manifests.look(self.stage_folder))
         verdict = manifests.judge(found, self._check)
         if verdict.refused:
-            raise InvalidInput(self._refusal(verdict))
+            raise InvalidInput(verdict.refusal(self.stage_folder))
         if self.is_main:
             self._tidy(verdict, found.latest)
         dist.barrier()
@@ -187,12 +186,6 @@ class Checkpoints:
                         verdict.lost_steps)
         if latest != verdict.tag:
             self._mark(verdict.tag)
-
-    def _refusal(self, verdict: manifests.Verdict) -> str:
-        stage = self.stage_folder.path.name
-        return (f"stage {stage}: no intact checkpoint to resume from in {self.folder}: {verdict.problems()}. Nothing "
-                f"was moved or deleted. Put back an intact copy, or start the stage over from step 0 with `python -m "
-                f"pipeline run <pipeline file> --rerun {stage}`, which moves its folder aside")
 
 
 def _from_main(read: Callable):

@@ -197,7 +197,7 @@ def test_with_no_intact_checkpoint_the_stage_refuses_naming_each_and_moves_nothi
         resume(saved)
     message = refused.value.message
     assert refused.value.exit_code == 2
-    assert message.startswith(f"stage sft: no intact checkpoint to resume from in {saved.checkpoints}: "
+    assert message.startswith(f"no intact checkpoint to resume from in {saved.checkpoints}: "
                               "step-00000030: client.json is 1 bytes, its manifest says")
     assert "step-00000010: client.json is 1 bytes" in message and "Nothing was moved or deleted" in message
     assert "`python -m pipeline run <pipeline file> --rerun sft`" in message
@@ -242,3 +242,125 @@ def test_rotation_never_removes_the_last_verified_checkpoint_nor_a_set_aside_one
     assert saved.checkpoint_tags() == ["step-00000035"] and earlier.is_dir()
     assert manifests.newest_intact(saved).tag == "step-00000035"
     assert not list(saved.checkpoints.glob("*.tmp"))
+
+
+# --------------------------------------------------------------------------- end to end: 2 processes, ZeRO-2 and ZeRO-3
+
+STEPS = 8  # checkpoints every 2 steps; the newest 3 are kept: 4, 6 and 8
+
+
+def sft_pipeline(zero_stage: int, keep: int = 3) -> dict:
+    stage = {"name": "sft", "kind": "sft", "model": "builtin:tiny-llama",
+             "data": {"path": "builtin:digits", "eval_split": "eval"}, "max_steps": STEPS}
+    return tiny_pipeline(stages=[stage], defaults={"zero_stage": zero_stage, "log_interval": 1, "warmup_steps": 2,
+                                                   "save_interval": 2, "keep_checkpoints": keep})
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def trained(request, tmp_path_factory) -> Path:
+    """A two-process sft stage under ZeRO-`param`, trained once to its end (checkpoints 4, 6 and 8)."""
+    workdir = tmp_path_factory.mktemp(f"zero{request.param}")
+    config = write_pipeline(workdir, sft_pipeline(request.param))
+    done = run_cli("run", config, cwd=workdir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return workdir
+
+
+def rerun(trained: Path, tmp_path: Path, damage, keep: int = 3) -> tuple[subprocess.CompletedProcess, StageFolder]:
+    """A copy of the trained run, its stage made unfinished (no result.json, no model/), damaged
+    by `damage(folder)`, then `run` again."""
+    workdir = tmp_path / "copy"
+    shutil.copytree(trained, workdir, symlinks=True)
+    folder = StageFolder(workdir / "runs" / "t" / "sft")
+    assert folder.checkpoint_tags() == ["step-00000004", "step-00000006", "step-00000008"]
+    folder.result.unlink()
+    shutil.rmtree(folder.model)
+    damage(folder)
+    zero_stage = json.loads(folder.spec.read_text())["task"]["stage"]["zero_stage"]
+    config = write_pipeline(workdir, sft_pipeline(zero_stage, keep))  # keep_checkpoints: no new spec hash
+    return run_cli("run", config, cwd=workdir), folder
+
+
+def largest_file(checkpoint: Path) -> Path:
+    """The largest file of a checkpoint: a rank's optimizer states, whatever DeepSpeed names them."""
+    return max((p for p in checkpoint.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def trained_steps(folder: StageFolder) -> list[int]:
+    return [r["step"] for r in read_metrics(folder.path) if "lr" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_stage_falls_back_past_a_deleted_and_a_cut_short_checkpoint_and_rotation_keeps_the_verified_one(
+        trained, tmp_path):
+    cut = {}
+
+    def damage(folder):
+        shutil.rmtree(folder.checkpoints / "step-00000008")  # the usual advice after a crash mid-write
+        cut["file"] = largest_file(folder.checkpoints / "step-00000006")
+        cut["bytes"] = cut["file"].stat().st_size
+        os.truncate(cut["file"], 100_000)
+
+    done, folder = rerun(trained, tmp_path, damage, keep=1)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = done.stdout
+    name = cut["file"].relative_to(folder.checkpoints / "step-00000006")
+    assert "`latest` names checkpoint step-00000008, whose folder" in log
+    assert f"checkpoint step-00000006 is damaged: {name} is 100000 bytes, its manifest says {cut['bytes']}; set " \
+           f"aside as {folder.checkpoints}/step-00000006{DAMAGED}" in log
+    assert "resuming from step-00000004, the newest intact checkpoint: 4 steps to train again" in log
+    assert "resumed from checkpoint step-00000004" in log  # kept at start-up, not deleted with the others
+    assert trained_steps(folder) == list(range(1, STEPS + 1))  # steps 5-8 trained again, each logged once
+    # keep_checkpoints 1: the new step 8 replaced every older checkpoint; the set-aside one is as it was.
+    assert folder.checkpoint_tags() == ["step-00000008"] and set_aside(folder) == ["step-00000006"]
+    kept = next(folder.checkpoints.glob(f"*{DAMAGED}*")) / name
+    assert kept.stat().st_size == 100_000
+    assert manifests.newest_intact(folder).tag == "step-00000008"
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_save_killed_before_its_manifest_is_removed_and_nothing_else_is(trained, tmp_path):
+    def damage(folder):
+        earlier = folder.checkpoints / f"step-00000008{DAMAGED}20260101-000000"  # set aside by an earlier resume
+        shutil.copytree(folder.checkpoints / "step-00000008", earlier)
+        folder.manifest("step-00000008").rename(folder.checkpoints / "step-00000008" / f"{MANIFEST_FILE}.tmp")
+        folder.latest_marker.write_text("step-00000006")
+        (folder.path / "model.tmp").mkdir()
+
+    done, folder = rerun(trained, tmp_path, damage)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"removed {folder.checkpoints / 'step-00000008'}: a save that did not finish" in done.stdout
+    assert "resumed from checkpoint step-00000006" in done.stdout and "damaged" not in done.stdout
+    assert set_aside(folder) == ["step-00000008"] and not (folder.path / "model.tmp").exists()
+    assert folder.checkpoint_tags() == ["step-00000004", "step-00000006", "step-00000008"]
+    assert trained_steps(folder) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_with_no_intact_checkpoint_run_refuses_with_exit_2_and_moves_nothing(trained, tmp_path):
+    def damage(folder):  # two cut short, and one whose size is right but not its bytes (only the stage sees that)
+        for tag in ("step-00000008", "step-00000006"):
+            os.truncate(largest_file(folder.checkpoints / tag), 100_000)
+        with open(largest_file(folder.checkpoints / "step-00000004"), "r+b") as f:
+            f.seek(1000)
+            byte = f.read(1)
+            f.seek(1000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    done, folder = rerun(trained, tmp_path, damage)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    said = done.stderr
+    assert f"error: stage sft: no intact checkpoint to resume from in {folder.checkpoints}: step-00000008: " in said
+    assert "is 100000 bytes, its manifest says" in said
+    assert "step-00000004: " in said and "differ from what was saved (checksum)" in said
+    assert "--rerun sft" in said and "Traceback" not in said
+    assert folder.checkpoint_tags() == ["step-00000004", "step-00000006", "step-00000008"] and set_aside(folder) == []
+    # Damaged so that their sizes show it, `run` refuses before it starts the stage.
+    os.truncate(largest_file(folder.checkpoints / "step-00000004"), 100_000)
+    config = folder.path.parent.parent.parent / "pipeline.yaml"
+    again = run_cli("run", config, cwd=config.parent)
+    assert again.returncode == 2 and "error: stage sft: no intact checkpoint to resume from" in again.stderr
+    assert "resuming sft" not in again.stdout
