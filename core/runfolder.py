@@ -11,11 +11,12 @@ and nowhere else.
       <stage>/                      one folder per stage: StageFolder
         model/                      the exported model, Hugging Face format
         critic/                     PPO with a critic (advantage: gae): the critic, a 1-label sequence classifier
-        checkpoints/                the stage's checkpoints (stages/checkpoints.py, checked by core/checkpoints.py)
-          step-00000100/            one save: DeepSpeed's files, rng-rankNNNNN.pt per rank, and manifest.json,
-                                    written last: every file's size and checksum, and the step
-          step-00000100.damaged-<time>/  a checkpoint found damaged at resume, set aside (never deleted)
-          latest                    names the newest complete checkpoint (replaced atomically; DeepSpeed's tools read it)
+        checkpoints/                saved by stages/checkpoints.py; which one to resume from: core/checkpoints.py
+          step-00000100/            DeepSpeed's files, rng-rankNNNNN.pt per rank, and manifest.json, written
+                                    last: every file's size and checksum, and the step
+          step-00000100.damaged-<time>/
+                                    found damaged at resume and set aside (never deleted)
+          latest                    names the newest complete checkpoint (replaced atomically; DeepSpeed reads it too)
         metrics.jsonl               one JSON object per logged step
         result.json                 final metrics and the spec hash that lets a re-run skip the stage
         spec.json                   the resolved stage as it was submitted
