@@ -224,7 +224,7 @@ class Verdict:
     gone: Optional[str] = None  # the tag `latest` names, whose folder is not there
     damaged: dict = field(default_factory=dict)  # tag -> what is wrong with it, newest first (all newer than `tag`)
     unfinished: list = field(default_factory=list)  # saves that did not finish: no manifest, newer than `latest`
-    latest_intact: bool = False  # `tag` is at least as new as what `latest` names: the unfinished ones are provably leftovers
+    latest_intact: bool = False  # `tag` is as new as what `latest` names or newer: the unfinished ones are leftovers
 
     @property
     def refused(self) -> bool:
@@ -295,7 +295,10 @@ def judge(found: Found, check: Check) -> Verdict:
 
 
 def sizes_check(folder: StageFolder) -> Check:
-    return lambda tag, content: list(size_problems(folder.checkpoints / tag, content["files"], content["files"]).values())
+    def check(tag: str, content: dict) -> list[str]:
+        return list(size_problems(folder.checkpoints / tag, content["files"], content["files"]).values())
+
+    return check
 
 
 def newest_intact(folder: StageFolder) -> Verdict:

@@ -215,7 +215,8 @@ class StageFolder:
 
     def checkpoint_tags(self) -> list[str]:
         """The checkpoint folders present, oldest first (intact or not; not those set aside)."""
-        return sorted(p.name for p in self.checkpoints.glob("step-*") if p.is_dir() and CHECKPOINT_TAG.fullmatch(p.name))
+        found = self.checkpoints.glob("step-*")
+        return sorted(p.name for p in found if p.is_dir() and CHECKPOINT_TAG.fullmatch(p.name))
 
     def manifest(self, tag: str) -> Path:
         """What checkpoint `tag` holds, written once the rest of it is (core/checkpoints.py)."""

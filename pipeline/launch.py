@@ -5,8 +5,8 @@ First what needs no executor (the stage names `--rerun` gives); then the executo
 checks before the run folder is locked, in its own order (pipeline/executors/: the plan,
 no live chain on the folder, what it needs here). Under the lock: no live chain still,
 the content digests and plans saved, each stage's action decided (pipeline/graph.py), a
-stage whose checkpoints are all damaged refused (core/checkpoints.py), and the chain handed to the executor, which runs it here to its end or submits it and
-returns.
+stage whose checkpoints are all damaged refused (core/checkpoints.py), and the chain
+handed to the executor, which runs it here to its end or submits it and returns.
 """
 
 from __future__ import annotations

@@ -124,7 +124,8 @@ class Checkpoints:
         """Rank 0, after writing checkpoint `tag`'s manifest: read it back and check the files' sizes against
         it (their checksums were taken from the files themselves, after every rank had written them)."""
         content = manifests.read_manifest(self.stage_folder.manifest(tag))
-        wrong = [str(content)] if not isinstance(content, dict) else manifests.sizes_check(self.stage_folder)(tag, content)
+        check = manifests.sizes_check(self.stage_folder)
+        wrong = check(tag, content) if isinstance(content, dict) else [str(content)]
         if wrong:
             raise RuntimeError(f"checkpoint {tag} does not match the manifest just written: {'; '.join(wrong)}")
 
@@ -164,7 +165,8 @@ class Checkpoints:
     def _tidy(self, verdict: manifests.Verdict, latest: Optional[str]) -> None:
         """Say what was found; set aside the damaged checkpoints, remove the unfinished ones, mark the one resumed."""
         if verdict.gone:
-            log.warning("`latest` names checkpoint %s, whose folder %s is gone", verdict.gone, self.folder / verdict.gone)
+            log.warning("`latest` names checkpoint %s, whose folder %s is gone", verdict.gone,
+                        self.folder / verdict.gone)
         for tag, wrong in verdict.damaged.items():
             aside = self.stage_folder.set_aside(tag)
             os.replace(self.folder / tag, aside)
