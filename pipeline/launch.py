@@ -62,8 +62,10 @@ def refuse_unresumable(planned: list[PlannedStage]) -> None:
     """A stage to resume whose checkpoints are all damaged is refused before anything is submitted
     (here their files' sizes are checked; the stage checks every byte when it starts)."""
     for item in planned:
-        verdict = newest_intact(item.task.folder) if item.action == "resume" else None
-        if verdict is not None and verdict.refused:
+        if item.action != "resume":
+            continue
+        verdict = newest_intact(item.task.folder)
+        if verdict.refused:
             raise InvalidInput(f"stage {item.task.name}: {verdict.refusal(item.task.folder)}")
 
 
