@@ -437,7 +437,10 @@ class TrainingKnobs(Strict):
         100, ge=0, description="Write a resumable checkpoint every N optimizer steps and after the last one "
         "(0 = never)."
     )
-    keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="How many of the newest checkpoints to keep. An older one is removed only once a newer "
+        "one is written and checked against its manifest; a damaged one set aside at resume is never removed."
+    )
     log_interval: int = Field(10, ge=1, description="Write a metrics.jsonl line every N optimizer steps.")
     seed: int = Field(42, ge=0, description="Seed for initialisation, data order and sampling.")
     nodes: int = Field(1, ge=1, le=1024, description="Nodes this stage runs on.")

@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 from pydantic import BaseModel, ValidationError
 
 from core import metrics, runfolder, timeline
+from core.checkpoints import newest_intact
 from core.config import UNNAMED_RECORD_EXECUTOR, ExecutorName
 from core.errors import InvalidInput, PipelineError
 from core.task import StageTask
@@ -241,8 +242,7 @@ def from_folder(task: StageTask) -> StageStatus:
 
 
 def resume_point(task: StageTask) -> str:
-    latest = task.folder.latest_checkpoint()
-    return f"newest checkpoint {latest}: `run` resumes from it" if latest else "no checkpoint yet: `run` starts it over"
+    return newest_intact(task.folder).status(task.name)
 
 
 def as_dict(progress: Optional[metrics.Progress]) -> Optional[dict]:

@@ -1,5 +1,5 @@
 """The training engine every stage shares: DeepSpeed config and start-up, the
-training loop, resumable checkpoints, metrics, and export to Hugging Face format.
+training loop, metrics, and export to Hugging Face format (checkpoints: stages/checkpoints.py).
 
 Every trainable stage runs on one loop (`run`): resume, metrics, the log, eval and
 save intervals, save-and-requeue at a signal, the hang watchdog and progress are the
@@ -26,15 +26,16 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from core import timeline
 from core import batching
 from core import metrics as records
 from core.batching import accumulation_steps
+from core.checkpoints import newest_intact
 from core.deepspeed_settings import bucket_elements, offloads_optimizer, persistence_threshold
 from core.errors import Diverged, InvalidInput
 from core.failure import saving
 from core.runfolder import temporary
 from stages import compat, preemption, sequence_parallel, tracking, watchdog
+from stages.checkpoints import Checkpoints
 
 log = logging.getLogger("stages")
 
@@ -173,92 +174,6 @@ def initialize(model, stage, ds_config: dict, total_steps: int):
 
 # Metrics (metrics.jsonl, TensorBoard, W&B, the progress line) live in stages/tracking.py.
 Metrics = tracking.Metrics
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-class Checkpoints:
-    """DeepSpeed checkpoints in the stage folder's checkpoints/, made atomic by its
-    `latest` marker (core/runfolder.py).
-
-    Each save writes a new tag folder; only once every rank has finished does
-    rank 0 point `latest` at it (a temporary file renamed over the old one), so
-    a job killed mid-save resumes from the previous complete checkpoint.
-    """
-
-    def __init__(self, stage_folder, keep: int, is_main: bool, rank: int = 0):
-        self.stage_folder, self.keep, self.is_main, self.rank = stage_folder, keep, is_main, rank
-        self.folder = stage_folder.checkpoints
-
-    def save(self, engine, step: int, client_state: dict, others: Optional[dict] = None) -> None:
-        """Save `engine` (and any `others`, e.g. a critic, inside the same tag folder).
-
-        A save that fails on any rank (a full disk, a folder it may not write, a rank
-        lost mid-save) removes its tag folder there, so `latest` keeps naming the
-        previous checkpoint and nothing half-written stays; the error says why."""
-        tag = self.stage_folder.checkpoint_tag(step)
-        previous = self.stage_folder.latest_checkpoint()  # its size says what a save needs
-        with saving(self.folder / tag, f"checkpoint {tag}", like=previous and self.folder / previous):
-            engine.save_checkpoint(str(self.folder), tag=tag, client_state=client_state, save_latest=False)
-            for name, other in (others or {}).items():
-                other.save_checkpoint(str(self.folder / tag), tag=name, save_latest=False)
-            own = self.stage_folder.rng_state(tag, self.rank)  # every rank its own generators
-            own.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(rng_states(), own)
-            dist.barrier()
-        if self.is_main:
-            marker = self.stage_folder.latest_marker
-            tmp = temporary(marker)
-            with saving(tmp, f"the marker naming checkpoint {tag}"):
-                tmp.write_text(tag)
-            os.replace(tmp, marker)
-            for old in self.stage_folder.checkpoint_tags()[: -self.keep]:
-                shutil.rmtree(self.folder / old, ignore_errors=True)
-        dist.barrier()
-        log.info("checkpoint %s saved", tag)
-
-    def load(self, engine, others: Optional[dict] = None) -> Optional[dict]:
-        """Client state of the newest complete checkpoint, after loading it; None if none."""
-        tag = self.stage_folder.latest_checkpoint()
-        if tag is None:
-            return None
-        _, client_state = engine.load_checkpoint(str(self.folder), tag=tag)
-        for name, other in (others or {}).items():
-            other.load_checkpoint(str(self.folder / tag), tag=name)
-        own = self.stage_folder.rng_state(tag, self.rank)
-        if own.exists():
-            set_rng_states(torch.load(own, weights_only=False))
-        elif "rng" in client_state:  # a checkpoint from before per-rank states: rank 0's CPU state
-            torch.set_rng_state(client_state["rng"])
-        log.info("resumed from checkpoint %s", tag)
-        if self.is_main:
-            timeline.record(self.stage_folder, timeline.RESUMED, step=client_state["step"])
-        return client_state
-
-
-def rng_states() -> dict:
-    """This process's random number generators: Python's, NumPy's, torch's CPU and CUDA."""
-    import random
-
-    import numpy as np
-
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    import random
-
-    import numpy as np
-
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 # --------------------------------------------------------------------------- the loop
@@ -460,7 +375,7 @@ class Numbers:
         return ", ".join(f"{prefix}{key} {values[key]}" for key in keys)
 
     def _advice(self) -> str:
-        tag = self.checkpoints.stage_folder.latest_checkpoint()
+        tag = newest_intact(self.checkpoints.stage_folder).tag
         kept = f"its newest checkpoint, {tag}, is from before" if tag else "no checkpoint of it was saved"
         return f"The stage stopped before saving or exporting weights that are not numbers; {kept}. Try {self._fixes()}"
 

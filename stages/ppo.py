@@ -82,7 +82,7 @@ def run(task, ctx) -> dict:
 class Rollouts:
     """RL's unit of work on the engine's loop (engine.Work): one rollout and its update, which
     is steps_per_rollout optimizer steps. A checkpoint keeps the reward normaliser's statistics
-    and the KL coefficient (every rank's generators, the sampler's: engine.Checkpoints)."""
+    and the KL coefficient (every rank's generators, the sampler's: stages/checkpoints.py)."""
 
     log_interval = 1  # one metrics.jsonl line per rollout
 

@@ -25,6 +25,7 @@ from typing import Optional
 from submitit.helpers import Checkpointable, DelayedSubmission
 
 from core import failure, kinds, measured, timeline
+from core.checkpoints import newest_intact
 from core.failure import saving
 from core.runfolder import StageFolder, builtin_folder, remove, temporary
 from core.task import RUN_PID_ENV, StageTask
@@ -94,7 +95,7 @@ class StageJob(Checkpointable):
         folder = self.task.folder
         timeline.record(folder, timeline.REQUEUE, signal="SIGUSR2", reason=timeline.signal_reason(
             "SIGUSR2", timeline.attempt_seconds(folder), self.task.time_limit_min))
-        latest = folder.latest_checkpoint()
+        latest = newest_intact(folder).tag
         start = f"checkpoint {latest}" if latest else "the start (no checkpoint yet)"
         log.warning("stage %s: requeueing; the job will resume from %s", self.task.name, start)
         return DelayedSubmission(StageJob(self.task))
@@ -179,7 +180,7 @@ def _run_stage(task: StageTask) -> dict:
     )
     ctx.folder.path.mkdir(parents=True, exist_ok=True)
     if ctx.is_main:
-        for leftover in ctx.folder.leftovers():  # of an attempt killed mid-write
+        for leftover in ctx.folder.temporaries():  # of an attempt killed mid-write (checkpoints: stages/checkpoints.py)
             remove(leftover)
         timeline.record_start(ctx.folder)  # every attempt: the report's timeline shows requeues
         _note_sigterm(ctx.folder)

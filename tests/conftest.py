@@ -135,6 +135,7 @@ E2E_FIXTURES = {
     ("test_packing", "packed_and_padded"),
     ("test_sequence_parallel", "layouts"),
     ("test_sequence_parallel_rl", "rl_layouts"),
+    ("test_checkpoints", "trained"),
 }
 
 

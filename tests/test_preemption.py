@@ -1,4 +1,4 @@
-"""Save on the signal, resume exactly (stages/preemption.py, engine.Checkpoints).
+"""Save on the signal, resume exactly (stages/preemption.py, stages/checkpoints.py).
 
 The end-to-end check sends real signals to a local run's stage processes: SIGTERM to
 rank 0 of the sft stage, USR2 to rank 1 only of the rl stage (rank 0 learns it through
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def test_steps_between_checks_keep_the_check_within_one_percent_of_a_step():
 
 
 def test_rng_states_round_trip():
-    from stages.engine import rng_states, set_rng_states
+    from stages.checkpoints import rng_states, set_rng_states
 
     saved = rng_states()
     expected = (random.random(), np.random.rand(), torch.rand(3))
@@ -167,6 +168,7 @@ def test_units_of_several_optimizer_steps_log_evaluate_and_save_by_step_and_resu
     assert (folder.checkpoints / "step-00000008" / "critic" / "client.json").exists()
 
     # Stopped after step 8: the resumed run trains the third unit only, with the state saved at step 8.
+    shutil.rmtree(folder.checkpoints / "step-00000010")
     folder.latest_marker.write_text("step-00000008")
     again = FourStepUnits()
     assert engine.run(again, stage, ctx) == {"initial": {"score": 1.0}, "final": {"score": 1.0}, "steps": 10}

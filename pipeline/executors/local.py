@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from core import failure, metrics, timeline
+from core.checkpoints import newest_intact
 from core.config import PipelineSpec
 from core.errors import Interrupted, InvalidInput, PipelineError, StageFailed
 from core.task import StageTask, is_finished
@@ -209,7 +210,7 @@ class _Stops:
 def stopped(task: StageTask, job, stops: _Stops, config: str) -> tuple[str, str]:
     """What pipeline.json records of a stage a signal stopped, and the line `run` ends with."""
     rerun = f"`python -m pipeline run {config}`"
-    latest = task.folder.latest_checkpoint()
+    latest = newest_intact(task.folder).tag
     resumes = f"{rerun} resumes from checkpoint {latest}" if latest else f"{rerun} starts it over (no checkpoint yet)"
     history = timeline.attempts(task.folder)
     last = history[-1] if history else None

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from core import metrics, runfolder
+from core.checkpoints import newest_intact
 from core.config import PipelineSpec, slurm_time_to_minutes
 from core.errors import InvalidInput, PipelineError
 from core.rows import is_row_file
@@ -162,7 +163,7 @@ def submit_chain(executor: SlurmExecutor, spec: PipelineSpec, planned: list[Plan
         )
         state.save(pipeline_dir, run_state)
         waits = f", after job {' and '.join(after)}" if after else ""
-        latest = task.folder.latest_checkpoint()
+        latest = newest_intact(task.folder).tag
         start = f" from checkpoint {latest}" if latest else ""
         echo(f"[{task.name}] submitted job {job.job_id}: {task.stage.kind}{start} on {task.stage.nodes} node(s) "
              f"x {task.processes_per_node} task(s){waits}; log: {job.paths.stdout}")
