@@ -686,6 +686,11 @@ class RewardSpec(Strict):
     rules: list[RewardRule] = Field(default_factory=list, description="Rule-based terms, summed with their weights.")
     normalize: bool = Field(True, description="Normalise rewards by their running mean and standard deviation.")
     clip: Optional[float] = Field(5.0, gt=0, description="Clip (normalised) rewards to [-clip, clip]; null = no clip.")
+    timeout_s: float = Field(
+        300.0, gt=0, description="The longest one call of a reward function (rules: function) may take, on all "
+        "the completions a process scores at once: a call still running then is stopped, and the stage stops "
+        "with a message naming the function and the row it was on. Each process runs its reward functions in a "
+        "child process of its own, which is what lets a hung call be stopped.")
 
     @model_validator(mode="after")
     def _something_to_maximise(self):

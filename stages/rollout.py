@@ -282,8 +282,9 @@ class RolloutMaker:
 
     def score(self, prompts: Sequence[Prompt], responses: list[list[int]]) -> tuple[list[float], dict[str, float]]:
         """Summed reward per completion, before normalisation, and each term's mean. A reward rule that
-        fails on one process stops every process with its message, after the same collective calls on
-        each (the others would otherwise wait for it forever)."""
+        fails on one process (or runs past reward.timeout_s: core/reward_process.py) stops every process
+        with its message, after the same collective calls on each (the others would otherwise wait for
+        it forever)."""
         tokenizer, stage = self.models.tokenizer, self.stage
         completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
         samples = Samples(prompts=[p.text for p in prompts], completions=completions, rows=[p.row for p in prompts],
@@ -295,15 +296,15 @@ class RolloutMaker:
                 total, terms = self.rules(samples)
         except RewardError as err:
             failure = err
-        if self.models.reward_model is not None:
-            scores = self._reward_model_scores(samples)
-            total = [t + stage.reward.model_weight * s for t, s in zip(total, scores)]
-            terms["reward_model"] = sum(scores) / max(len(scores), 1)
         everyone = [None] * self.ctx.world_size
         dist.all_gather_object(everyone, None if failure is None else failure.message)
         first = next((message for message in everyone if message is not None), None)
         if first is not None:  # every process says the same, the first failure's message
             raise failure if failure is not None and failure.message == first else RewardError(first)
+        if self.models.reward_model is not None:
+            scores = self._reward_model_scores(samples)
+            total = [t + stage.reward.model_weight * s for t, s in zip(total, scores)]
+            terms["reward_model"] = sum(scores) / max(len(scores), 1)
         return total, terms
 
     def _reward_model_scores(self, samples: Samples) -> list[float]:

@@ -418,7 +418,7 @@ def score(prompts, completions, labels):
     global calls
     calls += 1
     if os.environ["RANK"] == "1" and calls == 2:  # in the first rollout, after the held-out scoring
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getppid(), signal.SIGKILL)  # the stage process: the function runs in a child of it
     return [0.0] * len(completions)
 """
 
