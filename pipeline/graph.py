@@ -30,7 +30,7 @@ from pipeline.identity import Digests, changed_inputs, input_digests
 # tests/test_sequence_parallel.py shows the figures equal).
 OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints", "eval_interval", "nodes",
                       "sequence_parallel", "logits_tile", "mlp_tiles",
-                      "max_truncated_share", "hang_factor", "hang_min_s",
+                      "max_truncated_share", "hang_factor", "hang_min_s", "hang_first_s",
                       "collective_timeout_s", "allow_weak_reward_model"}
 OPERATIONAL_REWARD_FIELDS = {"timeout_s"}  # of an RL stage's reward block
 
