@@ -1,4 +1,5 @@
-"""The watchdog over every phase of a stage (stages/watchdog.py)."""
+"""The watchdog over every phase of a stage (stages/watchdog.py), and what `status` says of a
+running stage: the age of its last record and the phase it is in."""
 
 from __future__ import annotations
 
@@ -84,6 +85,50 @@ def test_rank_0_notes_a_phase_that_lasts_and_that_it_ended(tmp_path, monkeypatch
         assert (note.phase, note.step) == ("evaluation", 40)
     watching._note([], time.monotonic())
     assert timeline.phase_now(folder).phase is None
+
+
+# --------------------------------------------------------------------------- status
+
+
+def running_folder(tmp_path, records: list[dict], phase: dict | None, started: float) -> StageFolder:
+    folder = StageFolder(tmp_path / "rl")
+    folder.path.mkdir()
+    folder.events.write_text(json.dumps({"event": "started", "time": started, "job_id": "7"}) + "\n")
+    folder.metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    if phase is not None:
+        folder.phase.write_text(json.dumps(phase))
+    return folder
+
+
+def test_status_says_the_age_of_the_last_record_and_the_phase_of_a_running_stage(tmp_path):
+    from pipeline import state
+
+    now = 10_000.0
+    in_scoring = {"phase": "evaluation > scoring > reward functions", "step": 0, "since": now - 50}
+    folder = running_folder(tmp_path, [{"step": 0, "eval_reward": 0.5, "time": now - 65}], in_scoring, now - 100)
+    assert state.activity(folder, now)[0] == ("last record (evaluation at step 0) 1:05 ago; "
+                                              "in evaluation > scoring > reward functions at step 0 for 0:50")
+
+
+def test_status_says_a_stage_has_no_record_yet_and_since_when_it_runs(tmp_path):
+    from pipeline import state
+
+    now = 10_000.0
+    stale = {"phase": "training step", "step": 3, "since": now - 500}  # an earlier attempt's: not said
+    folder = running_folder(tmp_path, [], stale, now - 139)
+    assert state.activity(folder, now) == ("no record yet, started 2:19 ago", None)
+
+
+def test_status_says_a_newer_evaluation_after_the_training_progress(tmp_path):
+    from pipeline import state
+
+    now = 10_000.0
+    records = [{"step": 40, "loss": 1.0, "total_steps": 200, "eta_s": 80.0, "time": now - 120},
+               {"step": 40, "eval_loss": 1.2, "time": now - 5}]
+    folder = running_folder(tmp_path, records, None, now - 1000)
+    said, progress = state.activity(folder, now)
+    assert said == "step 40/200 (20%), ETA 1:20 as of 2:00 ago, last record (evaluation at step 40) 0:05 ago"
+    assert progress.step == 40
 
 
 def test_a_hang_is_said_with_its_phase_and_step():
