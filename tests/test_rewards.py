@@ -16,7 +16,7 @@ from core import rewards
 from core.config import RewardRule
 from core.errors import InvalidInput
 from core.rewards import RewardError, RuleReward, RunningMoments, Samples
-from tests.conftest import run_cli, tiny_pipeline, write_pipeline
+from tests.conftest import run_cli, tiny_pipeline, tiny_rl_stage, write_pipeline
 
 
 def samples(prompts, completions, labels=None, rows=None, lengths=None) -> Samples:
@@ -179,12 +179,7 @@ SLEEPS = ("import time\ndef score(prompts, completions, labels):\n"
 @pytest.mark.slow
 def test_a_reward_function_that_sleeps_stops_every_rank_of_an_rl_stage_naming_itself_and_the_row(workdir):
     (workdir / "sleeps.py").write_text(SLEEPS)
-    spec = tiny_pipeline(stages=[{
-        "name": "rl", "kind": "ppo", "model": "builtin:tiny-llama", "data": {"path": "builtin:digits", "max_rows": 64},
-        "advantage": "grpo", "n_samples_per_prompt": 2, "rollout_batch_size": 8, "micro_rollout_batch_size": 16,
-        "max_new_tokens": 4, "max_steps": 2, "eval_prompts": 8,
-        "reward": {"rules": [{"function": "sleeps.py:score"}], "timeout_s": 2},
-    }])
+    spec = tiny_pipeline(stages=[tiny_rl_stage({"rules": [{"function": "sleeps.py:score"}], "timeout_s": 2})])
     result = run_cli("run", write_pipeline(workdir, spec), cwd=workdir, timeout=300)
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     # The first evaluation scores 4 held-out prompts on each rank; rank 0's first is eval row 0.
