@@ -62,6 +62,7 @@ class FunctionProcess:
     def start(self, timeout_s: Optional[float]) -> tuple:
         """Start the child and wait (at most timeout_s) for it to load the function: (VALUES, None),
         or its INVALID or RAISED answer (a missing file, an import that fails)."""
+        self.close()  # a child that ended
         ours, theirs = Pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [CODE_ROOT, os.environ.get("PYTHONPATH")]))}
         self.child = subprocess.Popen(

@@ -212,7 +212,7 @@ class Watchdog:
             # Rank 0 decides (requeue or fail), and a requeue ends this process. Leaving now would
             # break its collective with an error instead of letting it see the hang.
             time.sleep(min(limit, GRACE_S) + 10)
-            _fail(self.folder, self.rank, f"{said}; rank 0 did not act on it. {stacks}")
+            _fail(self.folder, self.rank, f"{said}; {stacks}")
         hangs = sum(attempt.ended == timeline.HUNG for attempt in timeline.attempts(self.folder))
         timeline.record(self.folder, timeline.HANG, step=inner.step, phase=" > ".join(inner.path))
         if hangs >= self.max_retries:
