@@ -22,6 +22,8 @@ and nowhere else.
         spec.json                   the resolved stage as it was submitted
         plan.json                   the planner's prediction for the stage, saved at submission
         events.jsonl                when each attempt of the job started (a second one is a requeue or resume)
+        phase.json                  the phase rank 0 is in (evaluation, a training step, ...) once it has lasted
+                                    a while, and since when (stages/watchdog.py), for `status`
         tensorboard/                TensorBoard event files (rank 0)
         wandb/                      the W&B run's files, when tracking.wandb is set
         logs/                       the job's stdout/stderr, one file per process (submitit's files: before
@@ -184,6 +186,10 @@ class StageFolder:
     @property
     def events(self) -> Path:
         return self.path / "events.jsonl"
+
+    @property
+    def phase(self) -> Path:
+        return self.path / "phase.json"
 
     @property
     def tensorboard(self) -> Path:

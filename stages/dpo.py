@@ -23,7 +23,7 @@ from core import kinds
 from core.failure import saving
 from core.flops import sequence_flops
 from core.runfolder import temporary
-from stages import data, engine, models
+from stages import data, engine, models, watchdog
 from stages.losses import dpo_loss
 
 log = logging.getLogger("stages")
@@ -147,6 +147,7 @@ def run(task, ctx) -> dict:
     }
 
 
+@watchdog.phase(watchdog.REFERENCE_PRECOMPUTE)
 def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_config) -> dict:
     """Reference log-probs (chosen, rejected) of every row, per split, computed once.
 

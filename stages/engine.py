@@ -2,8 +2,8 @@
 training loop, metrics, and export to Hugging Face format (checkpoints: stages/checkpoints.py).
 
 Every trainable stage runs on one loop (`run`): resume, metrics, the log, eval and
-save intervals, save-and-requeue at a signal, the hang watchdog and progress are the
-same for every stage, which is what makes resume and metrics uniform. A stage brings
+save intervals, save-and-requeue at a signal, the phases the hang watchdog times
+(stages/watchdog.py) and progress are the same for every stage, which is what makes resume and metrics uniform. A stage brings
 only its unit of work (`Work`): a supervised stage hands `train` a loss on one micro
 batch, an evaluation and its micro batches (`Loop`); RL hands `run` its rollout and
 update (stages/ppo.py).
@@ -144,6 +144,7 @@ def learning_rate_factor(stage, total_steps: int) -> Callable[[int], float]:
     return factor
 
 
+@watchdog.phase(watchdog.LOADING)
 def initialize(model, stage, ds_config: dict, total_steps: int):
     """deepspeed.initialize with AdamW (no decay on norms and biases) and the LR schedule."""
     import deepspeed
@@ -184,8 +185,8 @@ class Work(Protocol):
     (`OptimizerSteps`), or an RL rollout and its update (stages/ppo.py: several optimizer steps).
 
     Unit u ends at optimizer step min(total_steps, (u + 1) x steps_per_unit): metrics, the
-    intervals, checkpoints and the schedule count optimizer steps; resume, signals and the
-    watchdog act between units.
+    intervals, checkpoints and the schedule count optimizer steps; resume and signals act
+    between units.
     """
 
     engine: object  # the DeepSpeed engine whose checkpoint `latest` names
@@ -225,7 +226,7 @@ def run(work: Work, stage, ctx) -> dict:
     state = checkpoints.load(work.engine, work.others)
     if state is None:
         start_step = 0
-        initial = work.evaluate()
+        initial = _evaluate(work, 0)
         metrics.truncate_after(-1)
         metrics.write(_evaluation(0, initial))
         numbers.evaluated(0, initial)
@@ -241,7 +242,7 @@ def run(work: Work, stage, ctx) -> dict:
         step = _units(work, stage, ctx, checkpoints, metrics, numbers, signals, initial, start_step)
         log.info(signals.cost_line(time.time() - loop_started))
 
-    final = work.evaluate()
+    final = _evaluate(work, step)
     metrics.write(_evaluation(step, final))
     numbers.evaluated(step, final)
     numbers.before_exporting(step)  # the stage exports when this returns
@@ -254,19 +255,17 @@ def _units(work, stage, ctx, checkpoints, metrics, numbers, signals, initial, st
 
     def save(step: int, client_state: dict) -> None:
         numbers.before_saving(logged, step)
-        checkpoints.save(work.engine, step, client_state, work.others)
+        with watchdog.phase(watchdog.SAVING, step=step):
+            checkpoints.save(work.engine, step, client_state, work.others)
 
     window = Window(ctx)
     step = logged = saved = start_step
-    hangs = watchdog.Watchdog(ctx, stage.hang_factor, stage.hang_min_s, ctx.task.max_retries,
-                              signals.submitit_handler).start()
     per_unit = work.steps_per_unit
     for unit in range(-(-start_step // per_unit), -(-work.total_steps // per_unit)):
-        hangs.step_started(step + 1)
         unit_started = time.time()
-        work.advance(unit, window)
+        with watchdog.phase(watchdog.TRAINING_STEP, step=step + 1):
+            work.advance(unit, window)
         unit_s = time.time() - unit_started
-        hangs.step_ended()
         previous, step = step, min(work.total_steps, (unit + 1) * per_unit)
         last = step == work.total_steps
         if crossed(work.log_interval, previous, step) or last:
@@ -277,7 +276,7 @@ def _units(work, stage, ctx, checkpoints, metrics, numbers, signals, initial, st
             logged = step
         paused = time.time()  # evaluation and saving are not training time
         if crossed(stage.eval_interval, previous, step) and not last:
-            evaluation = work.evaluate()
+            evaluation = _evaluate(work, step)
             metrics.write(_evaluation(step, evaluation))
             numbers.evaluated(step, evaluation)
         client_state = {"step": step, "initial_eval": initial, **work.state()}
@@ -293,6 +292,11 @@ def _units(work, stage, ctx, checkpoints, metrics, numbers, signals, initial, st
             signals.save_and_requeue(signal_name, step, None if saved == step else lambda: save(step, at_signal))
         window.started += time.time() - paused
     return step
+
+
+def _evaluate(work: Work, step: int) -> dict:
+    with watchdog.phase(watchdog.EVALUATION, step=step):
+        return work.evaluate()
 
 
 def _evaluation(step: int, results: dict) -> dict:
@@ -596,6 +600,7 @@ def merge_lora_state_dict(state: dict, scaling: float, adapter: str = "default")
     return out
 
 
+@watchdog.phase(watchdog.EXPORT)
 def export(engine, tokenizer, stage, out_dir: Path, is_main: bool, extra_files: dict | None = None) -> None:
     """Write model/ in Hugging Face format (LoRA merged unless kept), atomically."""
     module = engine.module

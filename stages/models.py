@@ -17,7 +17,7 @@ import torch
 from core import tiny
 from core.config import BUILTIN_PREFIX
 from core.errors import InvalidInput
-from stages import compat
+from stages import compat, watchdog
 
 log = logging.getLogger("stages")
 
@@ -204,6 +204,7 @@ def prepare_for_training(model, stage, task_type: str, modules_to_save=None):
     return model
 
 
+@watchdog.phase(watchdog.LOADING)
 def load_causal_lm(path: str, stage, ds_config: dict, on_gpu: bool):
     from transformers import AutoModelForCausalLM
 
@@ -211,6 +212,7 @@ def load_causal_lm(path: str, stage, ds_config: dict, on_gpu: bool):
     return prepare_for_training(model, stage, "CAUSAL_LM")
 
 
+@watchdog.phase(watchdog.LOADING)
 def load_reward_model(path: str, stage, ds_config: dict, on_gpu: bool, pad_token_id: int):
     """A 1-label sequence classifier; its score head is new when starting from a causal LM."""
     from transformers import AutoModelForSequenceClassification
@@ -347,6 +349,7 @@ class FrozenModel:
             torch.cuda.empty_cache()
 
 
+@watchdog.phase(watchdog.LOADING)
 def load_frozen(auto_class, path: str, stage, frozen_config: dict, device, offload: bool, **kwargs) -> FrozenModel:
     import deepspeed
 

@@ -63,6 +63,7 @@ def run(task, ctx) -> dict:
 
     outcome = engine.run(rollouts, stage, ctx)
     rollouts.clock.close()
+    rollouts.maker.rules.close()  # the reward functions' processes
     engine.export(rl_models.actor, tokenizer, stage, ctx.folder.model, ctx.is_main)
     if rl_models.critic is not None:
         engine.export(rl_models.critic, tokenizer, critic_stage(stage), ctx.folder.critic, ctx.is_main)
@@ -96,7 +97,8 @@ class Rollouts:
         self.decoding_limit = decoding_limit(stage, ctx, rl_models.actor.module, flop_models[0][0])
         self.others = {"critic": rl_models.critic} if rl_models.critic is not None else {}
         self.total_steps, self.steps_per_unit = schedule.total_steps, schedule.steps_per_rollout
-        self.maker = RolloutMaker(stage, ctx, rl_models, RuleReward.from_specs(stage.reward.rules), clock=self.clock)
+        rules = RuleReward.from_specs(stage.reward.rules, stage.reward.timeout_s)
+        self.maker = RolloutMaker(stage, ctx, rl_models, rules, clock=self.clock)
         self.kl_control = (L.AdaptiveKLController(stage.kl_coef, stage.kl_target, 10_000) if stage.kl_target
                            else L.FixedKLController(stage.kl_coef))
         self.latest: dict = {}  # the last rollout's record

@@ -185,6 +185,10 @@ def _run_stage(task: StageTask) -> dict:
         timeline.record_start(ctx.folder)  # every attempt: the report's timeline shows requeues
         _note_sigterm(ctx.folder)
     _refuse_after_too_many_silent_endings(task)
+    from stages import watchdog
+
+    # From here every phase is watched (loading, evaluation, ...); rank 0 requeues a hang through submitit's handler.
+    watchdog.start(ctx, task.stage, task.max_retries, signal.getsignal(signal.SIGUSR2))
     _materialize_builtins(task, ctx)
     # Every rank says where it is (each task has its own log): multi-node problems show here.
     print(

@@ -24,7 +24,7 @@ import pytest
 from core import failure
 from core.errors import InvalidInput
 from core.runfolder import StageFolder
-from tests.conftest import REPO, run_cli, tiny_pipeline, write_pipeline
+from tests.conftest import REPO, run_cli, tiny_pipeline, tiny_rl_stage, write_pipeline
 
 
 def described(action):
@@ -409,7 +409,7 @@ def score(prompts, completions, labels):
     global calls
     calls += 1
     if os.environ["RANK"] == "1" and calls == 2:  # in the first rollout, after the held-out scoring
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getppid(), signal.SIGKILL)  # the stage process: the function runs in a child of it
     return [0.0] * len(completions)
 """
 
@@ -417,11 +417,7 @@ def score(prompts, completions, labels):
 @pytest.mark.slow
 def test_a_training_process_killed_by_a_signal_is_named_not_the_ranks_that_lost_it(workdir):
     (workdir / "reward.py").write_text(REWARD_THAT_KILLS_RANK_1)
-    spec = tiny_pipeline(stages=[{
-        "name": "rl", "kind": "ppo", "model": "builtin:tiny-llama", "data": {"path": "builtin:digits", "max_rows": 64},
-        "advantage": "grpo", "n_samples_per_prompt": 2, "rollout_batch_size": 8, "micro_rollout_batch_size": 16,
-        "max_new_tokens": 4, "max_steps": 2, "eval_prompts": 8, "reward": {"rules": [{"function": "reward.py:score"}]},
-    }])
+    spec = tiny_pipeline(stages=[tiny_rl_stage({"rules": [{"function": "reward.py:score"}]})])
     path = write_pipeline(workdir, spec)
     result = run_cli("run", path, cwd=workdir)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]

@@ -154,7 +154,7 @@ def test_units_of_several_optimizer_steps_log_evaluate_and_save_by_step_and_resu
     task = SimpleNamespace(name="rl", wandb=None, max_retries=2, time_limit_min=None, processes_per_node=1)
     ctx = SimpleNamespace(folder=folder, is_main=True, rank=0, device=torch.device("cpu"), on_gpu=False,
                           world_size=1, task=task)
-    stage = SimpleNamespace(keep_checkpoints=5, eval_interval=3, save_interval=5, hang_factor=0, hang_min_s=300.0)
+    stage = SimpleNamespace(keep_checkpoints=5, eval_interval=3, save_interval=5)
 
     work = FourStepUnits()
     assert engine.run(work, stage, ctx) == {"initial": {"score": 1.0}, "final": {"score": 4.0}, "steps": 10}
@@ -363,19 +363,3 @@ def test_a_signalled_rl_stage_resumes_with_its_normaliser_kl_coefficient_and_sam
     for mine, theirs in zip(got, want):
         for key in ("policy_loss", "reward", "kl", "kl_coef", "response_length"):
             assert mine[key] == pytest.approx(theirs[key], rel=LOSS_RTOL, abs=1e-7), (mine["step"], key)
-
-
-# --------------------------------------------------------------------------- the hang watchdog
-
-
-def test_a_step_counts_as_hung_past_factor_times_the_median_once_enough_steps_are_timed():
-    from stages.watchdog import HANG_WARMUP_STEPS, Watchdog
-
-    ctx = SimpleNamespace(rank=0, folder=None)
-    dog = Watchdog(ctx, factor=20.0, min_s=3.0, max_retries=2, requeue_handler=None)  # not started: no thread
-    dog.durations = [0.5] * (HANG_WARMUP_STEPS - 1)
-    assert dog.limit_s() is None  # the first steps are not judged
-    dog.durations += [0.1, 0.2, 0.3, 0.4]
-    assert dog.limit_s() == pytest.approx(20 * 0.45)  # median of 0.1..0.5 (eight values)
-    dog.durations = [0.01] * 10
-    assert dog.limit_s() == 3.0  # never under hang_min_s

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from core import failure, metrics, timeline
+from core import failure, timeline
 from core.checkpoints import newest_intact
 from core.config import PipelineSpec
 from core.errors import Interrupted, InvalidInput, PipelineError, StageFailed
@@ -70,8 +70,8 @@ class LocalExecutor(Executor):
         """A stage a local `run` started: running while that run holds the folder, else how it ended."""
         base = dict(name=task.name, run_dir=task.run_dir, job_id=record.job_id, source="record")
         if record.state == state.RUNNING and running is not None:
-            progress = metrics.progress(task.folder.metrics)
-            detail = f"local job on {record.host}" + (f", {progress.text()}" if progress is not None else "")
+            doing, progress = state.activity(task.folder)
+            detail = f"local job on {record.host}, {doing}"
             detail += state.interruptions(task)
             return state.StageStatus(state=state.RUNNING, detail=detail + f" (`run` {running.pid})",
                                      progress=state.as_dict(progress), **base)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from core import metrics, runfolder
+from core import runfolder
 from core.checkpoints import newest_intact
 from core.config import PipelineSpec, slurm_time_to_minutes
 from core.errors import InvalidInput, PipelineError
@@ -199,8 +199,8 @@ def _job_status(task: StageTask, record: state.StageRecord, info: Optional[slurm
         return state.StageStatus(state=state.RUNNING, detail="ending: Slurm is cleaning up its processes" + older,
                                  **base)
     if info.live:
-        progress = metrics.progress(task.folder.metrics)
-        detail = f"on {info.nodes}" + (f", {progress.text()}" if progress is not None else "") + requeued
+        doing, progress = state.activity(task.folder)
+        detail = f"on {info.nodes}, {doing}" + requeued
         return state.StageStatus(state=state.RUNNING, detail=detail + older, progress=state.as_dict(progress),
                                  **base)
     if info.state == "CANCELLED":
