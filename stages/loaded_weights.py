@@ -36,10 +36,14 @@ def problem(path: str, report, adds_head: Optional[str] = None, drops_head: Opti
     missing = [n for n in report.missing if n not in new]
     unexpected = [n for n in report.unexpected if n not in left]
     shapes = [f"{name}: {saved} in the folder, {built} in the model" for name, saved, built in report.mismatched]
-    found = [f"{_count(missing, 'of the model', 'is', 'are')} not in the folder ({_names(missing)})"] * bool(missing)
-    found += [f"{_count(unexpected, 'of the folder', 'has', 'have')} no place in the model "
-              f"({_names(unexpected)})"] * bool(unexpected)
-    found += [f"{_count(shapes, '', 'has', 'have')} another shape in the folder ({_names(shapes, '; ')})"] * bool(shapes)
+    found = []
+    if missing:
+        found.append(f"{_count(missing, 'of the model', 'is', 'are')} not in the folder ({_names(missing)})")
+    if unexpected:
+        found.append(f"{_count(unexpected, 'of the folder', 'has', 'have')} no place in the model "
+                     f"({_names(unexpected)})")
+    if shapes:
+        found.append(f"{_count(shapes, '', 'has', 'have')} another shape in the folder ({_names(shapes, '; ')})")
     found += report.errors
     if not found:
         if new:

@@ -220,6 +220,8 @@ def prepare_for_training(model, stage, task_type: str, modules_to_save=None):
 
 
 def load_causal_lm(path: str, stage, ds_config: dict, on_gpu: bool):
+    """A causal LM; from a reward model's export (tied embeddings: its LM head is the embedding), the
+    score head stays behind."""
     from transformers import AutoModelForCausalLM
 
     model = load_pretrained(AutoModelForCausalLM, path, stage, ds_config, on_gpu, drops_head=SCORE_HEAD)
