@@ -44,8 +44,10 @@ class Naming:
 LLAMA_STYLE = Naming(
     "Llama-style", "model.", "embed_tokens.weight", "layers.N.self_attn.q_proj.weight", "num_hidden_layers",
     lambda s: {"embed_tokens.weight": ([s.vocab, s.hidden], "vocab_size, hidden_size"),
-               "layers.0.self_attn.q_proj.weight": ([s.q_width, s.hidden], "num_attention_heads, head_dim, hidden_size"),
-               "layers.0.self_attn.k_proj.weight": ([s.kv_width, s.hidden], "num_key_value_heads, head_dim, hidden_size")})
+               "layers.0.self_attn.q_proj.weight": ([s.q_width, s.hidden],
+                                                    "num_attention_heads, head_dim, hidden_size"),
+               "layers.0.self_attn.k_proj.weight": ([s.kv_width, s.hidden],
+                                                    "num_key_value_heads, head_dim, hidden_size")})
 GPT2 = Naming(
     "GPT-2", "transformer.", "wte.weight", "h.N.attn.c_attn.weight", "n_layer",
     lambda s: {"wte.weight": ([s.vocab, s.hidden], "vocab_size, n_embd"),

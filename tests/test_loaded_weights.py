@@ -41,7 +41,8 @@ def folders(tmp_path_factory) -> Path:
     tokenizer = [p for p in llama.iterdir() if "token" in p.name or "chat_template" in p.name]
 
     def copy(name, weights=True) -> Path:
-        return Path(shutil.copytree(llama, root / name, ignore=None if weights else shutil.ignore_patterns("*.safetensors")))
+        skipped = None if weights else shutil.ignore_patterns("*.safetensors")
+        return Path(shutil.copytree(llama, root / name, ignore=skipped))
 
     vocab = json.loads((llama / "config.json").read_text())["vocab_size"]
     gpt2 = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=vocab, n_positions=64)
@@ -56,8 +57,8 @@ def folders(tmp_path_factory) -> Path:
     weights = copy("truncated") / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])
     for name, tied in (("reward-model", False), ("tied-reward-model", True)):
-        AutoModelForSequenceClassification.from_pretrained(llama, num_labels=1, tie_word_embeddings=tied).save_pretrained(
-            root / name)
+        reward_model = AutoModelForSequenceClassification.from_pretrained(llama, num_labels=1, tie_word_embeddings=tied)
+        reward_model.save_pretrained(root / name)
         for file in tokenizer:
             shutil.copy(file, root / name)
     headless = Path(shutil.copytree(root / "reward-model", root / "reward-model-without-score"))
