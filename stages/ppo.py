@@ -180,7 +180,7 @@ def load_models(task, ctx, model_path: str, tokenizer, ds_config: dict, total_st
         reference_offload = stage.reference == "offload"
         reference = models.load_frozen(AutoModelForCausalLM, model_path, stage,
                                        ctx.frozen_model_config(stage, model_path, offload=reference_offload),
-                                       ctx.device, offload=reference_offload)
+                                       ctx.device, offload=reference_offload, drops_head=models.SCORE_HEAD)
     rl_models = Models(actor=actor, reference=reference, tokenizer=tokenizer)
     if stage.advantage == "gae":
         critic = models.load_reward_model(critic_path(task, model_path), critic_stage(stage), ds_config, ctx.on_gpu,
