@@ -41,6 +41,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from core import rollout_engine
 from core.errors import InvalidInput
 from stages import compat
 
@@ -48,6 +49,16 @@ from stages import compat
 # pass builds an attention mask of this many rows by the whole cache: 2048 rows keep it near 300 MB
 # for 16 sequences of 2304 tokens, and prefill still fits a whole prompt (see `continuous`).
 STEP_TOKENS = 2048
+
+
+@dataclass
+class Sampled:
+    """Completions of a call, in prompt order, and the sampler's log-prob of each of their tokens:
+    where the sampler is another engine than the trainer (vLLM: stages/vllm_engine.py), for greedy
+    completions none (None)."""
+
+    ids: list[list[int]]
+    logprobs: Optional[list[list[float]]] = None
 
 
 @dataclass(frozen=True)
@@ -72,8 +83,15 @@ AUTO_ENGINE = {
 
 
 def engine_for(stage, module, device) -> str:
-    """The engine `stage.generation` asks for on this stack and device (auto: see the module doc).
-    Asking for continuous where the installed transformers has none is an error, not a fallback."""
+    """The engine `stage.generation` asks for on this stack and device (auto: see the module doc; on
+    a GPU where vLLM is installed, vllm: stages/vllm_engine.py). Asking for continuous where the
+    installed transformers has none, or for vllm where vLLM is not installed, is an error, not a fallback."""
+    if stage.generation == "vllm" and rollout_engine.stack_problem():
+        raise InvalidInput(f"stage '{stage.name}': {rollout_engine.stack_problem()}")
+    if stage.generation == "auto" and torch.device(device).type == "cuda" and rollout_engine.gpu_build_installed():
+        logging.getLogger("stages").info("generation: auto samples with vLLM (%s): %s", rollout_engine.installed(),
+                                         rollout_engine.WHY_AUTO)
+        return "vllm"
     available = compat.continuous_batching_available(module, stage.zero_stage)
     if stage.generation == "continuous" and not available:
         raise InvalidInput(f"stage '{stage.name}': generation: continuous needs transformers' continuous batching "
