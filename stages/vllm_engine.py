@@ -147,12 +147,31 @@ def _build(stage, ctx, model_path: str):
         settings.update(gpu_memory_utilization=stage.vllm.gpu_memory_utilization,
                         enable_sleep_mode=stage.vllm.sleep)
     else:
+        _job_own_shared_memory()
         # On a CPU vLLM reads gpu_memory_utilization as a share of host memory, which processes
         # sharing a machine cannot spare: the cache holds the sequences the stage decodes at once.
         sequences = stage.micro_rollout_batch_size * stage.vllm.tensor_parallel
         settings.update(enforce_eager=True, kv_cache_memory_bytes=rollout_engine.kv_cache_bytes(
             _kv_shape(config), sequences, longest, 4 if stage.precision == "fp32" else 2, stage.vllm.tensor_parallel))
     return LLM(**settings)
+
+
+def _job_own_shared_memory() -> None:
+    """vLLM's CPU all-reduce names its shared-memory segments after the group's ranks and the
+    rendezvous method alone (`//-tp:0-[0-1]-cpushm` under external_launcher's env://), so two jobs
+    on one machine, or a job after one that crashed, would open the same segments (errno 17,
+    EEXIST): the names carry this job's own token instead (rank 0's process id and the rendezvous
+    port, the same on every rank)."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    token = [f"{os.getpid()}-{os.environ.get('MASTER_PORT', '')}"] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(token, src=0)
+
+    def job_group_name(communicator) -> str:
+        ranks = "-".join(str(rank) for rank in communicator.ranks)
+        return f"post-train-{token[0]}-{communicator.unique_name}-[{ranks}]-cpushm"
+
+    cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(job_group_name)
 
 
 def _kv_shape(config) -> rollout_engine.KvShape:

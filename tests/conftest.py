@@ -135,6 +135,8 @@ E2E_FIXTURES = {
     ("test_packing", "packed_and_padded"),
     ("test_sequence_parallel", "layouts"),
     ("test_sequence_parallel_rl", "rl_layouts"),
+    ("test_vllm_engine", "engine_probe"),
+    ("test_vllm_rl", "vllm_runs"),
 }
 
 
