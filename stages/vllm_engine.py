@@ -13,7 +13,9 @@ stage, in its own job, beside the DeepSpeed engines that train (core/rollout_eng
 - Sampling: every request carries its own seed, drawn from the process's torch generator (one
   draw per call): the samples do not depend on how vLLM batches requests, and a resumed run (the
   same random state) samples what the interrupted one would have. The engine's own seeding at
-  construction is kept away from the stage's random state.
+  construction is kept away from the stage's random state. Prefix caching is off: a prompt's
+  cached keys and values could differ in rounding from recomputed ones, and a resumed engine
+  starts with an empty cache (it costs the n samples of a prompt their shared prefill).
 - Log-probs: vLLM returns each sampled token's log-prob after temperature (`processed_logprobs`),
   what the trainer computes for the same token; stages/rollout.py compares them and corrects the
   loss (truncated importance sampling, stages/losses.py).
