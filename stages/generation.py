@@ -1,5 +1,6 @@
 """Sampling completions from the actor: the one function an RL rollout calls to turn prompts into
-responses, with two engines behind it.
+responses, with transformers' two engines behind it (the third, vLLM, lives in
+stages/vllm_engine.py and is called the same way; `engine_for` picks).
 
 - padded: left-padded chunks of micro_rollout_batch_size. Every stack has it. A chunk runs until its
   longest completion ends; rows that finished early keep padding along. On a GPU where transformers
