@@ -758,8 +758,8 @@ class PPOStage(StageBase):
     generation: Literal["auto", "continuous", "padded", "vllm"] = Field(
         "auto",
         description="How rollouts are sampled: vllm (a vLLM engine in each process, weights synced from the actor "
-        "after every update: see vllm; the current stack only), continuous (transformers' continuous batching, 5.x only: a paged "
-        "KV cache, each completion leaves the batch at its eos), padded (generate on padded chunks of "
+        "after every update: see vllm; the current stack only), continuous (transformers' continuous batching, "
+        "5.x only: a paged KV cache, each completion leaves the batch at its eos), padded (generate on padded chunks of "
         "micro_rollout_batch_size; every stack; on a GPU with transformers 5.x a static KV cache and a compiled "
         "step), or auto (what the benchmark records decided per device: padded on CPUs and GPUs so far; "
         "stages/generation.py AUTO_ENGINE; on a GPU where vLLM is installed, vllm). Greedy output is the same; "

@@ -56,7 +56,8 @@ def decode_s(shape: ModelShape, weight_bytes: int, tensor_parallel: int, sequenc
     """Seconds an engine takes to sample `sequences` completions of `new_tokens`, `concurrent` at a time."""
     concurrent = max(1, min(concurrent, MAX_SEQUENCES, sequences))
     per_token_kv = kv_cache_bytes(kv_shape(shape), 1, 1, weight_bytes, tensor_parallel)
-    step_bytes = shape.n_params * weight_bytes / tensor_parallel + concurrent * (prompt_len + new_tokens / 2) * per_token_kv
+    cache = concurrent * (prompt_len + new_tokens / 2) * per_token_kv  # on average half the completion in
+    step_bytes = shape.n_params * weight_bytes / tensor_parallel + cache
     return math.ceil(sequences / concurrent) * new_tokens * step_bytes / hbm_bytes_per_s
 
 
