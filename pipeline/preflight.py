@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from core import failure, kinds, reward_quality, sequence_parallel
+from core import failure, kinds, reward_quality, rollout_engine, sequence_parallel
 from core.config import BUILTIN_PREFIX, PipelineSpec
 from core.errors import InvalidInput
 from core.shapes import ShapeNotFound, cached_config, resolve_shape
@@ -64,6 +64,7 @@ def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
         check_sequence_parallel(spec, stage, root, where, cache, spec.cluster.processes_per_node * stage.nodes,
                                 stack_is_here=executor.runs_this_python(spec))
         check_tiles(stage, where, stack_is_here=executor.runs_this_python(spec))
+        check_rollout_engine(stage, where, stack_is_here=executor.runs_this_python(spec))
         found = check_data(stage, where, hub)
         check_chat_template(stage, root, where, found.chats, cache)
         check_step_rows(spec, stage, where, found)
@@ -195,6 +196,14 @@ def check_tiles(stage, where: str, stack_is_here: bool) -> None:
     """The stack can tile the LM head's logits and the MLPs as the stage asks (checked where the
     stages run with this python; a container's stack is checked by the stage itself when it starts)."""
     problem = stack_is_here and sequence_parallel.tiles_problem(stage)
+    if problem:
+        raise InvalidInput(f"{where}.{problem}")
+
+
+def check_rollout_engine(stage, where: str, stack_is_here: bool) -> None:
+    """The stack has vLLM where the stage samples with it (checked where the stages run with this
+    python; a container's stack is checked by the stage itself when it starts)."""
+    problem = stack_is_here and getattr(stage, "generation", None) == "vllm" and rollout_engine.stack_problem()
     if problem:
         raise InvalidInput(f"{where}.{problem}")
 

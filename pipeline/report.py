@@ -190,7 +190,8 @@ def _grid(series: dict, xlabel: str, alt: str, marker: Optional[str] = None, tog
     return _embed(fig, alt)
 
 
-PHASE_COLORS = {"generate_s": "#4c72b0", "score_s": "#dd8452", "train_s": "#55a868", "other_s": "#c7c7c7"}
+PHASE_COLORS = {"generate_s": "#4c72b0", "score_s": "#dd8452", "train_s": "#55a868", "sync_s": "#8172b3",
+                "other_s": "#c7c7c7"}
 
 
 def _phases_figure(rollouts: list[dict], alt: str) -> str:

@@ -506,12 +506,26 @@ def rotary_patch_needed() -> tuple[bool, str]:
     reasons = []
     if not reinitialised:
         reasons.append(f"transformers {versions()['transformers']} keeps the rotary state zero.Init built")
+    elif not _keeps_rotary_buffers_fp32_under_zero_init():
+        reasons.append(f"transformers {versions()['transformers']} re-initialises rotary frequencies into buffers "
+                       f"zero.Init built in the training dtype")
     if deepspeed_casts_buffers():
         reasons.append(f"DeepSpeed {versions()['deepspeed']} casts buffers to the training dtype")
     if reasons:
         return True, "; ".join(reasons)
     return False, (f"transformers {versions()['transformers']} re-initialises rotary frequencies after "
                    f"construction and DeepSpeed {versions()['deepspeed']} keeps fp32 buffers")
+
+
+def _keeps_rotary_buffers_fp32_under_zero_init() -> bool:
+    """Whether transformers stops zero.Init from building the rotary buffers in the training dtype
+    (its `prevent_arange_dtype_change` around zero.Init; absent in 5.19, whose re-initialised
+    frequencies then land in bf16 buffers: wrong positions, as the self-check measures)."""
+    try:
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def deepspeed_casts_buffers() -> bool:

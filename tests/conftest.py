@@ -145,6 +145,8 @@ E2E_FIXTURES = {
     ("test_sequence_parallel", "layouts"),
     ("test_sequence_parallel_rl", "rl_layouts"),
     ("test_checkpoints", "trained"),
+    ("test_vllm_engine", "engine_probe"),
+    ("test_vllm_rl", "vllm_runs"),
 }
 
 
