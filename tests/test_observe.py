@@ -59,15 +59,26 @@ def test_an_eval_record_is_told_from_a_training_record():
     assert not records.is_eval({"step": 5, "loss": 3.2, "eval_loss": 3.0})
 
 
-def test_a_requeued_stage_shows_queued_running_requeued_running():
+def test_a_requeued_stage_shows_queued_starting_running_requeued_starting_running():
     found = timeline.segments(submitted=0.0, attempts=[100.0, 10.0], activity=[20.0, 50.0, 120.0], done=130.0)
     assert [(s.state, s.start, s.end) for s in found] == [
-        ("queued", 0.0, 10.0), ("running", 10.0, 50.0), ("requeued", 50.0, 100.0), ("running", 100.0, 130.0)]
+        ("queued", 0.0, 10.0), ("starting", 10.0, 20.0), ("running", 20.0, 50.0), ("requeued", 50.0, 100.0),
+        ("starting", 100.0, 120.0), ("running", 120.0, 130.0)]
 
 
-def test_a_running_stage_runs_until_its_newest_record():
+def test_a_running_stage_runs_from_its_first_record_until_its_newest():
     found = timeline.segments(submitted=None, attempts=[10.0], activity=[5.0, 20.0, 35.0], done=None)
-    assert [(s.state, s.start, s.end) for s in found] == [("running", 10.0, 35.0)]
+    assert [(s.state, s.start, s.end) for s in found] == [("starting", 10.0, 20.0), ("running", 20.0, 35.0)]
+
+
+def test_a_stage_is_queued_until_its_processes_launch_and_starting_until_its_first_record():
+    # Submitted at 0, the processes began at 2 (a local job: at once), joined up at 40 after imports
+    # and an op build, evaluated first at 60; requeued at 90, launched again at 100.
+    found = timeline.segments(submitted=0.0, attempts=[40.0, 110.0], activity=[60.0, 90.0, 130.0], done=140.0,
+                              launches=[2.0, 100.0])
+    assert [(s.state, s.start, s.end) for s in found] == [
+        ("queued", 0.0, 2.0), ("starting", 2.0, 60.0), ("running", 60.0, 90.0), ("requeued", 90.0, 100.0),
+        ("starting", 100.0, 130.0), ("running", 130.0, 140.0)]
 
 
 def test_measured_rates_leave_out_the_first_record_and_memory_takes_the_peak():
