@@ -25,7 +25,7 @@ from typing import Optional
 
 from core import failure, metrics, timeline
 from core.config import PipelineSpec
-from core.errors import Interrupted, InvalidInput, PipelineError, StageFailed
+from core.errors import Interrupted, InvalidInput, InvalidStageInput, PipelineError, StageFailed
 from core.task import StageTask, is_finished
 from pipeline import state
 from pipeline.executors.base import Executor, announce, check_fits, exports, run_state_of, with_log
@@ -357,7 +357,7 @@ def stage_failure(task: StageTask, job) -> PipelineError:
     explained = failure.explain(task.name, records)
     if explained is not None:
         invalid = failure.explaining(records).kind == failure.INVALID_INPUT
-        return (InvalidInput if invalid else StageFailed)(explained)
+        return (InvalidStageInput if invalid else StageFailed)(explained)
     err_path = Path(job.paths.stderr)
     tail = ""
     if err_path.exists():
