@@ -35,6 +35,21 @@ def test_the_progress_line_gives_step_of_total_percent_eta_loss_and_tokens_per_s
     assert "\r" not in line
 
 
+def test_an_rl_progress_line_keeps_to_what_a_person_watching_needs():
+    record = {"step": 3, "total_steps": 25, "eta_s": 25.0, "time": 1.0, "tokens_per_s": 5212.4, "policy_loss": 0.02113,
+              "reward": 0.2773, "kl": 0.1654, "entropy": 0.3071, "response_length": 6.852, "clip_fraction": 0.0,
+              "grad_norm": 1.606, "lr": 0.000289, "mfu": None, "gpu_mem_peak_gib": None, "kl_coef": 0.01,
+              "approx_kl": 0.0, "reward_exact_match": 0.2773, "token_efficiency": 0.8867, "step_s": 0.9582,
+              "host_rss_gib": 0.9178, "rollout": 3, "train_token_efficiency": 0.9574, "generate_s": 0.206,
+              "score_s": 0.2775, "train_s": 0.4658, "other_s": 0.007193, "gather_s": 0.0, "offload_s": 0.0,
+              "rollout_s": 0.9566, "generate_tokens_per_s": 8513.0, "score_tokens_per_s": 17990.0,
+              "train_tokens_per_s": 10720.0, "gpu_busy_generate": None, "generate_bandwidth_fraction": None}
+    line = records.progress_line("rl", record)
+    assert line == ("[rl] step 3/25  12%  ETA 0:25  policy_loss 0.02113  reward 0.2773  tokens/s 5,212 | kl=0.1654 "
+                    "entropy=0.3071 response_length=6.852 clip_fraction=0")
+    assert len(line) <= records.LINE_CHARS
+
+
 def test_status_says_how_old_the_progress_it_shows_is():
     progress = records.Progress(step=40, total_steps=200, eta_s=80.0, time=1000.0)
     assert progress.text(now=1005.0) == "step 40/200 (20%), ETA 1:20 as of 0:05 ago"
