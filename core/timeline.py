@@ -29,6 +29,9 @@ from core.runfolder import StageFolder
 QUEUED, STARTING, RUNNING, REQUEUED, DONE = "queued", "starting", "running", "requeued", "done"
 # Rank 0 of a stage job records "launched" first thing, "started" once the processes are up.
 LAUNCHED = "launched"
+# A local `run` that got a signal (signal: its name, e.g. SIGTERM from `kill`) notes it before it
+# asks its stage to stop, which it does with SIGINT: the stage's lines name the signal received.
+STOP_ASKED = "stop asked"
 # Events a stage's rank 0 records besides "started": the loop saved at a signal (signal, step,
 # reason), a resume (step), a hang (step: stages/watchdog.py), a requeue asked for by submitit's
 # USR2 handler (reason; stages/runner.py: after a save at the signal or a hang it adds nothing).
@@ -58,6 +61,19 @@ def record(folder: StageFolder, event: str, **fields) -> None:
             f.write(line)
     except OSError as err:
         print(f"could not note '{event}' in {folder.events}: {err}", file=sys.stderr, flush=True)
+
+
+def stop_signal(folder: StageFolder) -> str:
+    """The signal a SIGINT to this attempt of the stage stands for: the one its local `run` got
+    when that run asked it to stop (STOP_ASKED), else SIGINT itself (a Ctrl-C reaches the stage
+    directly)."""
+    name = "SIGINT"
+    for event in _events(folder):
+        if event.get("event") == LAUNCHED:
+            name = "SIGINT"
+        elif event.get("event") == STOP_ASKED:
+            name = event.get("signal") or name
+    return name
 
 
 def signal_reason(signal_name: str, elapsed_s: float, time_limit_min: Optional[float]) -> str:
