@@ -40,7 +40,7 @@ ENV = "TORCH_EXTENSIONS_DIR"
 # compiles run in parallel, so more cores help little; a busy machine takes 2-4x as long).
 OPS = {
     "deepspeed_shm_comm": ("DeepSpeed's CPU communication op", 40),
-    "cpu_adam": ("DeepSpeed's CPU Adam (the optimizer of optimizer_offload)", 60),
+    "cpu_adam": ("DeepSpeed's CPU Adam, optimizer_offload's optimizer", 60),
 }
 # A waiting process stays quiet this long: a cached op holds the lock for a moment only.
 QUIET_WAIT_S = 5.0
@@ -160,6 +160,7 @@ def _announcing(run_ninja_build):
 def pending(build_directory: Path) -> Optional[str]:
     """Why ninja would compile something in `build_directory` (its dry run, explained), or None
     when it has nothing to do or cannot say (then the real run reports its own errors)."""
+    had_log = (build_directory / ".ninja_log").exists()  # a dry run may remove one it cannot read
     try:
         dry = subprocess.run(["ninja", "-n", "-d", "explain"], cwd=build_directory, capture_output=True,
                              text=True, timeout=120)
@@ -168,13 +169,13 @@ def pending(build_directory: Path) -> Optional[str]:
     said = dry.stdout + dry.stderr
     if dry.returncode != 0 or not re.search(r"^\[\d+/\d+\] ", said, re.MULTILINE):
         return None
-    library = f"{build_directory.name}.so"
-    if "build log version" in said or "command line not found in log" in said:
-        if (build_directory / library).exists():
-            return (f"another ninja version built it, and ninja {_ninja_version()} ({_which_ninja()}) cannot use "
-                    "that one's build log, so it compiles it again")
-    if not (build_directory / library).exists():
+    if not (build_directory / f"{build_directory.name}.so").exists():
         return "not built yet"
+    if not had_log:
+        return "ninja's build log there is gone, so it compiles it again"
+    if "build log version" in said or "command line not found in log" in said:
+        return (f"another ninja version built it, and ninja {_ninja_version()} ({_which_ninja()}) cannot use "
+                "that one's build log, so it compiles it again")
     if "command line changed" in said:
         return ("its compile commands changed (another compiler, other flags or paths, or another ninja "
                 "version's build log)")
@@ -204,10 +205,9 @@ def _saying_baton(baton_class):
     class SayingBaton(baton_class):
         def wait(self):
             lock = Path(self.lock_file_path)
-            started, said = time.monotonic(), 0
+            op, started, said = lock.parent.name, time.monotonic(), 0
             while lock.exists():
                 waited = time.monotonic() - started
-                op = lock.parent.name
                 if said == 0 and waited > QUIET_WAIT_S:
                     said = 1
                     say(f"waiting while another process builds {describe(op)} in {lock.parent} "

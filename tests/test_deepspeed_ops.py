@@ -145,7 +145,7 @@ def test_a_process_waiting_on_anothers_build_says_so_and_a_moment_s_wait_does_no
     assert capsys.readouterr().out == ""
     hold(1.0)
     assert capsys.readouterr().out == (
-        f"waiting while another process builds DeepSpeed's CPU Adam (the optimizer of optimizer_offload) (cpu_adam) "
+        f"waiting while another process builds DeepSpeed's CPU Adam, optimizer_offload's optimizer (cpu_adam) "
         f"in {tmp_path / 'cpu_adam'} ({deepspeed_ops.duration('cpu_adam')})\n")
 
 
