@@ -134,6 +134,7 @@ def prepare() -> None:
     if not getattr(cpp_extension._run_ninja_build, "announces", False):
         cpp_extension._run_ninja_build = _announcing(cpp_extension._run_ninja_build)
         cpp_extension.FileBaton = _saying_baton(cpp_extension.FileBaton)
+    _quiet_loads()
     _quiet_shm_success()
 
 
@@ -241,6 +242,25 @@ def _quiet_probes() -> None:
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, _DistutilsEcho) for f in handler.filters):
             handler.addFilter(_DistutilsEcho())
+
+
+def _quiet_loads() -> None:
+    """DeepSpeed 0.13 loads an op verbosely unless told otherwise: ninja's "no work to do",
+    torch's "Loading extension module ...", "Time to load cpu_adam op: ..." at every load, built
+    or cached (0.14+ is quiet). Loads default to quiet: a build says so itself (above), and a
+    failed one raises with the compiler's output."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    load = OpBuilder.load
+    if getattr(load, "quiet", False):
+        return
+
+    @functools.wraps(load)
+    def quiet_load(self, verbose=False):
+        return load(self, verbose=verbose)
+
+    quiet_load.quiet = True
+    OpBuilder.load = quiet_load
 
 
 def _quiet_shm_success() -> None:

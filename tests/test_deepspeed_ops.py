@@ -17,6 +17,8 @@ import pytest
 from stages import deepspeed_ops
 
 REPO = Path(__file__).resolve().parent.parent
+# The repository importable in a child, beside what is on PYTHONPATH already (the pinned shims).
+PYTHONPATH = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 # The smallest extension DeepSpeed's op builder can build: a Python module with nothing in it
 # (a second or two of compiling, where DeepSpeed's own ops take a minute).
 PROBE_SOURCE = """#include <Python.h>
@@ -79,7 +81,7 @@ def test_an_op_another_ninja_built_is_announced_when_it_is_compiled_again(tmp_pa
     script = tmp_path / "load_probe.py"
     script.write_text(PROBE_LOAD)
     folder = tmp_path / "extensions"
-    env = {**os.environ, deepspeed_ops.ENV: str(folder), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, deepspeed_ops.ENV: str(folder), "PYTHONPATH": PYTHONPATH}
 
     def load() -> str:
         done = subprocess.run([sys.executable, str(script), str(source)], env=env, capture_output=True,
@@ -121,7 +123,7 @@ def test_loading_the_cpu_communication_op_from_the_folder_prints_nothing(tmp_pat
         "print('initialised')\n")
     from stages.distributed import free_port
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
