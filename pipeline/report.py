@@ -142,7 +142,7 @@ class _StageData:
                         _phases_figure(rollouts, f"{self.name} rollout phases")))
         times = [r["time"] for r in self.records if "time" in r]
         unit, seconds = _time_unit(max(times) - min(times) if times else 0.0)
-        clock = (min(times) if times else None, seconds)
+        clock = (min(times), seconds) if times else None
         perf = _series(self.training, "perf/", "time/", clock=clock)
         if perf:
             out.append((f"Throughput and where the time goes (by {unit} since the first record)",
