@@ -437,18 +437,29 @@ class TrainingKnobs(Strict):
         100, ge=0, description="Write a resumable checkpoint every N optimizer steps and after the last one "
         "(0 = never)."
     )
-    keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="How many of the newest checkpoints to keep. An older one is removed only once a newer "
+        "one is written and checked against its manifest; a damaged one set aside at resume is never removed."
+    )
     log_interval: int = Field(10, ge=1, description="Write a metrics.jsonl line every N optimizer steps.")
     seed: int = Field(42, ge=0, description="Seed for initialisation, data order and sampling.")
     nodes: int = Field(1, ge=1, le=1024, description="Nodes this stage runs on.")
     time: Optional[str] = Field(None, description="Wall-clock limit for this stage's Slurm job; default cluster.time.")
     hang_factor: float = Field(
-        20.0, ge=0, description="A training step (in RL: a rollout and its update) running longer than this many "
-        "times the median step (after "
-        "the first 5; evaluation and saves are not timed), and at least hang_min_s, is a hang: every process "
-        "writes its Python stacks to its log and the job is requeued, up to cluster.max_retries, then fails. "
-        "0 turns the watchdog off.")
-    hang_min_s: float = Field(300.0, gt=0, description="The least time a step may take before it can count as a hang.")
+        20.0, ge=0, description="The hang watchdog. Every phase of a stage is timed (loading, the reference "
+        "precompute, evaluation, generation, scoring, the reward functions, a training step (in RL: a rollout and "
+        "its update), saving, the export, and the forward passes inside them) from its start or from the end of "
+        "the last phase inside it. A phase that goes longer than this many times the median of its own earlier "
+        "runs (once it has run 5 times), and at least hang_min_s, is a hang; before that, longer than "
+        "hang_first_s. The process writes its Python stacks to its log and says where it hung (phase, step, rank); "
+        "the job is requeued, up to cluster.max_retries, then fails. 0 turns the watchdog off.")
+    hang_min_s: float = Field(300.0, gt=0, description="The least time a phase that has run 5 times may go "
+                              "before it can count as a hang.")
+    hang_first_s: float = Field(
+        3600.0, gt=0, description="The longest a phase may go before it has run 5 times, with no history to "
+        "judge it by: loading the models (a 70B model's 140 GB of bf16 weights read from a shared file system at "
+        "40 MB/s), the first evaluations, the first training steps (compilation, caches). Longer is a hang, as "
+        "for hang_factor. Raise it when a first phase is slower than that.")
     collective_timeout_s: int = Field(
         1800, ge=10, description="torch.distributed's timeout for one collective (NCCL/gloo): a rank waiting "
         "longer for the others fails.")
@@ -686,6 +697,11 @@ class RewardSpec(Strict):
     rules: list[RewardRule] = Field(default_factory=list, description="Rule-based terms, summed with their weights.")
     normalize: bool = Field(True, description="Normalise rewards by their running mean and standard deviation.")
     clip: Optional[float] = Field(5.0, gt=0, description="Clip (normalised) rewards to [-clip, clip]; null = no clip.")
+    timeout_s: float = Field(
+        300.0, gt=0, description="The longest one call of a reward function (rules: function) may take, on all "
+        "the completions a process scores at once: a call still running then is stopped, and the stage stops "
+        "with a message naming the function and the row it was on. Each process runs its reward functions in a "
+        "child process of its own, which is what lets a hung call be stopped.")
 
     @model_validator(mode="after")
     def _something_to_maximise(self):

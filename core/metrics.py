@@ -206,7 +206,12 @@ class Progress:
 
 def progress(metrics_path: Path) -> Optional[Progress]:
     """Where a stage is, from the last training record of its metrics.jsonl; None before its first."""
-    records = training(read(metrics_path))
+    return progress_of(read(metrics_path))
+
+
+def progress_of(records: list[dict]) -> Optional[Progress]:
+    """`progress` of records already read."""
+    records = training(records)
     if not records:
         return None
     last = records[-1]

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 from core import metrics as records
 from core.failure import task_job_id
-from core.runfolder import StageFolder
+from core.runfolder import StageFolder, temporary
 
 QUEUED, STARTING, RUNNING, REQUEUED, DONE = "queued", "starting", "running", "requeued", "done"
 # Rank 0 of a stage job records "launched" first thing, "started" once the processes are up.
@@ -33,7 +33,7 @@ LAUNCHED = "launched"
 # asks its stage to stop, which it does with SIGINT: the stage's lines name the signal received.
 STOP_ASKED = "stop asked"
 # Events a stage's rank 0 records besides "started": the loop saved at a signal (signal, step,
-# reason), a resume (step), a hang (step: stages/watchdog.py), a requeue asked for by submitit's
+# reason), a resume (step), a hang (phase, step: stages/watchdog.py), a requeue asked for by submitit's
 # USR2 handler (reason; stages/runner.py: after a save at the signal or a hang it adds nothing).
 STARTED, SAVED_AT_SIGNAL, RESUMED, HANG, REQUEUE = "started", "saved at signal", "resumed", "hang", "requeue"
 # Why an attempt of a stage's job ended and the job started again.
@@ -100,11 +100,14 @@ class Attempt:
     ended: Optional[str] = None  # TIME_LIMIT, PREEMPTED, STOPPED, HUNG or UNEXPLAINED; None: the newest, or the job's last
     signal: Optional[str] = None
     at_step: Optional[int] = None  # the step saved at the signal, or the hung step
+    phase: Optional[str] = None  # where it hung, e.g. "evaluation > generation"
 
     def text(self) -> str:
         what = self.ended or ""
         if self.signal:
             what += f" ({self.signal})"
+        if self.phase:
+            what += f" in {self.phase}"
         if self.at_step is not None:
             what += f" at step {self.at_step}"
         return what
@@ -134,7 +137,7 @@ def attempts(folder: StageFolder) -> list[Attempt]:
             found[-1].ended = event.get("reason") or PREEMPTED
             found[-1].signal, found[-1].at_step = event.get("signal"), event.get("step")
         elif kind == HANG:
-            found[-1].ended, found[-1].at_step = HUNG, event.get("step")
+            found[-1].ended, found[-1].at_step, found[-1].phase = HUNG, event.get("step"), event.get("phase")
         elif kind == REQUEUE:
             found[-1].ended = event.get("reason") or PREEMPTED
             found[-1].signal = event.get("signal")
@@ -153,6 +156,44 @@ def _events(folder: StageFolder) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return found
+
+
+@dataclass
+class PhaseNote:
+    """The phase a stage's rank 0 is in, noted once it has lasted a while (stages/watchdog.py)."""
+
+    phase: Optional[str]  # e.g. "evaluation > generation"; None: between phases
+    step: Optional[int]
+    since: float  # unix seconds
+
+    def text(self, now: Optional[float] = None) -> str:
+        """`in evaluation > generation at step 40 for 2:15`; "" between phases."""
+        if not self.phase:
+            return ""
+        age = max(0.0, (now if now is not None else time.time()) - self.since)
+        step = "" if self.step is None else f" at step {self.step}"
+        return f"in {self.phase}{step} for {records.duration_text(age)}"
+
+
+def note_phase(folder: StageFolder, phase: Optional[str], step: Optional[int], since: float) -> None:
+    """Rank 0's watchdog notes the phase it is in (None: it ended); a note that cannot be written
+    is left out, said in the log."""
+    tmp = temporary(folder.phase)
+    try:
+        tmp.write_text(json.dumps({"phase": phase, "step": step, "since": round(since, 3)}))
+        os.replace(tmp, folder.phase)
+    except OSError as err:
+        print(f"could not note the phase in {folder.phase}: {err}", file=sys.stderr, flush=True)
+
+
+def phase_now(folder: StageFolder) -> Optional[PhaseNote]:
+    """The phase the newest attempt of the stage's job noted (None: none noted since it started)."""
+    try:
+        note = PhaseNote(**json.loads(folder.phase.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    history = attempts(folder)
+    return note if history and note.since >= history[-1].started else None
 
 
 def starts(folder: StageFolder) -> list[float]:

@@ -19,6 +19,7 @@ from core import batching, kinds, tiny
 from core.config import BUILTIN_PREFIX, DataSpec
 from core.errors import InvalidInput
 from core.rows import eval_copies, hold_out, is_row_file, read_rows, select_rows
+from stages import watchdog
 
 log = logging.getLogger("stages")
 
@@ -382,6 +383,7 @@ class Batch:
         """The 2D padding mask of a padded batch (1 on tokens); None for a packed one."""
         return None if self.packed else (self.sequence >= 0).long()
 
+    @watchdog.phase(watchdog.FORWARD)
     def forward(self, model, **extra):
         """The model's output on this batch. No KV cache in training passes (transformers 5
         would build one, and then read no packed positions)."""

@@ -63,6 +63,7 @@ def run(task, ctx) -> dict:
 
     outcome = engine.run(rollouts, stage, ctx)
     rollouts.clock.close()
+    rollouts.maker.rules.close()  # the reward functions' processes
     engine.export(rl_models.actor, tokenizer, stage, ctx.folder.model, ctx.is_main)
     if rl_models.critic is not None:
         engine.export(rl_models.critic, tokenizer, critic_stage(stage), ctx.folder.critic, ctx.is_main)
@@ -82,7 +83,7 @@ def run(task, ctx) -> dict:
 class Rollouts:
     """RL's unit of work on the engine's loop (engine.Work): one rollout and its update, which
     is steps_per_rollout optimizer steps. A checkpoint keeps the reward normaliser's statistics
-    and the KL coefficient (every rank's generators, the sampler's: engine.Checkpoints)."""
+    and the KL coefficient (every rank's generators, the sampler's: stages/checkpoints.py)."""
 
     log_interval = 1  # one metrics.jsonl line per rollout
 
@@ -96,7 +97,8 @@ class Rollouts:
         self.decoding_limit = decoding_limit(stage, ctx, rl_models.actor.module, flop_models[0][0])
         self.others = {"critic": rl_models.critic} if rl_models.critic is not None else {}
         self.total_steps, self.steps_per_unit = schedule.total_steps, schedule.steps_per_rollout
-        self.maker = RolloutMaker(stage, ctx, rl_models, RuleReward.from_specs(stage.reward.rules), clock=self.clock)
+        rules = RuleReward.from_specs(stage.reward.rules, stage.reward.timeout_s)
+        self.maker = RolloutMaker(stage, ctx, rl_models, rules, clock=self.clock)
         self.kl_control = (L.AdaptiveKLController(stage.kl_coef, stage.kl_target, 10_000) if stage.kl_target
                            else L.FixedKLController(stage.kl_coef))
         self.latest: dict = {}  # the last rollout's record
@@ -178,7 +180,7 @@ def load_models(task, ctx, model_path: str, tokenizer, ds_config: dict, total_st
         reference_offload = stage.reference == "offload"
         reference = models.load_frozen(AutoModelForCausalLM, model_path, stage,
                                        ctx.frozen_model_config(stage, model_path, offload=reference_offload),
-                                       ctx.device, offload=reference_offload)
+                                       ctx.device, offload=reference_offload, drops_head=models.SCORE_HEAD)
     rl_models = Models(actor=actor, reference=reference, tokenizer=tokenizer)
     if stage.advantage == "gae":
         critic = models.load_reward_model(critic_path(task, model_path), critic_stage(stage), ds_config, ctx.on_gpu,

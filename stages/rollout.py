@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from core import batching
 from core.rewards import RewardError, RuleReward, RunningMoments, Samples
-from stages import data, engine, sequence_parallel
+from stages import data, engine, sequence_parallel, watchdog
 from stages import losses as L
 from stages.generation import generate
 from stages.models import position_scores, sequence_scores
@@ -267,6 +267,7 @@ class RolloutMaker:
                     "sampling_rounds": round_ + 1}
         return every, kept, sampling
 
+    @watchdog.phase(watchdog.GENERATION)
     def sample(self, prompts: Sequence[Prompt], greedy: bool = False) -> list[list[int]]:
         """Completions of `prompts`. Where processes share sequences, every process of a group holds
         the same prompts: each samples its 1/N of them (contiguous, so a prompt's samples stay
@@ -280,30 +281,34 @@ class RolloutMaker:
         dist.all_gather_object(everyone, mine, group=layout.group)
         return [response for responses in everyone for response in responses]
 
+    @watchdog.phase(watchdog.SCORING)
     def score(self, prompts: Sequence[Prompt], responses: list[list[int]]) -> tuple[list[float], dict[str, float]]:
         """Summed reward per completion, before normalisation, and each term's mean. A reward rule that
-        fails on one process stops every process with its message, after the same collective calls on
-        each (the others would otherwise wait for it forever)."""
+        fails on one process (or runs past reward.timeout_s: core/reward_process.py) stops every process
+        with its message, after the same collective calls on each (the others would otherwise wait for
+        it forever)."""
         tokenizer, stage = self.models.tokenizer, self.stage
         completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
         samples = Samples(prompts=[p.text for p in prompts], completions=completions, rows=[p.row for p in prompts],
                           labels=[p.label for p in prompts], lengths=[len(r) for r in responses],
                           names=[p.name for p in prompts])
         failure, total, terms = None, [0.0] * len(responses), {}
-        try:
-            if self.rules.terms:
-                total, terms = self.rules(samples)
-        except RewardError as err:
-            failure = err
+        # The functions bound their own calls; the others wait here for the slowest (the watchdog: as long).
+        with watchdog.phase(watchdog.REWARD_FUNCTIONS, at_least_s=self.rules.longest_s):
+            try:
+                if self.rules.terms:
+                    total, terms = self.rules(samples)
+            except RewardError as err:
+                failure = err
+            everyone = [None] * self.ctx.world_size
+            dist.all_gather_object(everyone, None if failure is None else failure.message)
+        first = next((message for message in everyone if message is not None), None)
+        if first is not None:  # every process says the same, the first failure's message
+            raise failure if failure is not None and failure.message == first else RewardError(first)
         if self.models.reward_model is not None:
             scores = self._reward_model_scores(samples)
             total = [t + stage.reward.model_weight * s for t, s in zip(total, scores)]
             terms["reward_model"] = sum(scores) / max(len(scores), 1)
-        everyone = [None] * self.ctx.world_size
-        dist.all_gather_object(everyone, None if failure is None else failure.message)
-        first = next((message for message in everyone if message is not None), None)
-        if first is not None:  # every process says the same, the first failure's message
-            raise failure if failure is not None and failure.message == first else RewardError(first)
         return total, terms
 
     def _reward_model_scores(self, samples: Samples) -> list[float]:

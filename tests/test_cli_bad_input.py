@@ -246,6 +246,16 @@ def test_a_shard_named_by_the_index_that_is_missing_is_refused(model_folder, wor
                  shards[-1].name)
 
 
+def test_a_gpt2_config_over_llama_weights_is_refused_before_anything_trains(model_folder, workdir):
+    folder = model_folder()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4,
+        "vocab_size": 48, "n_positions": 64}))
+    run_rejected(workdir, with_model(folder), "stages[0] (sft).model", f"{folder / 'config.json'}: config.json's "
+                 "model_type is gpt2", "named as Llama-style models name theirs (model.embed_tokens.weight",
+                 "put the config.json saved with these weights beside them")
+
+
 def test_a_truncated_torch_save_file_is_refused(model_folder, workdir):
     weights = model_folder("torch") / "pytorch_model.bin"
     weights.write_bytes(weights.read_bytes()[:-200])

@@ -291,7 +291,7 @@ def test_training_passes_return_logits_in_the_model_dtype_with_the_same_values(t
 
     from stages import data, models
 
-    model = compat.from_pretrained(AutoModelForCausalLM, str(tiny_llama), torch.bfloat16, "sdpa", 48)
+    model, _ = compat.from_pretrained(AutoModelForCausalLM, str(tiny_llama), torch.bfloat16, "sdpa", 48)
     tokenizer = models.load_tokenizer(str(tiny_llama))
     row = data.tokenize_sft({"prompt": "sort 21 =", "response": " 12"}, tokenizer, data.DataSpec(path="x.jsonl"), 48)
     batch = data.padded_batch([row], tokenizer.pad_token_id)

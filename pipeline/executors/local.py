@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from core import failure, metrics, timeline
+from core import failure, timeline
+from core.checkpoints import newest_intact
 from core.config import PipelineSpec
 from core.errors import Interrupted, InvalidInput, InvalidStageInput, PipelineError, StageFailed
 from core.task import StageTask, is_finished
@@ -69,8 +70,8 @@ class LocalExecutor(Executor):
         """A stage a local `run` started: running while that run holds the folder, else how it ended."""
         base = dict(name=task.name, run_dir=task.run_dir, job_id=record.job_id, source="record")
         if record.state == state.RUNNING and running is not None:
-            progress = metrics.progress(task.folder.metrics)
-            detail = f"local job on {record.host}" + (f", {progress.text()}" if progress is not None else "")
+            doing, progress = state.activity(task.folder)
+            detail = f"local job on {record.host}, {doing}"
             detail += state.interruptions(task)
             return state.StageStatus(state=state.RUNNING, detail=detail + f" (`run` {running.pid})",
                                      progress=state.as_dict(progress), **base)
@@ -210,7 +211,7 @@ class _Stops:
 def stopped(task: StageTask, job, stops: _Stops, config: str) -> tuple[str, str]:
     """What pipeline.json records of a stage a signal stopped, and the line `run` ends with."""
     rerun = f"`python -m pipeline run {config}`"
-    latest = task.folder.latest_checkpoint()
+    latest = newest_intact(task.folder).tag
     resumes = f"{rerun} resumes from checkpoint {latest}" if latest else f"{rerun} starts it over (no checkpoint yet)"
     history = timeline.attempts(task.folder)
     last = history[-1] if history else None
