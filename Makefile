@@ -24,9 +24,6 @@ TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 BIN := $(VENV)/bin
-# DeepSpeed JIT-builds C++ ops once per machine; keeping them beside the venv
-# stops a different ninja on PATH from forcing a rebuild every run.
-export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 # The pinned stack's own venv (test-pinned), and transformers 4.37.2 laid over it (test-437).
 PINNED_VENV := .venv-pinned
@@ -100,11 +97,11 @@ test-e2e: setup
 # transformers 4.38.2, DeepSpeed 0.13.2, peft 0.10, on torch 2.13 CPU) in its own venv and
 # extensions folder, with the test-only shims DeepSpeed 0.13.2 needs on that torch
 # (tests/pinned_shims; an absolute path, as stage jobs run in other folders). All of it, not
-# a subset: `make test`'s part and `make test-e2e`'s.
+# a subset: `make test`'s part and `make test-e2e`'s. Its DeepSpeed ops are its own, in
+# $(PINNED_VENV)/torch_extensions (stages/deepspeed_ops.py: each venv keeps its own).
 test-pinned:
 	$(MAKE) --no-print-directory setup VENV=$(PINNED_VENV) STACK=pinned-ci
-	PYTHONPATH=$(abspath tests/pinned_shims) TORCH_EXTENSIONS_DIR=$(abspath $(PINNED_VENV))/torch_extensions \
-	  $(PINNED_VENV)/bin/python -m pytest -q $(PARALLEL) $(PYTEST_ARGS) tests
+	PYTHONPATH=$(abspath tests/pinned_shims) $(PINNED_VENV)/bin/python -m pytest -q $(PARALLEL) $(PYTEST_ARGS) tests
 
 # transformers 4.37.2 (rotary forward(x, seq_len), before 4.38 changed it) with the rest of
 # the pinned stack: the compat tests. pip changes nothing else for it, so it is not a venv of its
@@ -113,7 +110,6 @@ test-pinned:
 # second op build).
 test-437: $(VENV_437)/.installed-437
 	PYTHONPATH=$(abspath $(VENV_437))/site-packages:$(abspath tests/pinned_shims) \
-	  TORCH_EXTENSIONS_DIR=$(abspath $(PINNED_VENV))/torch_extensions \
 	  $(PINNED_VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests/test_compat.py
 
 $(VENV_437)/.installed-437: containers/requirements-pinned-ci.txt pyproject.toml

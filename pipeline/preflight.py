@@ -38,7 +38,7 @@ from core.errors import InvalidInput
 from core.shapes import ShapeNotFound, cached_config, resolve_shape
 from core.task import is_finished
 from pipeline import graph, truncation, weightnames
-from pipeline.datacheck import check_data, check_labels, check_step_rows
+from pipeline.datacheck import check_data, check_eval_copies, check_labels, check_step_rows
 from pipeline.hfcache import HFCache, hf_cache
 from pipeline.hub import Hub, looks_like_path
 from pipeline.modelfiles import BadModelFile, has_chat_template, tokenizer_problem, weight_files, weights_in
@@ -68,6 +68,7 @@ def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
         found = check_data(stage, where, hub)
         check_chat_template(stage, root, where, found.chats, cache)
         check_step_rows(spec, stage, where, found)
+        check_eval_copies(stage, where, found)
         if kinds.get(stage.kind).rollouts:  # its rewards read labels and may call your functions
             check_labels(stage, where, found)
             check_reward_functions(stage, where, imported=executor.runs_this_python(spec))

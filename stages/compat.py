@@ -70,7 +70,7 @@ submodule releases; 0.13 also its module-name map, which `destroy` clears); it t
 
 `python -m stages.compat --self-check` reports the installed versions and which patches
 apply; which DeepSpeed ops are prebuilt (compiled in at install) or already JIT-built in
-torch's extension cache, which optimizer a GPU stage gets and whether it needs a build, and
+the extensions folder (stages/deepspeed_ops.py), which optimizer a GPU stage gets and whether it needs a build, and
 the TORCH_CUDA_ARCH_LIST rewrite stage jobs would make. It then loads a tiny Llama in bf16
 under ZeRO-3 (real DeepSpeed in a one-process group; where DeepSpeed cannot start, e.g.
 DeepSpeed 0.13 without a GPU, zero.Init-style constructors and the cast the installed
@@ -87,10 +87,8 @@ import inspect
 import logging
 import os
 import re
-import sys
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
@@ -916,50 +914,6 @@ def prebuilt_ops() -> tuple[list[str], str | None]:
     return built, getattr(info, "accelerator_name", None)
 
 
-def torch_extensions_dir() -> Path:
-    """Where torch keeps JIT-built extensions, by torch's own rule (cpp_extension's
-    _get_build_directory, which also creates the folder)."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is not None:
-        return Path(root)
-    if torch.version.hip is not None:
-        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
-    elif torch.version.cuda is not None:
-        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
-    else:
-        accelerator = "cpu"
-    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{python}_{accelerator}"
-
-
-def jit_built_ops() -> list[str]:
-    """Extensions JIT-built earlier into torch's cache: DeepSpeed loads them from there."""
-    root = torch_extensions_dir()
-    return sorted(so.parent.name for so in root.glob("*/*.so") if so.stem == so.parent.name)
-
-
-def announce_cpu_comm_build() -> None:
-    """Say so, before DeepSpeed's init_distributed compiles its CPU shared-memory allreduce op
-    (g++, about 35-40 s on 2 cores, silent), when neither the installed DeepSpeed nor torch's
-    extension cache holds it: once per extension folder (the Makefile gives each venv one), so
-    only the first stage of the first run on a machine builds it."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    # As DeepSpeed decides whether to build it (0.13 has no such op: a stand-in builder).
-    if (type(builder).__name__ != "ShareMemCommBuilder"
-            or not getattr(deepspeed.ops, "__compatible_ops__", {}).get(builder.NAME, False)):
-        return
-    built, built_for = prebuilt_ops()
-    if builder.NAME in jit_built_ops() or (builder.NAME in built and built_for in (None, get_accelerator()._name)):
-        return
-    log.info("building DeepSpeed's CPU communication op (%s) with the C++ compiler: once, about a minute; "
-             "cached in %s for every later stage and run", builder.NAME, torch_extensions_dir())
-
-
 def optimizer_op(ds_config: dict) -> str | None:
     """The DeepSpeed op a config's optimizer needs, as DeepSpeed's engine picks it (0.13 and 0.19
     alike): none for torch's AdamW (torch_adam), cpu_adam with optimizer offload, else fused_adam."""
@@ -972,7 +926,7 @@ def _report_deepspeed_ops() -> None:
     from deepspeed.accelerator import get_accelerator
 
     from core.config import SFTStage
-    from stages import engine
+    from stages import deepspeed_ops, engine
 
     built, built_for = prebuilt_ops()
     here = get_accelerator()._name  # what DeepSpeed's op loader compares with built_for
@@ -981,8 +935,8 @@ def _report_deepspeed_ops() -> None:
     unusable = (f"; not loaded here, where the accelerator is {here}: DeepSpeed JIT-builds them"
                 if built and not usable else "")
     print(f"DeepSpeed ops prebuilt{where}: {', '.join(built) or 'none'}{unusable}")
-    cached = jit_built_ops()
-    print(f"JIT-built extensions in {torch_extensions_dir()}: {', '.join(cached) or 'none'}")
+    cached = deepspeed_ops.jit_built_ops()
+    print(f"JIT-built extensions in {deepspeed_ops.extensions_dir()}: {', '.join(cached) or 'none'}")
 
     def status(op):
         if op in usable:

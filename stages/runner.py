@@ -158,6 +158,8 @@ def _note_sigterm(folder: StageFolder) -> None:
 
 
 def _run_stage(task: StageTask) -> dict:
+    if failure.task_rank() == 0:  # before the imports: the report's timeline tells starting from queued
+        timeline.record(task.folder, timeline.LAUNCHED)
     from stages import distributed
 
     env = distributed.detect()

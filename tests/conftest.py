@@ -150,6 +150,14 @@ E2E_FIXTURES = {
 }
 
 
+def pytest_configure(config):
+    """The tests' own DeepSpeed processes (scripts that call init_distributed themselves) find the
+    ops where the stages keep them, built by the same ninja (stages/deepspeed_ops.py)."""
+    from stages import deepspeed_ops
+
+    os.environ.update(deepspeed_ops.environment())
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         info = getattr(item, "_fixtureinfo", None)

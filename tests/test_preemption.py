@@ -245,6 +245,22 @@ def test_usr2_is_a_time_limit_only_near_the_limit():
     assert signal_reason("SIGUSR2", 10**6, None) == PREEMPTED  # a local job has no limit
 
 
+def test_the_stage_names_the_signal_its_local_run_got_not_the_sigint_it_was_stopped_with(tmp_path):
+    from core import timeline
+    from core.runfolder import StageFolder
+    from stages.preemption import Signals
+
+    folder = StageFolder(tmp_path / "sft")
+    folder.path.mkdir()
+    signals = Signals(SimpleNamespace(device=None, rank=0, folder=folder, task=SimpleNamespace(time_limit_min=None)))
+    timeline.record(folder, timeline.LAUNCHED)
+    assert signals.said("SIGINT") == "SIGINT"  # a Ctrl-C: the terminal signals the stage itself
+    timeline.record(folder, timeline.STOP_ASKED, signal="SIGTERM")  # `kill` of the local run
+    assert signals.said("SIGINT") == "SIGTERM" and signals.said("SIGUSR2") == "SIGUSR2"
+    timeline.record(folder, timeline.LAUNCHED)  # the next attempt: the earlier stop is not its own
+    assert signals.said("SIGINT") == "SIGINT"
+
+
 # --------------------------------------------------------------------------- end to end
 
 
