@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from core import rollout_engine
 from core.errors import InvalidInput
-from stages import engine
+from stages import watchdog
+from stages.checkpoints import rng_states, set_rng_states
 from stages.generation import Sampled, cut_at_eos
 
 log = logging.getLogger("stages")
@@ -132,6 +133,7 @@ class VllmEngine:
             self.sleeping = tags == "weights"  # the KV cache is still asleep until the next call
 
 
+@watchdog.phase(watchdog.LOADING)
 def _build(stage, ctx, model_path: str):
     # The engine runs in this process, on the stage's process group: no engine process of its own.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -200,11 +202,11 @@ def _tensor_parallel_group(rank: int, world: int, n: int):
 def _random_state_kept():
     """vLLM seeds python's, numpy's and torch's generators when it builds an engine: the stage's
     own random state (per rank, checkpointed) is put back."""
-    states = engine.rng_states()
+    states = rng_states()
     try:
         yield
     finally:
-        engine.set_rng_states(states)
+        set_rng_states(states)
 
 
 def _sampled_logprob(step: dict, token: int) -> float:
