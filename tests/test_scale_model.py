@@ -108,7 +108,7 @@ def test_a_local_model_keeps_its_own_tokenizer_and_the_weights_are_the_same_ever
     a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("a", "b"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     shape = from_config_json(json.loads((tmp_path / "a" / "config.json").read_text()))
-    assert (shape.layers, shape.heads, shape.kv_heads, shape.hidden) == (2, 4, 2, 8)
+    assert (shape.layers, shape.heads, shape.kv_heads, shape.hidden) == (2, 2, 2, 4)  # tiny-llama: 2 heads, both key-value heads, at head dimension 2
 
 
 def test_plan_with_scale_model_plans_the_narrow_model_and_says_where_it_is(workdir):

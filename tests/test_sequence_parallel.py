@@ -164,7 +164,7 @@ def test_validate_names_a_share_that_does_not_divide_the_heads(workdir):
     spec["defaults"]["global_batch_size"] = 8
     done = run_cli("validate", write_pipeline(workdir, spec), cwd=workdir)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "stages[0] (sft).sequence_parallel: 3 does not divide the model's 4 attention heads" in done.stderr
+    assert "stages[0] (sft).sequence_parallel: 3 does not divide the model's 2 attention heads" in done.stderr
     assert "Traceback" not in done.stderr
 
 
