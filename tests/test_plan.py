@@ -156,7 +156,7 @@ def test_qwen2_has_qkv_biases_and_tied_defaults_follow_transformers():
     qwen = shapes.from_config_json({**LLAMA2_7B_CONFIG, "model_type": "qwen2"})
     assert qwen.qkv_bias and qwen.n_params - shapes.from_config_json(LLAMA2_7B_CONFIG).n_params == 32 * 3 * 4096
     gpt = shapes.from_config_json({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257})
-    assert gpt.tied_embeddings and not gpt.is_llama_like
+    assert gpt.tied_embeddings and not gpt.is_counted
 
 
 def test_a_local_folder_is_read_first(tmp_path):

@@ -5,8 +5,10 @@ max_len); h hidden, i MLP width, q/kv widths, V vocabulary, b bytes per value of
 the training precision.
 
 - activations per token per layer: two RMSNorms 2*(4h + 2bh) (HF keeps an fp32
-  copy), attention b*(2q + 2kv) (q, k, v, output) + fp32 log-sum-exp, MLP 4bi,
-  LoRA b*r per adapted layer; eager attention adds the heads x width scores of its
+  copy), attention b*(2q + 2kv) (q, k, v, output) + fp32 log-sum-exp, MLP 4bi
+  (a mixture of experts: i is the width of the k experts a token goes through and the
+  shared ones, plus the router's fp32 logits and probabilities 8E and the token's k
+  copies sent to its experts bkh), LoRA b*r per adapted layer; eager attention adds the heads x width scores of its
   line (fp32 softmax + its cast). Without checkpointing every layer keeps them;
   with it each layer keeps its input (b*h) and one layer is recomputed at a time.
   One more layer's worth is counted for the activation gradients.
@@ -55,8 +57,10 @@ def layer_activation_bytes(shape: ModelShape, knobs: Knobs, kernel: str, width: 
     attention line a token attends within (eager materialises its scores)."""
     h, b = shape.hidden, knobs.weight_bytes
     norms = 2 * (4 * h + 2 * b * h)
-    attention = b * (2 * shape.q_width + 2 * shape.kv_width) + 4 * shape.heads
-    mlp = b * h if knobs.mlp_tiles else 4 * b * shape.intermediate  # tiled: the MLP keeps only its input
+    attention = b * shape.attention_io_width + 4 * shape.heads
+    mlp = b * h if knobs.mlp_tiles else 4 * b * shape.mlp_width  # tiled: the MLP keeps only its input
+    if shape.is_moe:  # the router's fp32 logits and probabilities, each token's copies sent to its experts
+        mlp += 8 * shape.experts + b * h * shape.experts_per_token
     lora = b * knobs.lora_rank * len(knobs.lora_targets) if knobs.lora_rank else 0
     scores = shape.heads * width * (4 + (b if b < 4 else 0)) if kernel == "eager" else 0.0
     return norms + attention + mlp + lora + scores
@@ -119,7 +123,7 @@ def mlp_tile(role: str, shape: ModelShape, knobs: Knobs, tokens: int, trained: b
     positions = mlp_tile_positions(knobs, tokens)
     what = "intermediates + their gradients" if trained else "intermediates"
     return [(f"{role} MLP {what} of one tile of {positions:,} positions (mlp_tiles {knobs.mlp_tiles})",
-             "activations", positions * (8 if trained else 4) * knobs.weight_bytes * shape.intermediate)]
+             "activations", positions * (8 if trained else 4) * knobs.weight_bytes * shape.mlp_width)]
 
 
 def _stored(shape: ModelShape, knobs: Knobs, tokens: int, layer: float) -> float:
@@ -151,7 +155,7 @@ def trained_pass(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str) -
     in_layers += mlp_tile(role, shape, knobs, tokens, trained=True)
     if knobs.sequence_parallel > 1:
         in_layers.append((f"{role} all-to-all copies of one layer's q, k, v and output", "buffers",
-                          tokens * b * (2 * shape.q_width + 2 * shape.kv_width)))
+                          tokens * b * shape.attention_io_width))
     if use.head == "lm":
         at_loss.append((f"{role} logits + their gradient ({knobs.precision}), fp32 log-prob chunks{tiled(knobs)}",
                         "logits", logits_bytes(shape, logit_positions(knobs, tokens), b, trained=True)))

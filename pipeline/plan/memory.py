@@ -42,7 +42,7 @@
   policy under ZeRO-3, whole otherwise; offload = in host RAM (ZeRO-3 parameter
   offload: a 1/W shard per process; otherwise a whole copy per process, moved
   onto the GPU for each forward); precompute = nothing while training.
-- PPO generation: the KV cache (2 x layers x kv width x b per token) and, under
+- PPO generation: the KV cache (layers x (k + v width) x b per token) and, under
   ZeRO-3, the whole actor gathered for the rollout (stages/ppo.py does that).
 
 Phases: memory is the sum of what is always resident plus the largest phase (a trained model's
@@ -351,8 +351,7 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
         gathered = _gathered_params(shape, use.head, bucket) * b
         add(f"{role} gathered layers", "buffers", device, loss_phase(role), gathered)
         add(f"{role} gathered layers", "buffers", device, layers_phase(role), gathered)
-        dims = shape.linear_dims()
-        trained_layer = (knobs.lora_rank * sum(a + o for a, o in (dims[t] for t in knobs.lora_targets if t in dims))
+        trained_layer = (shape.lora_layer_params(knobs.lora_rank, knobs.lora_targets)
                          if knobs.lora_rank else shape.layer_params)
         add(f"{role} one layer's full gradients", "buffers", device, layers_phase(role), trained_layer * b)
     elif z in (1, 2):
@@ -389,7 +388,7 @@ def _generation(ledger: _Ledger, models: list[ModelUse]) -> None:
     gen, s, b, device = ledger.workload.generation, actor.shape, ledger.knobs.weight_bytes, ledger.device
     length = gen.prompt_len + gen.new_tokens
     ledger.add("KV cache for generation", "activations", device, "generation",
-               2 * s.layers * s.kv_width * b * gen.batch * length)
+               s.layers * (s.kv_width + s.v_width) * b * gen.batch * length)
     ledger.add("generation logits", "logits", device, "generation", gen.batch * s.vocab * 4)
     if ledger.knobs.zero_stage == 3:  # stages/ppo.py gathers the whole actor once per rollout, not per token
         ledger.add("actor weights gathered whole for generation", "weights", device, "generation", s.n_params * b)
@@ -465,9 +464,8 @@ def _fragmentation(ledger: _Ledger, models: list[ModelUse]) -> None:
         new_segments = sum(i.bytes for i in ledger.items if i.phase == step and i.category == "gradients")
     if knobs.zero_stage == 3 and knobs.offloads:
         trained = [use for use in models if use.trained]
-        layers = sum(use.shape.layers * (use.shape.layer_params if not knobs.lora_rank else
-                                         use.shape.lora_params(knobs.lora_rank, knobs.lora_targets) // use.shape.layers)
-                     for use in trained)
+        layers = sum(use.shape.decoder_params if not knobs.lora_rank else
+                     use.shape.lora_params(knobs.lora_rank, knobs.lora_targets) for use in trained)
         copy = _ceil_div(layers, ledger.world) * knobs.weight_bytes
         ledger.add("ZeRO-3 with offload: the trained layers' weight partitions, copied in by the step", "workspace",
                    "gpu", step, copy)
