@@ -351,7 +351,9 @@ class TrainingKnobs(Strict):
         False, description="Recompute activations in the backward pass: far less memory, ~30% more compute."
     )
     attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
-        "auto", description="Attention kernel; auto = flash_attention_2 when installed and on GPU, else sdpa."
+        "auto", description="Attention kernel; auto = the fastest the model's family supports: "
+        "flash_attention_2 when installed and on GPU, else sdpa, else eager (Gemma-2, gpt-oss). A kernel the "
+        "model refuses is refused by validate."
     )
     sequence_parallel: int = Field(
         1, ge=1, le=1024,

@@ -201,9 +201,8 @@ class _Ledger:
     def device(self) -> str:
         return "gpu" if self.on_gpu else "host"
 
-    @property
-    def kernel(self) -> str:
-        return attention_kernel(self.knobs.attention, self.on_gpu)
+    def kernel(self, shape: ModelShape) -> str:
+        return attention_kernel(self.knobs.attention, self.on_gpu, shape)
 
     @property
     def shard_note(self) -> str:
@@ -270,10 +269,10 @@ def _frozen_model(ledger: _Ledger, use: ModelUse) -> None:
         else:
             add(f"{role} weights offloaded ({prec}, whole copy per process)", "weights", "host", "always", total)
             add(f"{role} weights moved in for its forward", "weights", device, fwd_phase, total)
-    passes = frozen_forward(use, knobs, ledger.workload, ledger.kernel)
+    passes = frozen_forward(use, knobs, ledger.workload, ledger.kernel(shape))
     if not knobs.stage_kind.rollouts:  # it runs between the policy's forward and backward on the same rows
         policy = ModelUse("policy", shape, "lm")
-        passes += held_while_reference_runs(policy, knobs, ledger.workload, ledger.kernel)
+        passes += held_while_reference_runs(policy, knobs, ledger.workload, ledger.kernel(shape))
     for name, category, amount in passes:
         add(name, category, device, fwd_phase, amount)
 
@@ -374,7 +373,7 @@ def layers_phase(role: str) -> str:
 
 def _trained_model_passes(ledger: _Ledger, use: ModelUse) -> None:
     """What a trained model's forward and backward hold at their two largest moments."""
-    at_loss, in_layers = trained_pass(use, ledger.knobs, ledger.workload, ledger.kernel)
+    at_loss, in_layers = trained_pass(use, ledger.knobs, ledger.workload, ledger.kernel(use.shape))
     for phase, items in ((loss_phase(use.role), at_loss), (layers_phase(use.role), in_layers)):
         for name, category, amount in items:
             ledger.add(name, category, ledger.device, phase, amount)

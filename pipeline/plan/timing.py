@@ -172,7 +172,8 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
         return None
     gpu, b = hw.gpu, knobs.weight_bytes
     rates = rates_for(knobs, hw, models, workload)
-    kernel = attention_kernel(knobs.attention, hw.on_gpu)
+    trained = next((use for use in models if use.trained), models[0])
+    kernel = attention_kernel(knobs.attention, hw.on_gpu, trained.shape)
     world = knobs.nodes * hw.processes_per_node
     peak = rates.peak_flops
     notes: list[str] = []
