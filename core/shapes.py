@@ -319,6 +319,13 @@ class ModelShape:
                 tensors += [rank * self.vocab, self.hidden * rank]
         return tensors
 
+    def trained_tensors(self, head: str, lora_rank: Optional[int] = None, lora_targets=()) -> list[int]:
+        """numel of every tensor a stage trains of this model: all of them, or with LoRA its adapters
+        (and a reward or value model's scalar head, which peft trains in full: modules_to_save)."""
+        if not lora_rank:
+            return self.parameter_tensors(head)
+        return self.lora_tensors(lora_rank, lora_targets) + ([self.hidden] if head == "scalar" else [])
+
     def lora_params(self, rank: int, targets) -> int:
         """Trainable adapter parameters: r x (in + out) per targeted linear layer."""
         return sum(self.lora_tensors(rank, targets))

@@ -78,29 +78,26 @@ def test_seeds_rm_at_8192_shared_by_two_fits_with_half_the_activations_and_costs
     assert "sequence_parallel: 1 (every process a sequence of its own)" in text  # what sharing buys
 
 
-def test_seeds_faster_zero2_at_8192_does_not_fit_even_shared_so_the_plan_keeps_zero3():
+def test_seeds_faster_zero2_at_8192_fits_only_shared():
     p = seeds_rm(sequence_parallel=1, zero_stage=2)
     assert p.fits is False  # the whole bf16 base (14.3 GiB) on every card + 16,384 tokens a pair
     shared = seeds_rm(zero_stage=2)
-    assert shared.fits is False and -shared.memory.gpu_headroom < 1 * GiB  # half the activations: just short
+    # half the activations, and gradient buckets of the adapters (0.63 GiB): just fits, 10% faster than ZeRO-3
+    assert shared.fits and shared.memory.gpu_headroom < 1 * GiB
+    assert shared.time.step_s < 0.95 * seeds_rm().time.step_s
     assert p.suggestions[0].changes == {"zero_stage": 3} and p.suggestions[0].estimate.fits
-    offered = {s.changes["sequence_parallel"] for s in p.suggestions if "sequence_parallel" in s.changes}
-    assert offered <= {2}
-    # shared, it fits only with its MLPs tiled (22.8 GiB) or shorter rows
-    assert all({"max_len", "mlp_tiles"} & s.changes.keys() for s in p.suggestions if "sequence_parallel" in s.changes)
+    assert p.suggestions[1].changes == {"sequence_parallel": 2} and p.suggestions[1].estimate.fits
 
 
-def test_seeds_rm_at_16384_fits_shared_by_two_or_with_its_mlps_tiled():
+def test_seeds_rm_at_16384_fits_with_its_mlps_tiled_or_shared_by_two():
     p = seeds_rm(sequence_parallel=1, max_len=16384)
     assert p.fits is False
     shared = [s for s in p.suggestions if s.changes == {"sequence_parallel": 2}]
     assert shared and shared[0].estimate.fits and not shared[0].changes_training
     assert "max_len stays 16384" in shared[0].description
-    # cheaper per row, by 2%: 8 tiles of 4,096 positions on twice the GPUs, or with the optimizer offloaded
-    first, second = p.suggestions[:2]
-    assert first.changes == {"nodes": 2, "global_batch_size": 48, "mlp_tiles": 8}
-    assert second.changes == {"optimizer_offload": True, "mlp_tiles": 8}
-    assert p.suggestions[2] is shared[0] and p.suggestions[-1].changes == {"max_len": 8192}
+    # cheaper per row, by 2%: 8 tiles of 4,096 positions (23.0 of 23.6 GiB)
+    assert p.suggestions[0].changes == {"mlp_tiles": 8}
+    assert p.suggestions[1] is shared[0] and p.suggestions[-1].changes == {"max_len": 8192}
 
 
 # --------------------------------------------------------------------------- 34B at 32k on the shipped 8 x A100 80 GB node

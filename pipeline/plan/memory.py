@@ -25,7 +25,7 @@
   precision (stages/models.py casts peft's fp32 adapters, which ZeRO-3 would
   otherwise keep in fp32).
 - buffers: ZeRO-1/2 gradient buckets during backward (reduce_bucket_size elements,
-  two with overlap_comm), and on GPUs a second gradient partition kept on the reduction
+  two with overlap_comm; no more than the model trains: LoRA's are its adapters' size), and on GPUs a second gradient partition kept on the reduction
   stream; ZeRO-3 one persistent bucket, the gathered weights of
   the layer being computed plus the prefetched next one, and that layer's full
   gradients before they are reduce-scattered.
@@ -63,6 +63,7 @@ from core.deepspeed_settings import (
     SUB_GROUP_SIZE,
     bucket_elements,
     persistence_threshold,
+    reduce_bucket_elements,
 )
 from core.shapes import ModelShape
 from pipeline.plan.activations import frozen_forward, held_while_reference_runs, trained_pass
@@ -157,12 +158,8 @@ def trainable_tensors(use: ModelUse, knobs: Knobs) -> tuple[list[int], list[int]
     base = use.shape.parameter_tensors(use.head)
     if not use.trained:
         return [], base
-    if knobs.lora_rank:
-        adapters = use.shape.lora_tensors(knobs.lora_rank, knobs.lora_targets)
-        if use.head == "scalar":
-            adapters = adapters + [use.shape.hidden]  # peft trains the score head in full (modules_to_save)
-        return adapters, base
-    return base, []
+    trained = use.shape.trained_tensors(use.head, knobs.lora_rank, knobs.lora_targets)
+    return (trained, base) if knobs.lora_rank else (trained, [])
 
 
 def largest_sub_group(partitions: list[int]) -> int:
@@ -343,10 +340,11 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
                     "workspace", device, "always", b * per_rank)
         add(f"{role} fp32 master + Adam m, v ({'host, ' if off else ''}{shard_note})", "optimizer", where,
             "always", 12 * per_rank)
-    # communication buffers
-    bucket = bucket_elements(ledger.on_gpu)
+    # communication buffers: gradient buckets of what trains (stages/engine.py sizes them so), and
+    # ZeRO-3's gathers and prefetches of every weight
+    bucket, gradient_bucket = bucket_elements(ledger.on_gpu), reduce_bucket_elements(ledger.on_gpu, n_trained)
     if z == 3:
-        add(f"{role} gradient bucket", "buffers", device, "always", bucket * b)
+        add(f"{role} gradient bucket", "buffers", device, "always", gradient_bucket * b)
         gathered = _gathered_params(shape, use.head, bucket) * b
         add(f"{role} gathered layers", "buffers", device, loss_phase(role), gathered)
         add(f"{role} gathered layers", "buffers", device, layers_phase(role), gathered)
@@ -356,7 +354,7 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
     elif z in (1, 2):
         # Allocated at the first gradient's hook, after the loss's backward freed the logits, and
         # released when the backward ends; overlap_comm double-buffers on GPUs (stages/engine.py).
-        buckets = bucket * b * (2 if ledger.on_gpu else 1)
+        buckets = gradient_bucket * b * (2 if ledger.on_gpu else 1)
         add(f"{role} gradient buckets", "buffers", device, layers_phase(role), buckets)
         if ledger.on_gpu and not off and not knobs.lora_rank:
             add(f"{role} the gradient bucket pair's freed blocks, cached apart from the step's tensors", "workspace",
