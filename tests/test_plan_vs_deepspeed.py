@@ -175,12 +175,12 @@ def _run_config(config: dict, model_dir: str, world: int, rank: int) -> dict:
 
     import torch
 
-    from stages import engine, models
+    from stages import engine, models, runner
 
     models._live_ds_configs.clear()  # a ZeRO-3 config's HfDeepSpeedConfig must not shape the next model
     gc.collect()  # the previous configuration's engine (cheap: the imported world is frozen)
     stage = stage_spec(config, model_dir)
-    ds_config = engine.deepspeed_config(stage, world, MODEL["hidden_size"], on_gpu=False)
+    ds_config = engine.deepspeed_config(stage, world, MODEL["hidden_size"], False, runner.trained_params(stage, model_dir))
     if config["kind"] == "rm":
         model = models.load_reward_model(model_dir, stage, ds_config, on_gpu=False, pad_token_id=0)
     else:
