@@ -483,6 +483,7 @@ _TABLE = {
     "01-ai/Yi-34B": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000, max_positions=4096, rope_theta=5e6),
     "01-ai/Yi-34B-200K": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000, max_positions=200000, rope_theta=1e7),
     "meta-llama/Meta-Llama-3-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, max_positions=8192, rope_theta=5e5),
+    "meta-llama/Llama-3.1-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, max_positions=131072, rope_theta=5e5),
     "meta-llama/Meta-Llama-3-70B": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256, max_positions=8192, rope_theta=5e5),
     "mistralai/Mistral-7B-v0.1": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=32000, max_positions=32768, model_type="mistral", rope_theta=1e4),
     "Qwen/Qwen1.5-7B": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=151936, max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),

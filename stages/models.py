@@ -182,6 +182,11 @@ def prepare_for_training(model, stage, task_type: str, modules_to_save=None):
     if stage.gradient_checkpointing:
         compat.enable_checkpointing(model)
         model.config.use_cache = False
+        if stage.checkpoint_offload:
+            from stages import checkpoint_offload
+
+            layers = checkpoint_offload.enable(model)
+            log.info("checkpoint_offload: the checkpointed inputs of %d module(s) wait in host memory", layers)
     if stage.lora:
         from peft import LoraConfig, get_peft_model
 

@@ -27,6 +27,7 @@ class Knobs:
     zero_stage: int = 2
     optimizer_offload: bool = False
     gradient_checkpointing: bool = False
+    checkpoint_offload: bool = False  # checkpointed layer inputs in pinned host memory (stages/checkpoint_offload.py)
     attention: str = "auto"
     lora_rank: Optional[int] = None
     lora_targets: tuple = ()
@@ -52,6 +53,7 @@ class Knobs:
             zero_stage=stage.zero_stage,
             optimizer_offload=bool(stage.optimizer_offload),
             gradient_checkpointing=bool(stage.gradient_checkpointing),
+            checkpoint_offload=bool(stage.checkpoint_offload),
             attention=stage.attention,
             lora_rank=lora.rank if lora else None,
             lora_targets=tuple(lora.target_modules) if lora else (),

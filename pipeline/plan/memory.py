@@ -35,7 +35,8 @@
   peak minus torch's reserved peak on the GPU records).
 - workspace: what the caching allocator reserves beyond what is allocated (_fragmentation).
 - host RAM: 3 GiB per GPU process (Python, torch, CUDA and NCCL libraries), the
-  offloaded states, an offloaded reference model, and at start-up the model
+  offloaded states, the checkpointed layer inputs with checkpoint_offload (pinned; pipeline/plan/
+  activations.py), an offloaded reference model, and at start-up the model
   being loaded (whole per process unless ZeRO-3 shards it while loading).
 - frozen models (DPO reference; PPO reference and reward model), as
   stages/models.py FrozenModel holds them: live = bf16 weights sharded like the
@@ -66,7 +67,7 @@ from core.deepspeed_settings import (
     reduce_bucket_elements,
 )
 from core.shapes import ModelShape
-from pipeline.plan.activations import frozen_forward, held_while_reference_runs, trained_pass
+from pipeline.plan.activations import checkpointed_inputs, frozen_forward, held_while_reference_runs, trained_pass
 from pipeline.plan.inputs import GiB, Hardware, Knobs, ModelUse, Workload, attention_kernel
 
 # nvidia-smi's peak minus torch's reserved peak on the records (H100 and H200, CUDA 13): 1.3-1.7 GiB.
@@ -370,11 +371,17 @@ def layers_phase(role: str) -> str:
 
 
 def _trained_model_passes(ledger: _Ledger, use: ModelUse) -> None:
-    """What a trained model's forward and backward hold at their two largest moments."""
-    at_loss, in_layers = trained_pass(use, ledger.knobs, ledger.workload, ledger.kernel(use.shape))
+    """What a trained model's forward and backward hold at their two largest moments (and, with
+    checkpoint_offload, in host memory through them)."""
+    knobs = ledger.knobs
+    at_loss, in_layers = trained_pass(use, knobs, ledger.workload, ledger.kernel(use.shape))
     for phase, items in ((loss_phase(use.role), at_loss), (layers_phase(use.role), in_layers)):
         for name, category, amount in items:
             ledger.add(name, category, ledger.device, phase, amount)
+    if knobs.checkpoint_offload:
+        inputs = checkpointed_inputs(use.shape, knobs, ledger.workload.train_tokens(knobs))
+        ledger.add(f"{use.role} checkpointed layer inputs (pinned host memory, checkpoint_offload)", "activations",
+                   "host", layers_phase(use.role), inputs)
 
 
 def _generation(ledger: _Ledger, models: list[ModelUse]) -> None:

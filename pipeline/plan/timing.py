@@ -28,7 +28,8 @@ default), so a term that is wrong can be found and measured on its own:
   process steps, at GPU memory bandwidth.
 - optimizer offload: the host's Adam on each process's partition at the process's rate (its
   share of the node's cores), and the PCIe copies (gradients down each micro batch, weights up
-  each step).
+  each step). checkpoint_offload: every layer's checkpointed input down in the forward and up for
+  its recompute, each micro batch, on the compute stream (exposed).
 - communication (ring: (W-1)/W of the bytes per GPU) over the GPU links or the inter-node
   network, hidden behind at most half the compute.
 - sequence parallel (N > 1, stages/sequence_parallel.py): each process computes 1/N of its
@@ -82,6 +83,7 @@ class GPUWork:
     layer_passes: float = 0.0
     lora_elements: float = 0.0  # positions x layer passes x the adapted layers' in + out features
     exchanged_bytes: float = 0.0  # sequence parallel: what Ulysses' all-to-alls send from this process
+    checkpoint_bytes: float = 0.0  # checkpoint_offload: the layer inputs copied to the host and back
 
     def add(self, other: "GPUWork", times: float = 1.0) -> None:
         for name in self.__dataclass_fields__:
@@ -228,7 +230,7 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
                      f"({_seconds(exchange_s)} per step, over the "
                      f"{'inter-node network' if across else 'GPU links'}) are counted as exposed communication, "
                      f"not overlapped with compute")
-    copies_s = offload_bytes / rates.host_link_bytes_per_s.value
+    copies_s = (offload_bytes + work.busiest.checkpoint_bytes) / rates.host_link_bytes_per_s.value
     offload_s = copies_s + host_adam_params / rates.host_adam_params_per_s.value
     unit_s = compute_s + optimizer_s + exposed + offload_s
     if rollout:
@@ -308,6 +310,9 @@ def pass_work(shape: ModelShape, head: str, positions: float, attended: float, *
         logits=(3 if tiled else 2) * logits,
         layer_passes=layer_passes,
         exchanged_bytes=exchanged * (1 + recompute + 1),  # the backward exchanges the gradients back
+        # checkpoint_offload: every layer's input down in the forward and up again for its recompute
+        checkpoint_bytes=2 * shape.layers * positions * shape.hidden * knobs.weight_bytes if knobs.checkpoint_offload
+        else 0.0,
     )
     if lora:
         work.lora_elements = positions * (1 + recompute + BACKWARD_PASSES) * shape.lora_features(knobs.lora_targets)
