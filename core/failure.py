@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from core.checkpoints import newest_intact
 from core.errors import Diverged, InvalidInput
 from core.runfolder import StageFolder, remove, temporary
 
@@ -186,7 +187,7 @@ def _intact(path: Path) -> str:
     for folder in list(path.parents)[:3]:
         stage = StageFolder(folder)
         if stage.spec.is_file() or stage.checkpoints.is_dir():
-            latest = stage.latest_checkpoint()
+            latest = newest_intact(stage).tag
             if latest:
                 return (f"nothing earlier was lost, and the stage resumes from its newest complete checkpoint, "
                         f"{latest} ({stage.checkpoints / latest})")

@@ -36,10 +36,16 @@ GPU_ONLY_KEYS = ("mfu", "gpu_mem_peak_gib", "gpu_mem_reserved_gib")
 CLOCK_KEYS = ("step", "time", "total_steps")
 # What the progress line shows after the step, if the record has it.
 HEADLINE_KEYS = ("loss", "policy_loss", "reward")
+# Then, as they fit in LINE_CHARS, the few numbers a person watching a stage needs (is it
+# learning, is it stable, does it fit); the record's others are in metrics.jsonl.
+WATCHED_KEYS = ("accuracy", "margin", "reward_accuracy", "reward_margin", "kl", "entropy", "response_length",
+                "clip_fraction", "grad_norm", "mfu", "gpu_mem_peak_gib", "lr")
+LINE_CHARS = 160
 
 # Where an RL rollout's wall time (rollout_s) goes: these phases add up to it, nothing left out
-# (other_s: what is none of the others, e.g. counting the rollout's FLOPs and the KL controller).
-ROLLOUT_PHASES = ("generate_s", "score_s", "train_s", "other_s")
+# (other_s: what is none of the others, e.g. counting the rollout's FLOPs and the KL controller;
+# sync_s: handing the actor's weights to the vLLM engine after its update, 0 with other engines).
+ROLLOUT_PHASES = ("generate_s", "score_s", "train_s", "sync_s", "other_s")
 # Parts of a phase, each counted inside the phase named beside it: ZeRO-3's gathering of the
 # actor's weights around generation (and their release), and moving offloaded frozen models
 # (reference, reward model) to the device and back. 0 where nothing is gathered or moved.
@@ -62,6 +68,8 @@ GROUPS = {
     "gpu_busy": GPU_BUSY_KEYS,
     "progress": ("eta_s", "epoch", "rollout"),
     "optim": ("lr", *GRADIENT_NORMS, "kl_coef"),
+    # vLLM sampling: bytes each process handed the engine at the sync, and its log-probs against the trainer's
+    "sampler": ("sync_bytes", "sampler_logprob_diff_mean", "sampler_logprob_diff_max"),
 }
 _GROUP_OF = {key: group for group, keys in GROUPS.items() for key in keys}
 
@@ -156,17 +164,21 @@ def number_text(value) -> str:
 
 
 def progress_line(stage: str, record: dict) -> str:
-    """One line per training record, readable in a log file:
-    `[sft] step 40/200  20%  ETA 1:20  loss 0.5312  tokens/s 12,345 | lr=0.003 ...`."""
+    """One line per training record, readable in a log file, at most about LINE_CHARS long:
+    `[sft] step 40/200  20%  ETA 1:20  loss 0.5312  tokens/s 12,345 | grad_norm=1.2 lr=0.003`."""
     step, total = record["step"], record.get("total_steps")
     head = f"[{stage}] step {step}/{total} {100 * step / total:3.0f}%" if total else f"[{stage}] step {step}"
     parts = [head, f"ETA {duration_text(record.get('eta_s'))}"]
     parts += [f"{k} {number_text(record[k])}" for k in HEADLINE_KEYS if record.get(k) is not None]
     if record.get("tokens_per_s") is not None:
         parts.append(f"tokens/s {record['tokens_per_s']:,.0f}")
-    shown = {"eta_s", "tokens_per_s", *HEADLINE_KEYS, *CLOCK_KEYS}
-    rest = " ".join(f"{k}={number_text(v)}" for k, v in record.items() if k not in shown and v is not None)
-    return "  ".join(parts) + (f" | {rest}" if rest else "")
+    line = "  ".join(parts)
+    watched = [f"{k}={number_text(record[k])}" for k in WATCHED_KEYS if record.get(k) is not None]
+    for count in range(len(watched), 0, -1):
+        longer = f"{line} | {' '.join(watched[:count])}"
+        if len(longer) <= LINE_CHARS:
+            return longer
+    return line
 
 
 def eval_line(stage: str, record: dict) -> str:
@@ -197,7 +209,12 @@ class Progress:
 
 def progress(metrics_path: Path) -> Optional[Progress]:
     """Where a stage is, from the last training record of its metrics.jsonl; None before its first."""
-    records = training(read(metrics_path))
+    return progress_of(read(metrics_path))
+
+
+def progress_of(records: list[dict]) -> Optional[Progress]:
+    """`progress` of records already read."""
+    records = training(records)
     if not records:
         return None
     last = records[-1]

@@ -14,10 +14,12 @@ loaded:
 
 `check_function` verifies a function without running it (the file parses and
 defines it with a signature of either kind), so `validate` can run on a login
-node. Each call verifies what it returns: one finite number per completion. A
-function that raises, or returns something else, stops the stage with one
-message naming the function, the row (its index in its split and the start of
-its prompt) and what went wrong.
+node. A stage runs each function in a child process (core/reward_process.py),
+where each call may take at most reward.timeout_s. Each call verifies what it
+returns: one finite number per completion. A function that raises, returns
+something else or does not return in time stops the stage with one message
+naming the function, the row (its index in its split and the start of its
+prompt) and what went wrong.
 
 Torch-free on purpose: rules are plain Python, easy to test and to debug.
 """
@@ -29,14 +31,19 @@ import importlib.util
 import inspect
 import math
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from core.errors import InvalidInput
+from core.reward_process import INVALID, RAISED, FunctionProcess, Raised, TimedOut, said
 
 RewardFn = Callable[..., list]
 EXCERPT_CHARS = 60
+# What stopping a call that did not return in time may take besides the calls: its stack
+# written, a new child started (the user's imports) for the calls that find the row.
+STOP_SLACK_S = 60.0
 
 
 class RewardError(InvalidInput, ValueError):
@@ -191,6 +198,39 @@ def user_term(function: Callable) -> Callable[[Samples], list]:
     return lambda s: function(list(s.prompts), list(s.completions), list(s.labels))
 
 
+class FunctionTerm:
+    """A user's function as a term: called in its own child process (core/reward_process.py), each
+    call stopped after timeout_s (None: no limit). Loading it stops the stage as a call would."""
+
+    def __init__(self, reference: str, timeout_s: Optional[float]):
+        self.reference, self.timeout_s = reference, timeout_s
+        self.process = FunctionProcess(reference)
+        try:
+            self._values(self.process.start(timeout_s))
+        except TimedOut:
+            raise RewardError(f"reward function {reference}: loading it did not finish within reward.timeout_s "
+                              f"({timeout_s:g} s); code at the top level of its file runs when it loads: move what "
+                              "waits (downloads, servers) into the function, or raise reward.timeout_s") from None
+        except Raised as err:
+            raise RewardError(f"reward function {reference}: loading it failed: {err}") from None
+
+    def __call__(self, samples: Samples, timeout_s: Optional[float] = None) -> list:
+        """The function's numbers (checked); TimedOut past timeout_s (default: the term's own)."""
+        return self._values(self.process.call(samples, self.timeout_s if timeout_s is None else timeout_s))
+
+    @staticmethod
+    def _values(answer: tuple) -> list:
+        kind, content = answer
+        if kind == INVALID:
+            raise RewardError(content)
+        if kind == RAISED:
+            raise Raised(content)
+        return content
+
+    def close(self) -> None:
+        self.process.close()
+
+
 def builtin_term(rule: str, options: dict) -> Callable[[Samples], list]:
     if rule == "overlong_penalty":
         return lambda s: overlong_penalty(s.lengths, **options)
@@ -208,15 +248,30 @@ class RuleReward:
         self.terms = terms  # (name, term on Samples, weight)
 
     @classmethod
-    def from_specs(cls, specs) -> "RuleReward":
-        """From the pipeline file's reward rules (objects with rule/function, weight, options)."""
+    def from_specs(cls, specs, timeout_s: Optional[float] = None) -> "RuleReward":
+        """From the pipeline file's reward rules (objects with rule/function, weight, options);
+        a user function's calls are stopped after timeout_s (reward.timeout_s; None: never)."""
         terms = []
         for spec in specs:
             if spec.function:
-                terms.append((spec.function, user_term(load_function(spec.function)), spec.weight))
+                check_function(spec.function)
+                terms.append((spec.function, FunctionTerm(spec.function, timeout_s), spec.weight))
             else:
                 terms.append((spec.rule, builtin_term(spec.rule, dict(spec.options)), spec.weight))
         return cls(terms)
+
+    @property
+    def longest_s(self) -> float:
+        """The longest a call of every term may take before it returns or stops the stage: each
+        function's call within its timeout, the last one's past it and the calls that find its row
+        (stages/rollout.py tells the watchdog); 0 without a limit."""
+        limits = [term.timeout_s for _, term, _ in self.terms if isinstance(term, FunctionTerm) and term.timeout_s]
+        return sum(limits) + max(limits) + STOP_SLACK_S if limits else 0.0
+
+    def close(self) -> None:
+        for _, term, _ in self.terms:
+            if isinstance(term, FunctionTerm):
+                term.close()
 
     def __call__(self, samples: Samples) -> tuple[list[float], dict[str, float]]:
         """Total reward per completion, and each term's mean (for metrics)."""
@@ -225,9 +280,13 @@ class RuleReward:
         for name, term, weight in self.terms:
             try:
                 values = term(samples)
+            except RewardError:  # already says whose it was, and on which row
+                raise
+            except TimedOut:
+                raise _timed_out(name, term, samples) from None
             except Exception as err:  # a user's function: say whose it was, and on which row
                 raise _failure(name, term, samples, err) from err
-            values = _checked(name, values, samples)
+            values = checked(name, values, samples)
             totals = [t + weight * v for t, v in zip(totals, values)]
             means[name] = sum(values) / max(len(values), 1)
         return totals, means
@@ -238,14 +297,48 @@ def _failure(name: str, term, samples: Samples, err: Exception) -> RewardError:
     for i in range(len(samples)):
         try:
             term(samples.one(i))
+        except TimedOut:
+            return _timed_out(name, term, samples.one(i))
         except Exception as single:  # noqa: BLE001 - reported, not handled
-            return RewardError(f"reward function {name} failed on {samples.describe(i)}: "
-                               f"{type(single).__name__}: {single}")
-    where = f"a batch of {len(samples)} completions, from {samples.describe(0)}" if len(samples) else "no completions"
-    return RewardError(f"reward function {name} failed on {where}: {type(err).__name__}: {err}")
+            return RewardError(f"reward function {name} failed on {samples.describe(i)}: {said(single)}")
+    return RewardError(f"reward function {name} failed on {_batch(samples)}: {said(err)}")
 
 
-def _checked(name: str, values, samples: Samples) -> list[float]:
+def _timed_out(name: str, term: FunctionTerm, samples: Samples) -> RewardError:
+    """A call past reward.timeout_s, stopped. Names the row it was on: called on one completion at
+    a time, within one more timeout_s in all, the one still running when that time is up."""
+    limit = term.timeout_s
+    head = f"reward function {name} did not return within reward.timeout_s ({limit:g} s)"
+    advice = ("It was stopped; its Python stack then is in the stage's .err log. Make it return sooner (e.g. give "
+              "what it waits on a timeout of its own), or raise reward.timeout_s")
+    if len(samples) == 1:
+        return RewardError(f"{head} on {samples.describe(0)}. {advice}")
+    deadline = time.monotonic() + limit
+    returned = 0
+    for i in range(len(samples)):
+        started = time.monotonic()
+        if started >= deadline:
+            break
+        try:
+            term(samples.one(i), timeout_s=deadline - started)
+        except TimedOut:
+            before = f" (the {i} before it took {started - deadline + limit:.1f} s)" if i else ""
+            return RewardError(f"{head} on a call with {len(samples)} completions; called on one at a time, it was "
+                               f"still running on {samples.describe(i)} after {time.monotonic() - started:.1f} s"
+                               f"{before}. {advice}")
+        except Exception:  # noqa: BLE001 -- a row it fails on alone is not what this looks for
+            pass
+        returned += 1
+    return RewardError(f"{head} on {_batch(samples)}; called on one at a time, it returned on {returned} of them "
+                       f"within that time: it is too slow for calls of {len(samples)}. Make it faster, or raise "
+                       "reward.timeout_s")
+
+
+def _batch(samples: Samples) -> str:
+    return f"a batch of {len(samples)} completions, from {samples.describe(0)}" if len(samples) else "no completions"
+
+
+def checked(name: str, values, samples: Samples) -> list[float]:
     expected = len(samples)
     if not isinstance(values, (list, tuple)):
         raise RewardError(f"reward function {name} returned {type(values).__name__}; expected a list of floats, "

@@ -7,8 +7,10 @@ is submitted; the stages use the same functions on the node.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
@@ -220,3 +222,29 @@ def _row_problem(row: dict, columns: list[tuple[str, str]]) -> str:
         elif not isinstance(value, str) or not value.strip():
             return f"'{column}' (data.{field}) must be a non-empty string"
     return ""
+
+
+def hold_out(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(training rows, evaluation rows) of data without an eval split: `fraction` of the rows,
+    at least one, drawn with the stage's seed."""
+    shuffled = rows[:]
+    random.Random(seed).shuffle(shuffled)
+    n_eval = max(1, int(len(shuffled) * fraction))
+    return shuffled[n_eval:], shuffled[:n_eval]
+
+
+def eval_copies(train: list[dict], held_out: list[dict], kind: str, data) -> Optional[str]:
+    """What to warn of when evaluation rows are copies of training rows (the columns the stage
+    reads are the same): its evaluation then measures memory; None when none is."""
+    columns = sorted({column for needed in required_columns(kind, data) for column, _ in needed})
+
+    def digest(row: dict) -> bytes:
+        values = json.dumps([row.get(c) for c in columns], sort_keys=True, ensure_ascii=False, default=str)
+        return hashlib.blake2b(values.encode(), digest_size=16).digest()
+
+    seen = {digest(row) for row in train}
+    copies = sum(digest(row) in seen for row in held_out)
+    if not copies:
+        return None
+    return (f"eval rows {copies} of {len(held_out)} also appear in the training rows: the eval metrics measure "
+            "memory, not generalisation. Evaluate on rows the stage does not train on")

@@ -11,12 +11,19 @@ and nowhere else.
       <stage>/                      one folder per stage: StageFolder
         model/                      the exported model, Hugging Face format
         critic/                     PPO with a critic (advantage: gae): the critic, a 1-label sequence classifier
-        checkpoints/                DeepSpeed checkpoints step-00000100/ (+ rng-rankNNNNN.pt per rank); `latest` names the newest complete one
+        checkpoints/                saved by stages/checkpoints.py; which one to resume from: core/checkpoints.py
+          step-00000100/            DeepSpeed's files, rng-rankNNNNN.pt per rank, and manifest.json, written
+                                    last: every file's size and checksum, and the step
+          step-00000100.damaged-<time>/
+                                    found damaged at resume and set aside (never deleted)
+          latest                    names the newest complete checkpoint (replaced atomically; DeepSpeed reads it too)
         metrics.jsonl               one JSON object per logged step
         result.json                 final metrics and the spec hash that lets a re-run skip the stage
         spec.json                   the resolved stage as it was submitted
         plan.json                   the planner's prediction for the stage, saved at submission
         events.jsonl                when each attempt of the job started (a second one is a requeue or resume)
+        phase.json                  the phase rank 0 is in (evaluation, a training step, ...) once it has lasted
+                                    a while, and since when (stages/watchdog.py), for `status`
         tensorboard/                TensorBoard event files (rank 0)
         wandb/                      the W&B run's files, when tracking.wandb is set
         logs/                       the job's stdout/stderr, one file per process (submitit's files: before
@@ -53,6 +60,9 @@ SUPERSEDED = ".superseded-"
 REPORT_FILE = "report.html"
 CALIBRATION_FOLDER = "calibration"
 TEMPORARY_SUFFIX = ".tmp"
+MANIFEST_FILE = "manifest.json"  # in a checkpoint folder: what it holds (core/checkpoints.py)
+DAMAGED = ".damaged-"
+CHECKPOINT_TAG = re.compile(r"step-\d{8}")
 
 
 def state_file(pipeline_dir: Path) -> Path:
@@ -75,6 +85,17 @@ def scale_model_folder(pipeline_dir: Path, source: str, head_dim: int) -> Path:
     """Where the scale model of `source` (a hub id or a folder) with head dimension head_dim is written."""
     slug = re.sub(r"[^A-Za-z0-9._-]+", "--", source.strip("/"))
     return Path(pipeline_dir) / SCALE_MODELS_FOLDER / f"{slug}-hd{head_dim}"
+
+
+def _free_name(path: Path, infix: str) -> Path:
+    """<path><infix><time>[-n]: a name beside `path` that nothing has yet."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}{infix}{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{infix}{stamp}-{n}")
+    return target
 
 
 def superseded_folders(pipeline_dir: Path) -> list[Path]:
@@ -167,6 +188,10 @@ class StageFolder:
         return self.path / "events.jsonl"
 
     @property
+    def phase(self) -> Path:
+        return self.path / "phase.json"
+
+    @property
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
 
@@ -195,27 +220,34 @@ class StageFolder:
         return f"step-{step:08d}"
 
     def checkpoint_tags(self) -> list[str]:
-        """The checkpoint folders present, oldest first (complete or not)."""
-        return sorted(p.name for p in self.checkpoints.glob("step-*") if p.is_dir())
+        """The checkpoint folders present, oldest first (intact or not; not those set aside)."""
+        found = self.checkpoints.glob("step-*")
+        return sorted(p.name for p in found if p.is_dir() and CHECKPOINT_TAG.fullmatch(p.name))
+
+    def manifest(self, tag: str) -> Path:
+        """What checkpoint `tag` holds, written once the rest of it is (core/checkpoints.py)."""
+        return self.checkpoints / tag / MANIFEST_FILE
 
     def rng_state(self, tag: str, rank: int) -> Path:
         """One rank's random number generators' states inside checkpoint `tag`."""
         return self.checkpoints / tag / f"rng-rank{rank:05d}.pt"
 
-    def latest_checkpoint(self) -> Optional[str]:
-        """The tag of the newest complete checkpoint, or None."""
+    def latest_named(self) -> Optional[str]:
+        """The tag the `latest` marker names, whether or not that folder is there (which checkpoint
+        a stage resumes from is core/checkpoints.py's `newest_intact`)."""
         try:
-            tag = self.latest_marker.read_text().strip()
+            return self.latest_marker.read_text().strip() or None
         except OSError:
             return None
-        return tag if (self.checkpoints / tag).is_dir() else None
 
-    def leftovers(self) -> list[Path]:
-        """What an interrupted write left behind: temporaries, and checkpoint folders newer
-        than the one `latest` names (a save that never completed)."""
-        found = [p for folder in (self.path, self.checkpoints) for p in folder.glob(f"*{TEMPORARY_SUFFIX}")]
-        latest = self.latest_checkpoint() or ""
-        return found + [self.checkpoints / tag for tag in self.checkpoint_tags() if tag > latest]
+    def set_aside(self, tag: str) -> Path:
+        """A free name to move a damaged checkpoint to: checkpoints/<tag>.damaged-<time>[-n]."""
+        return _free_name(self.checkpoints / tag, DAMAGED)
+
+    def temporaries(self) -> list[Path]:
+        """What an interrupted write left in the stage folder and checkpoints/: <name>.tmp files and
+        folders, never read (a checkpoint an interrupted save left is core/checkpoints.py's to judge)."""
+        return [p for folder in (self.path, self.checkpoints) for p in folder.glob(f"*{TEMPORARY_SUFFIX}")]
 
     def holds_outputs(self) -> bool:
         """Whether the folder holds anything but what `run` writes before the stage starts
@@ -236,10 +268,4 @@ class StageFolder:
 
     def superseded(self) -> Path:
         """A free name to move this folder aside to: <stage>.superseded-<time>[-n]."""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        target = self.path.with_name(f"{self.path.name}{SUPERSEDED}{stamp}")
-        n = 1
-        while target.exists():
-            n += 1
-            target = self.path.with_name(f"{self.path.name}{SUPERSEDED}{stamp}-{n}")
-        return target
+        return _free_name(self.path, SUPERSEDED)

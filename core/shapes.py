@@ -523,7 +523,7 @@ def tiny_llama_shape() -> ModelShape:
     from core import tiny  # torch-free at module level; torch is imported inside its writers
 
     return ModelShape(
-        hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2,
+        hidden=64, intermediate=176, layers=2, heads=2, kv_heads=2,
         vocab=len(tiny.SPECIAL_TOKENS) + len(tiny.CHARACTERS), max_positions=64,
         tied_embeddings=False, source="builtin:tiny-llama",
     )

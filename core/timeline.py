@@ -1,10 +1,14 @@
-"""When each stage of a chain was queued, running, requeued and done, from its folder
-and pipeline.json: what the report draws as the chain's timeline.
+"""When each stage of a chain was queued, starting, running, requeued and done, from its
+folder and pipeline.json: what the report draws as the chain's timeline.
 
-Each start of a stage job (the first, and every requeue or resume) appends a line to
-the stage's events.jsonl; submission times come from pipeline.json (Slurm) or from
-spec.json, written just before a stage is submitted; the last activity is the newest
-metrics record; done is when result.json was written. Torch-free.
+Each start of a stage job (the first, and every requeue or resume) appends lines to the
+stage's events.jsonl: "launched" as its processes begin, before they import anything,
+"started" once they have joined up (imports and op builds done). Submission times come
+from pipeline.json (Slurm) or from spec.json, written just before a stage is submitted.
+A job is queued from its submission to its launch (waiting for the scheduler), starting
+from its launch to its first metrics record (imports, op builds, loading the model and
+data, its first evaluation), then running to its newest record; done is when result.json
+was written. Torch-free.
 """
 
 from __future__ import annotations
@@ -16,15 +20,20 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Optional
+from typing import Optional, Sequence
 
 from core import metrics as records
 from core.failure import task_job_id
-from core.runfolder import StageFolder
+from core.runfolder import StageFolder, temporary
 
-QUEUED, RUNNING, REQUEUED, DONE = "queued", "running", "requeued", "done"
+QUEUED, STARTING, RUNNING, REQUEUED, DONE = "queued", "starting", "running", "requeued", "done"
+# Rank 0 of a stage job records "launched" first thing, "started" once the processes are up.
+LAUNCHED = "launched"
+# A local `run` that got a signal (signal: its name, e.g. SIGTERM from `kill`) notes it before it
+# asks its stage to stop, which it does with SIGINT: the stage's lines name the signal received.
+STOP_ASKED = "stop asked"
 # Events a stage's rank 0 records besides "started": the loop saved at a signal (signal, step,
-# reason), a resume (step), a hang (step: stages/watchdog.py), a requeue asked for by submitit's
+# reason), a resume (step), a hang (phase, step: stages/watchdog.py), a requeue asked for by submitit's
 # USR2 handler (reason; stages/runner.py: after a save at the signal or a hang it adds nothing).
 STARTED, SAVED_AT_SIGNAL, RESUMED, HANG, REQUEUE = "started", "saved at signal", "resumed", "hang", "requeue"
 # Why an attempt of a stage's job ended and the job started again.
@@ -54,6 +63,19 @@ def record(folder: StageFolder, event: str, **fields) -> None:
         print(f"could not note '{event}' in {folder.events}: {err}", file=sys.stderr, flush=True)
 
 
+def stop_signal(folder: StageFolder) -> str:
+    """The signal a SIGINT to this attempt of the stage stands for: the one its local `run` got
+    when that run asked it to stop (STOP_ASKED), else SIGINT itself (a Ctrl-C reaches the stage
+    directly)."""
+    name = "SIGINT"
+    for event in _events(folder):
+        if event.get("event") == LAUNCHED:
+            name = "SIGINT"
+        elif event.get("event") == STOP_ASKED:
+            name = event.get("signal") or name
+    return name
+
+
 def signal_reason(signal_name: str, elapsed_s: float, time_limit_min: Optional[float]) -> str:
     """Why Slurm signalled a job `elapsed_s` into its attempt. SIGTERM is preemption (or scancel).
     USR2 comes both ahead of the time limit (--signal) and on preemption where the site sends
@@ -78,11 +100,14 @@ class Attempt:
     ended: Optional[str] = None  # TIME_LIMIT, PREEMPTED, STOPPED, HUNG or UNEXPLAINED; None: the newest, or the job's last
     signal: Optional[str] = None
     at_step: Optional[int] = None  # the step saved at the signal, or the hung step
+    phase: Optional[str] = None  # where it hung, e.g. "evaluation > generation"
 
     def text(self) -> str:
         what = self.ended or ""
         if self.signal:
             what += f" ({self.signal})"
+        if self.phase:
+            what += f" in {self.phase}"
         if self.at_step is not None:
             what += f" at step {self.at_step}"
         return what
@@ -112,7 +137,7 @@ def attempts(folder: StageFolder) -> list[Attempt]:
             found[-1].ended = event.get("reason") or PREEMPTED
             found[-1].signal, found[-1].at_step = event.get("signal"), event.get("step")
         elif kind == HANG:
-            found[-1].ended, found[-1].at_step = HUNG, event.get("step")
+            found[-1].ended, found[-1].at_step, found[-1].phase = HUNG, event.get("step"), event.get("phase")
         elif kind == REQUEUE:
             found[-1].ended = event.get("reason") or PREEMPTED
             found[-1].signal = event.get("signal")
@@ -131,6 +156,44 @@ def _events(folder: StageFolder) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return found
+
+
+@dataclass
+class PhaseNote:
+    """The phase a stage's rank 0 is in, noted once it has lasted a while (stages/watchdog.py)."""
+
+    phase: Optional[str]  # e.g. "evaluation > generation"; None: between phases
+    step: Optional[int]
+    since: float  # unix seconds
+
+    def text(self, now: Optional[float] = None) -> str:
+        """`in evaluation > generation at step 40 for 2:15`; "" between phases."""
+        if not self.phase:
+            return ""
+        age = max(0.0, (now if now is not None else time.time()) - self.since)
+        step = "" if self.step is None else f" at step {self.step}"
+        return f"in {self.phase}{step} for {records.duration_text(age)}"
+
+
+def note_phase(folder: StageFolder, phase: Optional[str], step: Optional[int], since: float) -> None:
+    """Rank 0's watchdog notes the phase it is in (None: it ended); a note that cannot be written
+    is left out, said in the log."""
+    tmp = temporary(folder.phase)
+    try:
+        tmp.write_text(json.dumps({"phase": phase, "step": step, "since": round(since, 3)}))
+        os.replace(tmp, folder.phase)
+    except OSError as err:
+        print(f"could not note the phase in {folder.phase}: {err}", file=sys.stderr, flush=True)
+
+
+def phase_now(folder: StageFolder) -> Optional[PhaseNote]:
+    """The phase the newest attempt of the stage's job noted (None: none noted since it started)."""
+    try:
+        note = PhaseNote(**json.loads(folder.phase.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    history = attempts(folder)
+    return note if history and note.since >= history[-1].started else None
 
 
 def starts(folder: StageFolder) -> list[float]:
@@ -175,7 +238,7 @@ def unexplained_endings(folder: StageFolder, job: Optional[str], restart: int) -
 
 @dataclass
 class Segment:
-    state: str  # queued, running, requeued (between an attempt's last sign of life and the next start)
+    state: str  # queued, starting, running, requeued (between an attempt's last sign of life and the next launch)
     start: float
     end: float
 
@@ -188,23 +251,28 @@ class StageTimeline:
 
 
 def segments(submitted: Optional[float], attempts: list[float], activity: list[float],
-             done: Optional[float]) -> list[Segment]:
+             done: Optional[float], launches: Sequence[float] = ()) -> list[Segment]:
     """The states of one stage over time. `attempts`: start times of its job's attempts;
-    `activity`: times it was seen working (its metrics records); `done`: when it finished."""
-    out: list[Segment] = []
+    `activity`: times it was seen working (its metrics records); `done`: when it finished;
+    `launches`: when each attempt's processes began (an attempt without one began at its start)."""
     attempts = sorted(attempts)
-    if submitted is not None and attempts and submitted < attempts[0]:
-        out.append(Segment(QUEUED, submitted, attempts[0]))
+    began = []
     for k, start in enumerate(attempts):
-        following = attempts[k + 1] if k + 1 < len(attempts) else None
-        if following is None:
-            end = done if done is not None else max([start] + [t for t in activity if t >= start])
-            out.append(Segment(RUNNING, start, end))
-            continue
-        seen = [t for t in activity if start <= t < following]
-        last = max(seen) if seen else start
-        out.append(Segment(RUNNING, start, last))
-        out.append(Segment(REQUEUED, last, following))
+        launched = [t for t in launches if (k == 0 or attempts[k - 1] < t) and t <= start]
+        began.append(max(launched, default=start))
+    out: list[Segment] = []
+    if submitted is not None and began and submitted < began[0]:
+        out.append(Segment(QUEUED, submitted, began[0]))
+    for k, start in enumerate(attempts):
+        following = began[k + 1] if k + 1 < len(began) else None
+        seen = sorted(t for t in activity if start <= t and (following is None or t < following))
+        end = done if following is None and done is not None else max([start] + seen)
+        first = seen[0] if seen else end
+        out.append(Segment(STARTING, began[k], first))
+        if seen:
+            out.append(Segment(RUNNING, first, end))
+        if following is not None:
+            out.append(Segment(REQUEUED, end, following))
     return out
 
 
@@ -213,7 +281,8 @@ def stage_timeline(folder: StageFolder, submitted_at: Optional[str] = None) -> S
     submitted = _parse(submitted_at) if submitted_at else _mtime(folder.spec)
     activity = [float(r["time"]) for r in records.read(folder.metrics) if "time" in r]
     done = _mtime(folder.result)
-    return StageTimeline(folder.path.name, segments(submitted, starts(folder), activity, done), done)
+    launches = [float(e["time"]) for e in _events(folder) if e.get("event") == LAUNCHED]
+    return StageTimeline(folder.path.name, segments(submitted, starts(folder), activity, done, launches), done)
 
 
 def _parse(stamp: str) -> Optional[float]:

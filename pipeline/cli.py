@@ -16,7 +16,7 @@ from pathlib import Path
 
 from core import config as config_module
 from core import failure, metrics, runfolder
-from core.errors import Interrupted, InvalidInput, PipelineError
+from core.errors import Interrupted, InvalidInput, InvalidStageInput, PipelineError, StageFailed
 from core.task import is_finished
 from pipeline import calibrate, executors, graph, launch, plan, preflight, prepare, scale, state
 from pipeline.executors.base import write_spec
@@ -76,9 +76,29 @@ def cmd_run(args) -> int:
     preflight.check(spec, where)
     metrics.check_trackers(spec, where.runs_this_python(spec))
     rerun = frozenset(name.strip() for value in args.rerun for name in value.split(",") if name.strip())
-    outcome = launch.run(spec, target(args), executor=args.executor, force=args.force, rerun=rerun)
+    try:
+        outcome = launch.run(spec, target(args), executor=args.executor, force=args.force, rerun=rerun)
+    except (StageFailed, InvalidStageInput):
+        write_report_after_run(spec, target(args))  # what there is: the failed stage's state and curves
+        raise
     outcome.executor.say_done(spec, outcome.planned, outcome.jobs, target(args))
+    if not outcome.jobs:  # the stages ran here (or had finished): none is left waiting in a queue
+        write_report_after_run(spec, target(args))
     return 0
+
+
+def write_report_after_run(spec, config: str) -> None:
+    """`run`'s last line: the report of what ran, where `report` writes it. One that cannot be
+    written is said, and the run's outcome stands."""
+    from pipeline import report
+
+    try:
+        path = report.write_report(spec)
+    except Exception as err:  # noqa: BLE001 -- whatever the report meets, the stages' outcome is the run's
+        print(f"report: not written ({type(err).__name__}: {err}); `python -m pipeline report {config}` "
+              "tries again", flush=True)
+        return
+    print(f"report: {path}", flush=True)
 
 
 def cmd_status(args) -> int:

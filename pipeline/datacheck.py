@@ -2,14 +2,16 @@
 folder is one the stages read, its rows hold the stage's columns, eval_split means
 what it says for that kind of data, one optimizer step (or PPO rollout) of training
 rows remains after the evaluation rows are taken out, and label columns are there
-where a reward rule compares with labels. Torch-free: rows are read with
-core/rows.py, Arrow files are counted without decoding a row.
+where a reward rule compares with labels; evaluation rows that copy training rows are
+warned of. Torch-free: rows are read with core/rows.py, Arrow files are counted without
+decoding a row.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -18,7 +20,8 @@ from core import kinds
 from core.batching import accumulation_steps, rows_per_step
 from core.config import RULES_NEEDING_LABELS, PipelineSpec
 from core.errors import InvalidInput
-from core.rows import SUPPORTED_DATA, dataset_folder, is_row_file, read_rows, required_columns, select_rows
+from core.rows import (SUPPORTED_DATA, dataset_folder, eval_copies, hold_out, is_row_file, read_rows,
+                       required_columns, select_rows)
 from pipeline.hub import FILE_SUFFIXES, Hub, dataset_cached, looks_like_path
 
 
@@ -177,6 +180,24 @@ def check_step_rows(spec: PipelineSpec, stage, where: str, found: DataFound) -> 
     if train < needed:
         raise InvalidInput(f"{where}.data: {train} training rows ({detail}) are fewer than {unit}. "
                            f"Give more rows, or {fix}")
+
+
+def check_eval_copies(stage, where: str, found: DataFound) -> None:
+    """Warn (on stderr; the stage warns again in its log) when evaluation rows are copies of the
+    training rows the stage will use: its eval metrics would measure memory. Rows read here
+    only: a dataset folder's are compared by the stage."""
+    if not found.records or (len(found.records) == 1 and not found.held_out):
+        return
+    train = found.records[0][1]
+    if len(found.records) > 1:
+        held_out = found.records[1][1]
+    else:
+        train, held_out = hold_out(train, stage.data.eval_fraction, stage.seed)
+    if stage.data.max_rows:
+        train = train[: stage.data.max_rows]
+    copies = eval_copies(train, held_out, stage.kind, stage.data)
+    if copies:
+        print(f"warning: {where}.data: {copies}", file=sys.stderr)
 
 
 def check_labels(stage, where: str, found: DataFound) -> None:

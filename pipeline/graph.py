@@ -30,8 +30,9 @@ from pipeline.identity import Digests, changed_inputs, input_digests
 # tests/test_sequence_parallel.py shows the figures equal).
 OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints", "eval_interval", "nodes",
                       "sequence_parallel", "logits_tile", "mlp_tiles",
-                      "max_truncated_share", "hang_factor", "hang_min_s",
+                      "max_truncated_share", "hang_factor", "hang_min_s", "hang_first_s",
                       "collective_timeout_s", "allow_weak_reward_model"}
+OPERATIONAL_REWARD_FIELDS = {"timeout_s"}  # of an RL stage's reward block
 
 
 class PlannedStage(BaseModel):
@@ -42,7 +43,8 @@ class PlannedStage(BaseModel):
 
 
 def stage_hash(stage, upstream_hashes: list[str], init_model: str, inputs: dict[str, dict]) -> str:
-    spec = stage.model_dump(mode="json", by_alias=True, exclude=OPERATIONAL_FIELDS)
+    operational = {**dict.fromkeys(OPERATIONAL_FIELDS, True), "reward": OPERATIONAL_REWARD_FIELDS}
+    spec = stage.model_dump(mode="json", by_alias=True, exclude=operational)
     content = {field: item["sha256"] for field, item in inputs.items()}
     blob = json.dumps({"spec": spec, "upstream": upstream_hashes, "init": init_model, "inputs": content},
                       sort_keys=True)

@@ -4,9 +4,9 @@ the chain here or submit it, as submitit jobs.
 First what needs no executor (the stage names `--rerun` gives); then the executor's own
 checks before the run folder is locked, in its own order (pipeline/executors/: the plan,
 no live chain on the folder, what it needs here). Under the lock: no live chain still,
-the content digests and plans saved, each stage's action decided (pipeline/graph.py),
-and the chain handed to the executor, which runs it here to its end or submits it and
-returns.
+the content digests and plans saved, each stage's action decided (pipeline/graph.py), a
+stage whose checkpoints are all damaged refused (core/checkpoints.py), and the chain
+handed to the executor, which runs it here to its end or submits it and returns.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from core import measured
+from core.checkpoints import newest_intact
 from core.config import PipelineSpec
 from core.errors import InvalidInput
 from pipeline import executors, graph, plan, state
@@ -52,8 +53,20 @@ def run(spec: PipelineSpec, config: str, executor: Optional[str] = None, force: 
         executors.refuse_if_live(pipeline_dir, config, tasks)  # again: someone may have submitted meanwhile
         digests.save()
         planned = graph.plan_actions(tasks, rerun=rerun)
+        refuse_unresumable(planned)
         measured.save_plans(planned, None if plans is None else plan.plan_to_json(plans))  # each result.json compares itself with it
         return Outcome(where, planned, where.submit(spec, planned, config, echo))
+
+
+def refuse_unresumable(planned: list[PlannedStage]) -> None:
+    """A stage to resume whose checkpoints are all damaged is refused before anything is submitted
+    (here their files' sizes are checked; the stage checks every byte when it starts)."""
+    for item in planned:
+        if item.action != "resume":
+            continue
+        verdict = newest_intact(item.task.folder)
+        if verdict.refused:
+            raise InvalidInput(f"stage {item.task.name}: {verdict.refusal(item.task.folder)}")
 
 
 def default_echo(line: str) -> None:

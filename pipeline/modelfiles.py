@@ -73,8 +73,29 @@ def _shards(index: Path) -> list[Path]:
     return [index.parent / n for n in names]
 
 
-def check_weights(path: Path) -> None:
-    """BadModelFile when the file's header says it cannot be whole."""
+def weights_in(folder: Path) -> Optional[dict[str, tuple[list[int], Path]]]:
+    """Check every weight file of `folder` (check_weights) and, for safetensors shards, that each
+    tensor their index names is in the shard it names (BadModelFile otherwise). Returns each
+    tensor's shape and file by name; None where some weights are torch.save files (their names
+    are pickled) or there are none."""
+    files = weight_files(folder)
+    found: dict[str, tuple[list[int], Path]] = {}
+    readable = bool(files)
+    for file in files:
+        shapes = check_weights(file)
+        readable = readable and shapes is not None
+        found.update({name: (shape, file) for name, shape in (shapes or {}).items()})
+    for index in sorted(folder.glob(SAFETENSORS_INDEX)):
+        for name, shard in json.loads(index.read_text())["weight_map"].items():
+            if name not in found or found[name][1] != index.parent / shard:
+                raise BadModelFile(f"{index} places tensor {name} in {shard}, whose header has no such tensor: the "
+                                   f"shards are not the ones the index was written with; {REFETCH}")
+    return found if readable else None
+
+
+def check_weights(path: Path) -> Optional[dict[str, list[int]]]:
+    """BadModelFile when the file's header says it cannot be whole; else the shape of each
+    tensor a safetensors file holds, by name (None for a torch.save file: its names are pickled)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(64)
@@ -82,12 +103,12 @@ def check_weights(path: Path) -> None:
             raise BadModelFile(f"{path} is a Git LFS pointer, not the weights: run `git lfs pull` in "
                                f"{path.parent}, or {REFETCH}")
         if path.suffix == ".safetensors":
-            _check_safetensors(path, f, size)
-        else:
-            _check_torch_file(path, head, size)
+            return _check_safetensors(path, f, size)
+        _check_torch_file(path, head, size)
+        return None
 
 
-def _check_safetensors(path: Path, f, size: int) -> None:
+def _check_safetensors(path: Path, f, size: int) -> dict[str, list[int]]:
     if size < 8:
         raise BadModelFile(f"{path}: {size} bytes, too short for a safetensors file (truncated?); {REFETCH}")
     f.seek(0)
@@ -101,7 +122,7 @@ def _check_safetensors(path: Path, f, size: int) -> None:
         raise BadModelFile(f"{path}: its header is not JSON: not a safetensors file, or damaged; {REFETCH}") from None
     if not isinstance(header, dict):
         raise BadModelFile(f"{path}: its header is not a JSON object; {REFETCH}")
-    data_bytes = size - 8 - length
+    data_bytes, shapes = size - 8 - length, {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -117,6 +138,8 @@ def _check_safetensors(path: Path, f, size: int) -> None:
         if end - begin != expected:
             raise BadModelFile(f"{path}: tensor {name} ({dtype} {shape}) needs {expected:,} bytes but its offsets "
                                f"give {end - begin:,}: the header is damaged; {REFETCH}")
+        shapes[name] = shape
+    return shapes
 
 
 def _check_torch_file(path: Path, head: bytes, size: int) -> None:

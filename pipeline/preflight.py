@@ -6,8 +6,9 @@ InvalidInput (exit 2) naming the field, file or row, what is wrong and what to d
 - runs_dir: a folder that exists or can be created, writable (tried: a folder with a
   file is made there and removed).
 - models: local folders hold a config.json, weights whose headers are whole
-  (pipeline/modelfiles.py) and a tokenizer; hub ids are in the local cache, or the
-  hub answers (local runs only: a Slurm `run` fetches them itself); max_len within
+  (pipeline/modelfiles.py) and whose names and shapes config.json describes (as far as
+  pipeline/weightnames.py can tell), and a tokenizer; hub ids are in the local cache, or
+  the hub answers (local runs only: a Slurm `run` fetches them itself); max_len within
   the model's positions; an attention kernel the model's family supports; a chat
   template where the stage formats chats.
 - `from:` and `reward.model`: an upstream export the stage can start from.
@@ -32,17 +33,17 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from core import failure, kinds, reward_quality, sequence_parallel
+from core import failure, kinds, reward_quality, rollout_engine, sequence_parallel
 from core.families import attention_kernel, attention_refusal
 from core.config import BUILTIN_PREFIX, PipelineSpec
 from core.errors import InvalidInput
 from core.shapes import ShapeNotFound, cached_config, resolve_shape
 from core.task import is_finished
-from pipeline import graph, truncation
-from pipeline.datacheck import check_data, check_labels, check_step_rows
+from pipeline import graph, truncation, weightnames
+from pipeline.datacheck import check_data, check_eval_copies, check_labels, check_step_rows
 from pipeline.hfcache import HFCache, hf_cache
 from pipeline.hub import Hub, looks_like_path
-from pipeline.modelfiles import BadModelFile, check_weights, has_chat_template, tokenizer_problem, weight_files
+from pipeline.modelfiles import BadModelFile, has_chat_template, tokenizer_problem, weight_files, weights_in
 
 REWARD_IMPORT_TIMEOUT_S = 30.0
 
@@ -66,9 +67,11 @@ def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
         check_sequence_parallel(spec, stage, root, where, cache, spec.cluster.processes_per_node * stage.nodes,
                                 stack_is_here=executor.runs_this_python(spec))
         check_tiles(stage, where, stack_is_here=executor.runs_this_python(spec))
+        check_rollout_engine(stage, where, stack_is_here=executor.runs_this_python(spec))
         found = check_data(stage, where, hub)
         check_chat_template(stage, root, where, found.chats, cache)
         check_step_rows(spec, stage, where, found)
+        check_eval_copies(stage, where, found)
         if kinds.get(stage.kind).rollouts:  # its rewards read labels and may call your functions
             check_labels(stage, where, found)
             check_reward_functions(stage, where, imported=executor.runs_this_python(spec))
@@ -115,19 +118,22 @@ def check_model(name: str, where: str, hub: Hub) -> None:
     if not config.is_file():
         raise InvalidInput(f"{where}: {name} has no config.json; expected a model folder in Hugging Face format")
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
+        described = json.loads(config.read_text())
     except (ValueError, OSError) as err:
         raise InvalidInput(f"{where}: {config} is not readable JSON ({err})") from None
-    if not model_type:
+    if not isinstance(described, dict) or not described.get("model_type"):
         raise InvalidInput(f"{where}: {config} has no model_type; is this a Hugging Face model folder?")
     try:
-        weights = weight_files(path)
-        if not weights:
+        if not weight_files(path):
             raise BadModelFile(f"{name} has a config.json but no weights (*.safetensors or pytorch_model*.bin)")
-        for file in weights:
-            check_weights(file)
+        tensors = weights_in(path)
     except BadModelFile as err:
         raise InvalidInput(f"{where}: {err}") from None
+    contradiction = tensors and weightnames.mismatch(described, tensors)
+    if contradiction:
+        raise InvalidInput(f"{where}: {config}: {contradiction}. The stage would train from random numbers where "
+                           "they differ: put the config.json saved with these weights beside them, or point "
+                           "`model:` at the folder you meant")
     problem = tokenizer_problem(path)
     if problem:
         raise InvalidInput(f"{where}: {problem}")
@@ -219,6 +225,14 @@ def check_tiles(stage, where: str, stack_is_here: bool) -> None:
     """The stack can tile the LM head's logits and the MLPs as the stage asks (checked where the
     stages run with this python; a container's stack is checked by the stage itself when it starts)."""
     problem = stack_is_here and sequence_parallel.tiles_problem(stage)
+    if problem:
+        raise InvalidInput(f"{where}.{problem}")
+
+
+def check_rollout_engine(stage, where: str, stack_is_here: bool) -> None:
+    """The stack has vLLM where the stage samples with it (checked where the stages run with this
+    python; a container's stack is checked by the stage itself when it starts)."""
+    problem = stack_is_here and getattr(stage, "generation", None) == "vllm" and rollout_engine.stack_problem()
     if problem:
         raise InvalidInput(f"{where}.{problem}")
 

@@ -27,7 +27,8 @@ from core import metrics as records
 from core.task import is_finished
 from pipeline import executors, graph, state
 
-COLORS = {timeline.QUEUED: "#c7c7c7", timeline.RUNNING: "#4c72b0", timeline.REQUEUED: "#dd8452"}
+COLORS = {timeline.QUEUED: "#c7c7c7", timeline.STARTING: "#9ecae1", timeline.RUNNING: "#4c72b0",
+          timeline.REQUEUED: "#dd8452"}
 COMPARED_LABELS = {
     "gpu_mem_peak_gib": "GPU memory peak per process (GiB)",
     "host_mem_gib": "host memory per node (GiB)",
@@ -126,6 +127,8 @@ class _StageData:
         return measured.plan_vs_measured(self.task.folder, self.kind)  # a running stage: so far
 
     def figures(self) -> list[tuple[str, str]]:
+        """(title, HTML) of each plot, and under it in one line what was left out and why: a
+        series that is 0 throughout, or one not measured (the GPU's busy share on a CPU)."""
         out = []
         train = _series(self.training, "train/")
         if train:
@@ -135,26 +138,28 @@ class _StageData:
             out.append(("Evaluation (by optimizer step)", _grid(evals, "step", f"{self.name} eval", marker="o")))
         rollouts = [r for r in self.training if "rollout_s" in r]
         if rollouts:
-            out.append(("Where each rollout's time goes (phases add up to the rollout; GPU busy share per phase)",
+            out.append(("Where each rollout's time goes (phases add up to the rollout; the GPU's busy share in each)",
                         _phases_figure(rollouts, f"{self.name} rollout phases")))
-        start = min((r["time"] for r in self.records if "time" in r), default=None)
-        perf = _series(self.training, "perf/", "time/", clock=start)
+        times = [r["time"] for r in self.records if "time" in r]
+        unit, seconds = _time_unit(max(times) - min(times) if times else 0.0)
+        clock = (min(times), seconds) if times else None
+        perf = _series(self.training, "perf/", "time/", clock=clock)
         if perf:
-            out.append(("Throughput and where the time goes (by minutes since the first record)",
-                        _grid(perf, "minutes", f"{self.name} throughput")))
-        memory = _series(self.training, "memory/", clock=start)
+            out.append((f"Throughput and where the time goes (by {unit} since the first record)",
+                        _grid(perf, unit, f"{self.name} throughput")))
+        memory = _series(self.training, "memory/", clock=clock)
         if memory:
-            out.append(("Memory (by minutes since the first record)",
-                        _grid(memory, "minutes", f"{self.name} memory", together=True)))
+            out.append((f"Memory (by {unit} since the first record)",
+                        _grid(memory, unit, f"{self.name} memory", together=True)))
         return out
 
 
-def _series(rows: list[dict], *prefixes: str, clock: Optional[float] = None) -> dict[str, tuple[list, list]]:
+def _series(rows: list[dict], *prefixes: str, clock: Optional[tuple] = None) -> dict[str, tuple[list, list]]:
     """{tag: (x, y)} of the record keys whose TensorBoard tag starts with one of `prefixes`;
-    x is the step, or minutes since `clock`."""
+    x is the step, or with `clock` (start, seconds per unit) the time since start in that unit."""
     out: dict[str, tuple[list, list]] = {}
     for row in rows:
-        x = row["step"] if clock is None else (row.get("time", clock) - clock) / 60
+        x = row["step"] if clock is None else (row.get("time", clock[0]) - clock[0]) / clock[1]
         for name, value in records.scalars(row).items():
             if name.startswith(prefixes):
                 xs, ys = out.setdefault(name, ([], []))
@@ -163,10 +168,23 @@ def _series(rows: list[dict], *prefixes: str, clock: Optional[float] = None) -> 
     return out
 
 
+def _time_unit(span_s: float) -> tuple[str, float]:
+    """The unit a time axis of `span_s` seconds reads best in: its ticks stay short numbers."""
+    if span_s < 180:
+        return "seconds", 1.0
+    return ("minutes", 60.0) if span_s < 3 * 3600 else ("hours", 3600.0)
+
+
 def _grid(series: dict, xlabel: str, alt: str, marker: Optional[str] = None, together: bool = False) -> str:
-    """Small multiples, four to a row (or all lines in one plot)."""
+    """Small multiples, four to a row (or all lines in one plot). A series that is 0 throughout
+    is not drawn (a flat line at 0 says nothing): one line under the plot names it."""
     import matplotlib.pyplot as plt
 
+    zero = [name for name, (_, ys) in series.items() if not any(ys)]
+    series = {name: xy for name, xy in series.items() if name not in zero}
+    said = f"<p class='note'>0 throughout, so not plotted: {_e(', '.join(zero))}</p>" if zero else ""
+    if not series:
+        return said
     names = list(series)
     panels = [names] if together else [[n] for n in names]
     columns = min(4, len(panels))
@@ -181,27 +199,43 @@ def _grid(series: dict, xlabel: str, alt: str, marker: Optional[str] = None, tog
             ax.plot(xs, ys, marker=marker or ("." if len(xs) < 30 else None), label=name.split("/", 1)[1])
         ax.set_title(panel[0] if not together else ", ".join(n.split("/", 1)[1] for n in panel), fontsize=9)
         ax.set_xlabel(xlabel, fontsize=8)
-        ax.tick_params(labelsize=7)
+        _readable_ticks(ax)
         ax.grid(alpha=0.3)
         if together:
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    return _embed(fig, alt)
+    return _embed(fig, alt) + said
 
 
-PHASE_COLORS = {"generate_s": "#4c72b0", "score_s": "#dd8452", "train_s": "#55a868", "other_s": "#c7c7c7"}
+def _readable_ticks(ax) -> None:
+    """At most six ticks a side, small: a panel is 3.4 inches wide, and left to itself matplotlib
+    puts ten labels such as 0.0035 under it, which run into each other."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=5))
+    ax.tick_params(labelsize=7)
+
+
+PHASE_COLORS = {"generate_s": "#4c72b0", "score_s": "#dd8452", "train_s": "#55a868", "sync_s": "#8172b3",
+                "other_s": "#c7c7c7"}
 
 
 def _phases_figure(rollouts: list[dict], alt: str) -> str:
     """Per rollout, its phases stacked (core/metrics.py ROLLOUT_PHASES; the parts inside a phase,
     ZeRO-3 gathering and offload moves, hatched at its base) against its wall time; beside it the
-    GPU's busy share per phase, or why there is none."""
+    GPU's busy share per phase, or under it one line saying it was not measured."""
     import matplotlib.pyplot as plt
 
     xs = [r.get("rollout", r["step"]) for r in rollouts]
-    fig, (ax, busy_ax) = plt.subplots(1, 2, figsize=(11, 3.0), gridspec_kw={"width_ratios": [3, 2]})
-    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.17, top=0.8, wspace=0.25)
+    measured = [k for k in records.GPU_BUSY_KEYS if any(r.get(k) is not None for r in rollouts)]
+    if measured:
+        fig, (ax, busy_ax) = plt.subplots(1, 2, figsize=(11, 3.0), gridspec_kw={"width_ratios": [3, 2]})
+        fig.subplots_adjust(left=0.06, right=0.98, bottom=0.17, top=0.8, wspace=0.25)
+    else:
+        fig, ax = plt.subplots(figsize=(6.6, 3.0))
+        fig.subplots_adjust(left=0.1, right=0.97, bottom=0.17, top=0.8)
     base = [0.0] * len(rollouts)
     parts_in = {phase: part for part, phase in records.ROLLOUT_PHASE_PARTS.items()}
     for phase in records.ROLLOUT_PHASES:
@@ -215,21 +249,19 @@ def _phases_figure(rollouts: list[dict], alt: str) -> str:
     ax.plot(xs, [r["rollout_s"] for r in rollouts], "k_", markersize=12, label="rollout wall time")
     ax.set_xlabel("rollout", fontsize=8)
     ax.set_ylabel("seconds", fontsize=8)
-    ax.tick_params(labelsize=7)
+    _readable_ticks(ax)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, ncol=4, loc="lower left", bbox_to_anchor=(0, 1.01), frameon=False)
-    measured = [k for k in records.GPU_BUSY_KEYS if any(r.get(k) is not None for r in rollouts)]
+    if not measured:
+        return _embed(fig, alt) + ("<p class='note'>GPU busy share: not measured (no GPU, or NVML could not be "
+                                   "read)</p>")
     for key in measured:
         busy_ax.plot(xs, [r.get(key) for r in rollouts], marker=".", label=key[len("gpu_busy_"):])
-    if measured:
-        busy_ax.set_ylim(0, 1.05)
-        busy_ax.legend(fontsize=7)
-    else:
-        busy_ax.text(0.5, 0.5, "GPU busy share not measured\n(no GPU, or NVML unreadable)", ha="center",
-                     va="center", fontsize=9, transform=busy_ax.transAxes)
+    busy_ax.set_ylim(0, 1.05)
+    busy_ax.legend(fontsize=7)
     busy_ax.set_title("GPU busy share (NVML utilisation)", fontsize=9)
     busy_ax.set_xlabel("rollout", fontsize=8)
-    busy_ax.tick_params(labelsize=7)
+    _readable_ticks(busy_ax)
     busy_ax.grid(alpha=0.3)
     return _embed(fig, alt)
 
@@ -256,7 +288,7 @@ def _timeline_figure(stages: list[_StageData]) -> str:
     ax.grid(axis="x", alpha=0.3)
     handles = [Patch(color=c, label=s) for s, c in COLORS.items()]
     handles.append(plt.Line2D([], [], marker="D", color="#55a868", linestyle="", label=timeline.DONE))
-    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.01), fontsize=8, ncol=4, frameon=False)
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.01), fontsize=8, ncol=5, frameon=False)
     return _embed(fig, "timeline")
 
 

@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 from pydantic import BaseModel, ValidationError
 
 from core import metrics, runfolder, timeline
+from core.checkpoints import newest_intact
 from core.config import UNNAMED_RECORD_EXECUTOR, ExecutorName
 from core.errors import InvalidInput, PipelineError
 from core.task import StageTask
@@ -240,9 +241,32 @@ def from_folder(task: StageTask) -> StageStatus:
     return StageStatus(task.name, NOT_FINISHED, detail, task.run_dir)
 
 
+def activity(folder: runfolder.StageFolder,
+             now: Optional[float] = None) -> tuple[str, Optional[metrics.Progress]]:
+    """What `status` says a running stage is doing, and its progress: its step of the total and ETA
+    (its last training record), the age of its last record of any kind (an old one on a running
+    stage points at a hang), and the phase its rank 0 is in once that has lasted half a minute
+    (stages/watchdog.py), e.g. "step 40/200 (20%), ETA 1:20 as of 0:05 ago; in evaluation at step
+    40 for 2:15", or "no record yet, started 2:19 ago; in evaluation > scoring at step 0 for 1:48"."""
+    now = time.time() if now is None else now
+    records = metrics.read(folder.metrics)
+    progress = metrics.progress_of(records)
+    said = [progress.text(now)] if progress is not None else []
+    last = max(records, key=lambda r: r.get("time", 0.0), default=None)
+    if last is not None and "time" in last and (progress is None or last["time"] > (progress.time or 0.0)):
+        what = f" (evaluation at step {last['step']})" if metrics.is_eval(last) else ""
+        said.append(f"last record{what} {metrics.duration_text(now - last['time'])} ago")
+    if not records:
+        history = timeline.attempts(folder)
+        started = f", started {metrics.duration_text(now - history[-1].started)} ago" if history else ""
+        said.append(f"no record yet{started}")
+    note = timeline.phase_now(folder)
+    doing = note.text(now) if note is not None else ""
+    return ", ".join(said) + (f"; {doing}" if doing else ""), progress
+
+
 def resume_point(task: StageTask) -> str:
-    latest = task.folder.latest_checkpoint()
-    return f"newest checkpoint {latest}: `run` resumes from it" if latest else "no checkpoint yet: `run` starts it over"
+    return newest_intact(task.folder).status(task.name)
 
 
 def as_dict(progress: Optional[metrics.Progress]) -> Optional[dict]:

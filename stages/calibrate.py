@@ -40,7 +40,7 @@ def measure(request) -> dict:
     """Everything the request asks for that this machine has: the calibration file's content."""
     import torch
 
-    from stages import compat
+    from stages import compat, deepspeed_ops
 
     on_gpu = torch.cuda.is_available()
     if request.require_gpu and not on_gpu:
@@ -48,6 +48,7 @@ def measure(request) -> dict:
                            f"CUDA {torch.version.cuda or 'none'}): GPU rates cannot be measured without a GPU. "
                            "Run on a GPU node, or with --slurm; without --require-gpu only the CPU is measured")
     compat.normalize_arch_list_env()  # before DeepSpeed builds CPU Adam
+    deepspeed_ops.prepare()  # and says so when it does
     sizes, notes, seconds = request.sizes, [], {}
     cores = len(os.sched_getaffinity(0))
     per_process = max(1, cores // request.processes_per_node)
@@ -333,26 +334,26 @@ def _offloaded_step_seconds(offload, steps: int, on_gpu: bool) -> float:
 
 
 def _cpu_optimizer(weights, notes: list):
-    """DeepSpeedCPUAdam over `weights` (JIT-built where neither the installed DeepSpeed nor torch's
-    extension cache holds it: about a minute, noted), else torch's AdamW with a note saying why."""
+    """DeepSpeedCPUAdam over `weights` (JIT-built where neither the installed DeepSpeed nor the
+    extensions folder holds it: a minute or more, said and noted), else torch's AdamW with a note
+    saying why."""
     import torch
 
-    from stages import compat
+    from stages import deepspeed_ops
 
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        built = "cpu_adam" in compat.prebuilt_ops()[0] + compat.jit_built_ops()
-        start = time.perf_counter()
         optimizer = DeepSpeedCPUAdam([weights], adamw_mode=True, **ADAM)
     except Exception as err:  # noqa: BLE001 -- no compiler, no DeepSpeed: measure what can be
         reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
         notes.append(f"DeepSpeedCPUAdam could not be loaded ({reason}): measured torch.optim.AdamW (foreach), "
                      "which is slower than what a stage with optimizer_offload steps with")
         return torch.optim.AdamW([weights], foreach=True, **ADAM), "torch.optim.AdamW (foreach)"
-    if not built:
-        notes.append(f"DeepSpeedCPUAdam was JIT-built first ({time.perf_counter() - start:.0f} s, not counted in "
-                     f"its rate); cached in {compat.torch_extensions_dir()} for the stages and the next calibration")
+    if "cpu_adam" in deepspeed_ops.built_here():
+        notes.append(f"DeepSpeedCPUAdam was JIT-built first ({deepspeed_ops.built_here()['cpu_adam']:.0f} s, not "
+                     f"counted in its rate); kept in {deepspeed_ops.extensions_dir()} for the stages and the next "
+                     "calibration")
     return optimizer, "DeepSpeedCPUAdam"
 
 

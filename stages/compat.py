@@ -40,6 +40,15 @@ mask is what attention layers take on every supported version, below each model'
 preparation, which differs between versions and model families), flash attention the
 sequence boundaries.
 
+What loading found (`from_pretrained` returns a LoadReport beside the model): the weights the
+model lacked, the folder's weights it had no place for, and those of another shape, alike on every
+version. transformers 5 under ZeRO-3 counts no unexpected weights ("we assume only best-case
+scenario with deepspeed"): they are counted here with its own renamings, base-model prefix and
+ignore patterns. A weight of another shape stops the load where transformers raises (4.x always,
+5.x under ZeRO-3; only rank 0 raises under ZeRO-3): the names are read from its message. 4.x
+refuses a folder with no weight name in common with the model as "corrupted"; that becomes a
+report too. A damaged weights file raises DamagedWeights whichever reader found it.
+
 Off switch: POST_TRAIN_COMPAT_OFF=rotary_fp32,causal_mask_cap,... (or "all") leaves the named
 patches out; the tests use it to show each patch is needed.
 
@@ -61,7 +70,7 @@ submodule releases; 0.13 also its module-name map, which `destroy` clears); it t
 
 `python -m stages.compat --self-check` reports the installed versions and which patches
 apply; which DeepSpeed ops are prebuilt (compiled in at install) or already JIT-built in
-torch's extension cache, which optimizer a GPU stage gets and whether it needs a build, and
+the extensions folder (stages/deepspeed_ops.py), which optimizer a GPU stage gets and whether it needs a build, and
 the TORCH_CUDA_ARCH_LIST rewrite stage jobs would make. It then loads a tiny Llama in bf16
 under ZeRO-3 (real DeepSpeed in a one-process group; where DeepSpeed cannot start, e.g.
 DeepSpeed 0.13 without a GPU, zero.Init-style constructors and the cast the installed
@@ -78,9 +87,9 @@ import inspect
 import logging
 import os
 import re
-import sys
 import weakref
-from pathlib import Path
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -317,31 +326,132 @@ def prepare() -> None:
             _applied["flash_varlen"] = []
 
 
+@dataclass
+class LoadReport:
+    """What transformers found as it loaded a folder's weights into the model its config.json
+    describes; transformers' own exceptions (weights it ignores by design, tied weights) left out."""
+
+    model_type: str  # config.json's
+    saved_as: Optional[str]  # the class the folder was saved as: config.json's architectures[0], if any
+    built_as: Optional[str] = None  # the class built (None: loading stopped at a weight of another shape)
+    missing: list[str] = field(default_factory=list)  # the model's weights the folder lacks
+    unexpected: list[str] = field(default_factory=list)  # the folder's weights the model has no place for
+    mismatched: list[tuple[str, str, str]] = field(default_factory=list)  # name, shape in the folder, in the model
+    errors: list[str] = field(default_factory=list)  # what else transformers could not load
+
+
+class DamagedWeights(OSError):
+    """A weights file of the folder would not read: cut short or damaged."""
+
+
+# torch's words for a weight whose shape differs from the model's, as load_state_dict words them.
+_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[[^\]]*\])\) "
+                            r"from checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
+_NOTHING_IN_COMMON = "state dictionary of the model you are trying to load is corrupted"  # transformers 4.x
+
+
 def from_pretrained(auto_class, path: str, dtype: torch.dtype, attention: str, max_len: int, **config_overrides):
     """`auto_class.from_pretrained(path)` in `dtype` with `attention`, `config_overrides`
-    (e.g. num_labels=1) set on its config, and the load-time patches applied."""
+    (e.g. num_labels=1) set on its config, and the load-time patches applied. Returns the model
+    (None where transformers stopped at a weight of another shape) and its LoadReport."""
+    from safetensors import SafetensorError
+    from transformers import AutoConfig
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
     prepare()
     kwargs = from_pretrained_kwargs(dtype, attention)
-    capped = {}
-    if "causal_mask_cap" not in disabled_patches():
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(path, **config_overrides)
-        positions = getattr(config, "max_position_embeddings", None)
-        if positions and positions > max_len and registers_square_causal_mask(config):
-            capped["max_position_embeddings"] = positions
-            config.max_position_embeddings = max_len
-            _log_once(f"cap:{path}:{max_len}", "causal_mask_cap: transformers %s would register a %dx%d "
-                      "causal_mask buffer in %s; building it with max_position_embeddings=%d (the training "
-                      "length); the exported config keeps %d", versions()["transformers"], positions, positions,
-                      path, max_len, positions)
-            config_overrides = {"config": config}
-    model = auto_class.from_pretrained(path, **kwargs, **config_overrides)
+    config = AutoConfig.from_pretrained(path, **config_overrides)
+    report = LoadReport(config.model_type, (getattr(config, "architectures", None) or [None])[0])
+    capped = _cap_positions(config, path, max_len)
+    if capped:
+        config_overrides = {"config": config}
+    zero3 = is_deepspeed_zero3_enabled()
+    try:
+        with _counting_unexpected_under_zero3(report) if zero3 else contextlib.nullcontext():
+            # Under ZeRO-3, 4.x would compare the folder's shapes with the shards' (empty) ones.
+            model, info = auto_class.from_pretrained(path, **kwargs, **config_overrides, output_loading_info=True,
+                                                     ignore_mismatched_sizes=not zero3)
+    except SafetensorError as err:
+        raise DamagedWeights(f"a safetensors file would not read ({err})") from None
+    except RuntimeError as err:
+        if "PytorchStreamReader" in str(err):  # a torch.save file (transformers 4.x says OSError)
+            raise DamagedWeights(f"a torch.save file would not read ({str(err).split('.')[0]})") from None
+        report.mismatched = sorted(_SIZE_MISMATCH.findall(str(err)))
+        if not report.mismatched:
+            raise
+        return None, report
+    except ValueError as err:
+        if _NOTHING_IN_COMMON not in str(err):
+            raise
+        report.errors.append("the folder holds none of the weights of the model's base (transformers "
+                             f"{versions()['transformers']}: {err})")
+        return None, report
+    report.built_as = type(model).__name__
+    report.missing = sorted(set(report.missing) | set(info["missing_keys"]))
+    report.unexpected = sorted(set(report.unexpected) | set(info["unexpected_keys"]))
+    report.mismatched = sorted((name, str(list(saved)), str(list(built)))
+                               for name, saved, built in info["mismatched_keys"])
+    report.errors = list(info.get("error_msgs") or [])
     install_packing_hooks(model)
     if capped:
         _capped_configs[:] = [(ref, orig) for ref, orig in _capped_configs if ref() is not None]
         _capped_configs.append((weakref.ref(model.config), capped))
-    return model
+    return model, report
+
+
+def _cap_positions(config, path: str, max_len: int) -> dict:
+    """causal_mask_cap: cap `config`'s max_position_embeddings at the training length where the installed
+    model class would register a square causal_mask buffer; the original values it changed."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if "causal_mask_cap" in disabled_patches() or not (positions and positions > max_len
+                                                        and registers_square_causal_mask(config)):
+        return {}
+    config.max_position_embeddings = max_len
+    _log_once(f"cap:{path}:{max_len}", "causal_mask_cap: transformers %s would register a %dx%d "
+              "causal_mask buffer in %s; building it with max_position_embeddings=%d (the training "
+              "length); the exported config keeps %d", versions()["transformers"], positions, positions,
+              path, max_len, positions)
+    return {"max_position_embeddings": positions}
+
+
+@contextlib.contextmanager
+def _counting_unexpected_under_zero3(report: LoadReport):
+    """Count, into `report.unexpected`, the folder's weights transformers 5 loads under ZeRO-3
+    without a place in the model (it reports none there)."""
+    import transformers.modeling_utils as modeling
+
+    original = getattr(modeling, "_load_state_dict_into_zero3_model", None)
+    if original is None or _transformers_version().major < 5:
+        yield
+        return
+
+    def load(model, state_dict, load_config=None):
+        names = list(state_dict)
+        loaded = original(model, state_dict, load_config)
+        report.unexpected = _without_a_place(model, names, getattr(load_config, "weight_mapping", None) or [])
+        return loaded
+
+    modeling._load_state_dict_into_zero3_model = load
+    try:
+        yield
+    finally:
+        modeling._load_state_dict_into_zero3_model = original
+
+
+def _without_a_place(model, names: list[str], weight_mapping: list) -> list[str]:
+    """The checkpoint names that transformers 5's renamings and base-model prefix place nowhere in
+    `model`, less those its ignore patterns leave out (its own rules, as its other loading path)."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    renamings = [m for m in weight_mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in weight_mapping if isinstance(m, WeightConverter)]
+    places = dict.fromkeys(model.state_dict(), True)
+    unplaced = {name for name in names
+                if rename_source_key(name, renamings, converters, base_model_prefix=model.base_model_prefix,
+                                     meta_state_dict=places)[0] not in places}
+    found = SimpleNamespace(missing_keys=set(), unexpected_keys=unplaced)
+    model._adjust_missing_and_unexpected_keys(found)
+    return sorted(found.unexpected_keys)
 
 
 @contextlib.contextmanager
@@ -394,12 +504,26 @@ def rotary_patch_needed() -> tuple[bool, str]:
     reasons = []
     if not reinitialised:
         reasons.append(f"transformers {versions()['transformers']} keeps the rotary state zero.Init built")
+    elif not _keeps_rotary_buffers_fp32_under_zero_init():
+        reasons.append(f"transformers {versions()['transformers']} re-initialises rotary frequencies into buffers "
+                       f"zero.Init built in the training dtype")
     if deepspeed_casts_buffers():
         reasons.append(f"DeepSpeed {versions()['deepspeed']} casts buffers to the training dtype")
     if reasons:
         return True, "; ".join(reasons)
     return False, (f"transformers {versions()['transformers']} re-initialises rotary frequencies after "
                    f"construction and DeepSpeed {versions()['deepspeed']} keeps fp32 buffers")
+
+
+def _keeps_rotary_buffers_fp32_under_zero_init() -> bool:
+    """Whether transformers stops zero.Init from building the rotary buffers in the training dtype
+    (its `prevent_arange_dtype_change` around zero.Init; absent in 5.19, whose re-initialised
+    frequencies then land in bf16 buffers: wrong positions, as the self-check measures)."""
+    try:
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def deepspeed_casts_buffers() -> bool:
@@ -790,50 +914,6 @@ def prebuilt_ops() -> tuple[list[str], str | None]:
     return built, getattr(info, "accelerator_name", None)
 
 
-def torch_extensions_dir() -> Path:
-    """Where torch keeps JIT-built extensions, by torch's own rule (cpp_extension's
-    _get_build_directory, which also creates the folder)."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is not None:
-        return Path(root)
-    if torch.version.hip is not None:
-        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
-    elif torch.version.cuda is not None:
-        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
-    else:
-        accelerator = "cpu"
-    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{python}_{accelerator}"
-
-
-def jit_built_ops() -> list[str]:
-    """Extensions JIT-built earlier into torch's cache: DeepSpeed loads them from there."""
-    root = torch_extensions_dir()
-    return sorted(so.parent.name for so in root.glob("*/*.so") if so.stem == so.parent.name)
-
-
-def announce_cpu_comm_build() -> None:
-    """Say so, before DeepSpeed's init_distributed compiles its CPU shared-memory allreduce op
-    (g++, about 35-40 s on 2 cores, silent), when neither the installed DeepSpeed nor torch's
-    extension cache holds it: once per extension folder (the Makefile gives each venv one), so
-    only the first stage of the first run on a machine builds it."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    # As DeepSpeed decides whether to build it (0.13 has no such op: a stand-in builder).
-    if (type(builder).__name__ != "ShareMemCommBuilder"
-            or not getattr(deepspeed.ops, "__compatible_ops__", {}).get(builder.NAME, False)):
-        return
-    built, built_for = prebuilt_ops()
-    if builder.NAME in jit_built_ops() or (builder.NAME in built and built_for in (None, get_accelerator()._name)):
-        return
-    log.info("building DeepSpeed's CPU communication op (%s) with the C++ compiler: once, about a minute; "
-             "cached in %s for every later stage and run", builder.NAME, torch_extensions_dir())
-
-
 def optimizer_op(ds_config: dict) -> str | None:
     """The DeepSpeed op a config's optimizer needs, as DeepSpeed's engine picks it (0.13 and 0.19
     alike): none for torch's AdamW (torch_adam), cpu_adam with optimizer offload, else fused_adam."""
@@ -846,7 +926,7 @@ def _report_deepspeed_ops() -> None:
     from deepspeed.accelerator import get_accelerator
 
     from core.config import SFTStage
-    from stages import engine
+    from stages import deepspeed_ops, engine
 
     built, built_for = prebuilt_ops()
     here = get_accelerator()._name  # what DeepSpeed's op loader compares with built_for
@@ -855,8 +935,8 @@ def _report_deepspeed_ops() -> None:
     unusable = (f"; not loaded here, where the accelerator is {here}: DeepSpeed JIT-builds them"
                 if built and not usable else "")
     print(f"DeepSpeed ops prebuilt{where}: {', '.join(built) or 'none'}{unusable}")
-    cached = jit_built_ops()
-    print(f"JIT-built extensions in {torch_extensions_dir()}: {', '.join(cached) or 'none'}")
+    cached = deepspeed_ops.jit_built_ops()
+    print(f"JIT-built extensions in {deepspeed_ops.extensions_dir()}: {', '.join(cached) or 'none'}")
 
     def status(op):
         if op in usable:
@@ -960,7 +1040,7 @@ def _load_under_real_zero3(auto_class, folder: str, positions: int):
     ds_config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world,
                  "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     live = hf_deepspeed_config(ds_config)
-    model = from_pretrained(auto_class, folder, torch.bfloat16, "eager", positions)
+    model, _ = from_pretrained(auto_class, folder, torch.bfloat16, "eager", positions)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config)
     del live
     if started_here:

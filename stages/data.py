@@ -18,7 +18,8 @@ from pathlib import Path
 from core import batching, kinds, tiny
 from core.config import BUILTIN_PREFIX, DataSpec
 from core.errors import InvalidInput
-from core.rows import is_row_file, read_rows, select_rows
+from core.rows import eval_copies, hold_out, is_row_file, read_rows, select_rows
+from stages import watchdog
 
 log = logging.getLogger("stages")
 
@@ -41,10 +42,7 @@ def load_splits(data: DataSpec, kind: str, builtin_root: Path, seed: int) -> tup
         held_out = _load_dataset_split(data.path, data.eval_split) if data.eval_split else None
     train = _usable(train, kind, data, f"{data.path} ({data.split})")
     if held_out is None:
-        shuffled = train[:]
-        random.Random(seed).shuffle(shuffled)
-        n_eval = max(1, int(len(shuffled) * data.eval_fraction))
-        held_out, train = shuffled[:n_eval], shuffled[n_eval:]
+        train, held_out = hold_out(train, data.eval_fraction, seed)
     else:
         held_out = _usable(held_out, kind, data, f"{data.path} ({data.eval_split})")
     if data.max_rows:
@@ -273,6 +271,9 @@ def tokenized_splits(stage, tokenizer, builtin_root: Path, where: str = "", samp
     where = where or f"stage {stage.name}"
     log.info("%s: reading and tokenising %s", where, stage.data.path)
     train, held_out = load_splits(stage.data, stage.kind, builtin_root, stage.seed)
+    copies = eval_copies(train, held_out, stage.kind, stage.data)
+    if copies:
+        log.warning("%s: %s", where, copies)
     counts = (len(train), len(held_out))
     if 0 < sample < sum(counts):
         rng = random.Random(stage.seed)
@@ -382,6 +383,7 @@ class Batch:
         """The 2D padding mask of a padded batch (1 on tokens); None for a packed one."""
         return None if self.packed else (self.sequence >= 0).long()
 
+    @watchdog.phase(watchdog.FORWARD)
     def forward(self, model, **extra):
         """The model's output on this batch. No KV cache in training passes (transformers 5
         would build one, and then read no packed positions)."""

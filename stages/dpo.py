@@ -23,7 +23,7 @@ from core import kinds
 from core.failure import saving
 from core.flops import sequence_flops
 from core.runfolder import temporary
-from stages import data, engine, models
+from stages import data, engine, models, watchdog
 from stages.losses import dpo_loss
 
 log = logging.getLogger("stages")
@@ -58,7 +58,8 @@ def run(task, ctx) -> dict:
             return tuple(cached[split][list(micro.rows)].to(ctx.device).unbind(1))
     else:
         reference = models.load_frozen(
-            AutoModelForCausalLM, model_path, stage, frozen_config, ctx.device, stage.reference == "offload"
+            AutoModelForCausalLM, model_path, stage, frozen_config, ctx.device, stage.reference == "offload",
+            drops_head=models.SCORE_HEAD,
         )
 
         def reference_logps(batch, micro, split):
@@ -147,6 +148,7 @@ def run(task, ctx) -> dict:
     }
 
 
+@watchdog.phase(watchdog.REFERENCE_PRECOMPUTE)
 def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_config) -> dict:
     """Reference log-probs (chosen, rejected) of every row, per split, computed once.
 
@@ -162,7 +164,8 @@ def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_con
             return saved["logps"]
     log.info("stage %s: computing the reference model's log-probs of %s pairs once (cached in %s)", stage.name,
              " and ".join(f"{len(rows)} {split}" for split, rows in splits.items()), cache)
-    reference = models.load_frozen(AutoModelForCausalLM, model_path, stage, frozen_config, ctx.device, offload=False)
+    reference = models.load_frozen(AutoModelForCausalLM, model_path, stage, frozen_config, ctx.device, offload=False,
+                                   drops_head=models.SCORE_HEAD)
     tables = {}
     with torch.no_grad():
         for split, rows in splits.items():

@@ -1,9 +1,9 @@
 """The training engine every stage shares: DeepSpeed config and start-up, the
-training loop, resumable checkpoints, metrics, and export to Hugging Face format.
+training loop, metrics, and export to Hugging Face format (checkpoints: stages/checkpoints.py).
 
 Every trainable stage runs on one loop (`run`): resume, metrics, the log, eval and
-save intervals, save-and-requeue at a signal, the hang watchdog and progress are the
-same for every stage, which is what makes resume and metrics uniform. A stage brings
+save intervals, save-and-requeue at a signal, the phases the hang watchdog times
+(stages/watchdog.py) and progress are the same for every stage, which is what makes resume and metrics uniform. A stage brings
 only its unit of work (`Work`): a supervised stage hands `train` a loss on one micro
 batch, an evaluation and its micro batches (`Loop`); RL hands `run` its rollout and
 update (stages/ppo.py).
@@ -26,15 +26,16 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from core import timeline
 from core import batching
 from core import metrics as records
 from core.batching import accumulation_steps
+from core.checkpoints import newest_intact
 from core.deepspeed_settings import bucket_elements, offloads_optimizer, persistence_threshold, reduce_bucket_elements
 from core.errors import Diverged, InvalidInput
 from core.failure import saving
 from core.runfolder import temporary
 from stages import compat, preemption, sequence_parallel, tracking, watchdog
+from stages.checkpoints import Checkpoints
 
 log = logging.getLogger("stages")
 
@@ -144,6 +145,7 @@ def learning_rate_factor(stage, total_steps: int) -> Callable[[int], float]:
     return factor
 
 
+@watchdog.phase(watchdog.LOADING)
 def initialize(model, stage, ds_config: dict, total_steps: int):
     """deepspeed.initialize with AdamW (no decay on norms and biases) and the LR schedule."""
     import deepspeed
@@ -176,92 +178,6 @@ def initialize(model, stage, ds_config: dict, total_steps: int):
 Metrics = tracking.Metrics
 
 
-# --------------------------------------------------------------------------- checkpoints
-
-
-class Checkpoints:
-    """DeepSpeed checkpoints in the stage folder's checkpoints/, made atomic by its
-    `latest` marker (core/runfolder.py).
-
-    Each save writes a new tag folder; only once every rank has finished does
-    rank 0 point `latest` at it (a temporary file renamed over the old one), so
-    a job killed mid-save resumes from the previous complete checkpoint.
-    """
-
-    def __init__(self, stage_folder, keep: int, is_main: bool, rank: int = 0):
-        self.stage_folder, self.keep, self.is_main, self.rank = stage_folder, keep, is_main, rank
-        self.folder = stage_folder.checkpoints
-
-    def save(self, engine, step: int, client_state: dict, others: Optional[dict] = None) -> None:
-        """Save `engine` (and any `others`, e.g. a critic, inside the same tag folder).
-
-        A save that fails on any rank (a full disk, a folder it may not write, a rank
-        lost mid-save) removes its tag folder there, so `latest` keeps naming the
-        previous checkpoint and nothing half-written stays; the error says why."""
-        tag = self.stage_folder.checkpoint_tag(step)
-        previous = self.stage_folder.latest_checkpoint()  # its size says what a save needs
-        with saving(self.folder / tag, f"checkpoint {tag}", like=previous and self.folder / previous):
-            engine.save_checkpoint(str(self.folder), tag=tag, client_state=client_state, save_latest=False)
-            for name, other in (others or {}).items():
-                other.save_checkpoint(str(self.folder / tag), tag=name, save_latest=False)
-            own = self.stage_folder.rng_state(tag, self.rank)  # every rank its own generators
-            own.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(rng_states(), own)
-            dist.barrier()
-        if self.is_main:
-            marker = self.stage_folder.latest_marker
-            tmp = temporary(marker)
-            with saving(tmp, f"the marker naming checkpoint {tag}"):
-                tmp.write_text(tag)
-            os.replace(tmp, marker)
-            for old in self.stage_folder.checkpoint_tags()[: -self.keep]:
-                shutil.rmtree(self.folder / old, ignore_errors=True)
-        dist.barrier()
-        log.info("checkpoint %s saved", tag)
-
-    def load(self, engine, others: Optional[dict] = None) -> Optional[dict]:
-        """Client state of the newest complete checkpoint, after loading it; None if none."""
-        tag = self.stage_folder.latest_checkpoint()
-        if tag is None:
-            return None
-        _, client_state = engine.load_checkpoint(str(self.folder), tag=tag)
-        for name, other in (others or {}).items():
-            other.load_checkpoint(str(self.folder / tag), tag=name)
-        own = self.stage_folder.rng_state(tag, self.rank)
-        if own.exists():
-            set_rng_states(torch.load(own, weights_only=False))
-        elif "rng" in client_state:  # a checkpoint from before per-rank states: rank 0's CPU state
-            torch.set_rng_state(client_state["rng"])
-        log.info("resumed from checkpoint %s", tag)
-        if self.is_main:
-            timeline.record(self.stage_folder, timeline.RESUMED, step=client_state["step"])
-        return client_state
-
-
-def rng_states() -> dict:
-    """This process's random number generators: Python's, NumPy's, torch's CPU and CUDA."""
-    import random
-
-    import numpy as np
-
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    import random
-
-    import numpy as np
-
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
 # --------------------------------------------------------------------------- the loop
 
 
@@ -270,8 +186,8 @@ class Work(Protocol):
     (`OptimizerSteps`), or an RL rollout and its update (stages/ppo.py: several optimizer steps).
 
     Unit u ends at optimizer step min(total_steps, (u + 1) x steps_per_unit): metrics, the
-    intervals, checkpoints and the schedule count optimizer steps; resume, signals and the
-    watchdog act between units.
+    intervals, checkpoints and the schedule count optimizer steps; resume and signals act
+    between units.
     """
 
     engine: object  # the DeepSpeed engine whose checkpoint `latest` names
@@ -311,7 +227,7 @@ def run(work: Work, stage, ctx) -> dict:
     state = checkpoints.load(work.engine, work.others)
     if state is None:
         start_step = 0
-        initial = work.evaluate()
+        initial = _evaluate(work, 0)
         metrics.truncate_after(-1)
         metrics.write(_evaluation(0, initial))
         numbers.evaluated(0, initial)
@@ -327,7 +243,7 @@ def run(work: Work, stage, ctx) -> dict:
         step = _units(work, stage, ctx, checkpoints, metrics, numbers, signals, initial, start_step)
         log.info(signals.cost_line(time.time() - loop_started))
 
-    final = work.evaluate()
+    final = _evaluate(work, step)
     metrics.write(_evaluation(step, final))
     numbers.evaluated(step, final)
     numbers.before_exporting(step)  # the stage exports when this returns
@@ -340,19 +256,17 @@ def _units(work, stage, ctx, checkpoints, metrics, numbers, signals, initial, st
 
     def save(step: int, client_state: dict) -> None:
         numbers.before_saving(logged, step)
-        checkpoints.save(work.engine, step, client_state, work.others)
+        with watchdog.phase(watchdog.SAVING, step=step):
+            checkpoints.save(work.engine, step, client_state, work.others)
 
     window = Window(ctx)
     step = logged = saved = start_step
-    hangs = watchdog.Watchdog(ctx, stage.hang_factor, stage.hang_min_s, ctx.task.max_retries,
-                              signals.submitit_handler).start()
     per_unit = work.steps_per_unit
     for unit in range(-(-start_step // per_unit), -(-work.total_steps // per_unit)):
-        hangs.step_started(step + 1)
         unit_started = time.time()
-        work.advance(unit, window)
+        with watchdog.phase(watchdog.TRAINING_STEP, step=step + 1):
+            work.advance(unit, window)
         unit_s = time.time() - unit_started
-        hangs.step_ended()
         previous, step = step, min(work.total_steps, (unit + 1) * per_unit)
         last = step == work.total_steps
         if crossed(work.log_interval, previous, step) or last:
@@ -363,7 +277,7 @@ def _units(work, stage, ctx, checkpoints, metrics, numbers, signals, initial, st
             logged = step
         paused = time.time()  # evaluation and saving are not training time
         if crossed(stage.eval_interval, previous, step) and not last:
-            evaluation = work.evaluate()
+            evaluation = _evaluate(work, step)
             metrics.write(_evaluation(step, evaluation))
             numbers.evaluated(step, evaluation)
         client_state = {"step": step, "initial_eval": initial, **work.state()}
@@ -379,6 +293,11 @@ def _units(work, stage, ctx, checkpoints, metrics, numbers, signals, initial, st
             signals.save_and_requeue(signal_name, step, None if saved == step else lambda: save(step, at_signal))
         window.started += time.time() - paused
     return step
+
+
+def _evaluate(work: Work, step: int) -> dict:
+    with watchdog.phase(watchdog.EVALUATION, step=step):
+        return work.evaluate()
 
 
 def _evaluation(step: int, results: dict) -> dict:
@@ -461,7 +380,7 @@ class Numbers:
         return ", ".join(f"{prefix}{key} {values[key]}" for key in keys)
 
     def _advice(self) -> str:
-        tag = self.checkpoints.stage_folder.latest_checkpoint()
+        tag = newest_intact(self.checkpoints.stage_folder).tag
         kept = f"its newest checkpoint, {tag}, is from before" if tag else "no checkpoint of it was saved"
         return f"The stage stopped before saving or exporting weights that are not numbers; {kept}. Try {self._fixes()}"
 
@@ -682,6 +601,7 @@ def merge_lora_state_dict(state: dict, scaling: float, adapter: str = "default")
     return out
 
 
+@watchdog.phase(watchdog.EXPORT)
 def export(engine, tokenizer, stage, out_dir: Path, is_main: bool, extra_files: dict | None = None) -> None:
     """Write model/ in Hugging Face format (LoRA merged unless kept), atomically."""
     module = engine.module

@@ -1,5 +1,6 @@
 """Sampling completions from the actor: the one function an RL rollout calls to turn prompts into
-responses, with two engines behind it.
+responses, with transformers' two engines behind it (the third, vLLM, lives in
+stages/vllm_engine.py and is called the same way; `engine_for` picks).
 
 - padded: left-padded chunks of micro_rollout_batch_size. Every stack has it. A chunk runs until its
   longest completion ends; rows that finished early keep padding along. On a GPU where transformers
@@ -41,6 +42,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from core import rollout_engine
 from core.errors import InvalidInput
 from stages import compat
 
@@ -48,6 +50,16 @@ from stages import compat
 # pass builds an attention mask of this many rows by the whole cache: 2048 rows keep it near 300 MB
 # for 16 sequences of 2304 tokens, and prefill still fits a whole prompt (see `continuous`).
 STEP_TOKENS = 2048
+
+
+@dataclass
+class Sampled:
+    """Completions of a call, in prompt order, and the sampler's log-prob of each of their tokens:
+    where the sampler is another engine than the trainer (vLLM: stages/vllm_engine.py), for greedy
+    completions none (None)."""
+
+    ids: list[list[int]]
+    logprobs: Optional[list[list[float]]] = None
 
 
 @dataclass(frozen=True)
@@ -72,8 +84,15 @@ AUTO_ENGINE = {
 
 
 def engine_for(stage, module, device) -> str:
-    """The engine `stage.generation` asks for on this stack and device (auto: see the module doc).
-    Asking for continuous where the installed transformers has none is an error, not a fallback."""
+    """The engine `stage.generation` asks for on this stack and device (auto: see the module doc; on
+    a GPU where vLLM is installed, vllm: stages/vllm_engine.py). Asking for continuous where the
+    installed transformers has none, or for vllm where vLLM is not installed, is an error, not a fallback."""
+    if stage.generation == "vllm" and rollout_engine.stack_problem():
+        raise InvalidInput(f"stage '{stage.name}': {rollout_engine.stack_problem()}")
+    if stage.generation == "auto" and torch.device(device).type == "cuda" and rollout_engine.gpu_build_installed():
+        logging.getLogger("stages").info("generation: auto samples with vLLM (%s): %s", rollout_engine.installed(),
+                                         rollout_engine.WHY_AUTO)
+        return "vllm"
     available = compat.continuous_batching_available(module, stage.zero_stage)
     if stage.generation == "continuous" and not available:
         raise InvalidInput(f"stage '{stage.name}': generation: continuous needs transformers' continuous batching "

@@ -893,6 +893,29 @@ def importance_log_ratio(
     return log_ratio
 
 
+def sampler_correction(
+    trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, cap: float,
+    level: str = "token",
+) -> torch.Tensor:
+    r"""Truncated importance sampling (TIS) weights for samples drawn by another engine (vLLM), whose
+    probabilities differ from the trainer's for the same weights (kernels, precision):
+
+    .. math::
+        w_{i,t} = \min\big(\pi_{train}(y_t) / \pi_{sampler}(y_t),\ C\big)
+
+    with :math:`\pi_{train}` the trainer's probability at sampling time (the rollout's old
+    log-probs), constant in the loss. ``level="sequence"`` (GSPO) uses one weight per sequence, the
+    geometric mean of its token ratios (:func:`importance_log_ratio`), capped.  Multiplied into the
+    per-token policy loss, it makes the surrogate's expectation the one under the trainer's policy;
+    the cap bounds the variance a rare token could add.
+
+    Returns:
+        ``(B, T)`` weights, 1 off the mask.
+    """
+    log_ratio = importance_log_ratio(trainer_logprobs.detach(), sampler_logprobs, mask, level)
+    return torch.where(_as_bool_mask(mask), torch.exp(log_ratio).clamp(max=cap), torch.ones_like(log_ratio))
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -902,6 +925,7 @@ def policy_loss(
     clip_eps_low: float = 0.2,
     clip_eps_high: Optional[float] = None,
     importance_sampling: str = "token",
+    sampler_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     r"""PPO's clipped surrogate, per token, with decoupled clip bounds (DAPO's
     clip-higher) and token- or sequence-level ratios (:func:`importance_log_ratio`).
@@ -918,6 +942,8 @@ def policy_loss(
         old_logprobs: ``(B, T)`` behaviour-policy log-probs (treated as constant).
         advantages: ``(B, T)`` (treated as constant).
         mask: ``(B, T)`` 1/0 or bool.
+        sampler_weights: ``(B, T)`` :func:`sampler_correction`'s weights, multiplied into each
+            token's loss (samples from another engine), or None.
 
     Returns:
         ``(losses, clipped)``: ``(B, T)`` per-token losses, 0 off the mask, and
@@ -935,6 +961,8 @@ def policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + high)
     losses = torch.where(m, torch.maximum(unclipped, clipped), torch.zeros_like(ratio))
+    if sampler_weights is not None:
+        losses = losses * sampler_weights.detach().to(losses.dtype)
     return losses, (clipped > unclipped).detach() & m
 
 

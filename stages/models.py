@@ -17,11 +17,14 @@ import torch
 from core import families, tiny
 from core.config import BUILTIN_PREFIX
 from core.errors import InvalidInput
-from stages import compat
+from stages import compat, loaded_weights, watchdog
 
 log = logging.getLogger("stages")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# The output heads of the two kinds of model the stages build (stages/loaded_weights.py): one built as
+# the other kind takes its own new and leaves the folder's behind.
+LM_HEAD, SCORE_HEAD = "lm_head", "score"
 
 # transformers reads the DeepSpeed config from a live HfDeepSpeedConfig when it
 # builds a model: with ZeRO-3 it then constructs every weight already sharded.
@@ -75,17 +78,29 @@ def attention_implementation(requested: str, on_gpu: bool, path: str) -> str:
     return families.attention_kernel(requested, model_type, on_gpu, importlib.util.find_spec("flash_attn") is not None)
 
 
-def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool, **kwargs):
+def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool, adds_head: Optional[str] = None,
+                    drops_head: Optional[str] = None, **kwargs):
     """from_pretrained with the stage's dtype, attention kernel and ZeRO-3 sharding, through
-    stages/compat.py (argument names and load-time patches of the installed transformers)."""
+    stages/compat.py (argument names and load-time patches of the installed transformers). Refuses
+    a folder whose weights are not all and only the model's (stages/loaded_weights.py), but for
+    `adds_head` and `drops_head`: the head this call adds, and the one it leaves out, where the
+    folder was saved as another class."""
     if stage.zero_stage == 3:
         _live_ds_configs.append(compat.hf_deepspeed_config(ds_config))
     attention = attention_implementation(stage.attention, on_gpu, path)
     log.info("loading %s (%s)", path, auto_class.__name__)
     try:
-        model = compat.from_pretrained(auto_class, path, DTYPES[stage.precision], attention, stage.max_len, **kwargs)
+        model, report = compat.from_pretrained(auto_class, path, DTYPES[stage.precision], attention, stage.max_len,
+                                               **kwargs)
+    except compat.DamagedWeights as err:
+        raise InvalidInput(f"model {path}: {err}: a weights file is cut short or damaged (`python -m pipeline "
+                           "validate` names it); download or save the model again") from None
+    except FileNotFoundError as err:
+        raise InvalidInput(f"model {path}: cannot load: {err}: a file of the model is missing (a shard its index "
+                           "names?); download or save the model again") from None
     except (OSError, ValueError) as err:
         raise InvalidInput(f"model {path}: cannot load: {err}") from None
+    loaded_weights.refuse_unless_given(path, report, adds_head, drops_head)
     log.info("loaded %s from %s (%s, attention=%s)", type(model).__name__, path, stage.precision, attention)
     if getattr(stage, "mlp_tiles", None):
         tile_mlps(model, stage.mlp_tiles)
@@ -214,21 +229,27 @@ def prepare_for_training(model, stage, task_type: str, modules_to_save=None):
     return model
 
 
+@watchdog.phase(watchdog.LOADING)
 def load_causal_lm(path: str, stage, ds_config: dict, on_gpu: bool):
+    """A causal LM; from a reward model's export (tied embeddings: its LM head is the embedding), the
+    score head stays behind."""
     from transformers import AutoModelForCausalLM
 
-    model = load_pretrained(AutoModelForCausalLM, path, stage, ds_config, on_gpu)
+    model = load_pretrained(AutoModelForCausalLM, path, stage, ds_config, on_gpu, drops_head=SCORE_HEAD)
     return prepare_for_training(model, stage, "CAUSAL_LM")
 
 
+@watchdog.phase(watchdog.LOADING)
 def load_reward_model(path: str, stage, ds_config: dict, on_gpu: bool, pad_token_id: int):
-    """A 1-label sequence classifier; its score head is new when starting from a causal LM."""
+    """A 1-label sequence classifier; its score head is new when starting from a causal LM, and must be
+    in the folder when starting from a reward model."""
     from transformers import AutoModelForSequenceClassification
 
-    model = load_pretrained(AutoModelForSequenceClassification, path, stage, ds_config, on_gpu, num_labels=1)
+    model = load_pretrained(AutoModelForSequenceClassification, path, stage, ds_config, on_gpu, adds_head=SCORE_HEAD,
+                            drops_head=LM_HEAD, num_labels=1)
     # The reward is read at the last token that is not padding: the model must know the pad id.
     model.config.pad_token_id = pad_token_id
-    return prepare_for_training(model, stage, "SEQ_CLS", modules_to_save=["score"])
+    return prepare_for_training(model, stage, "SEQ_CLS", modules_to_save=[SCORE_HEAD])
 
 
 def score_head(model):
@@ -357,6 +378,7 @@ class FrozenModel:
             torch.cuda.empty_cache()
 
 
+@watchdog.phase(watchdog.LOADING)
 def load_frozen(auto_class, path: str, stage, frozen_config: dict, device, offload: bool, **kwargs) -> FrozenModel:
     import deepspeed
 

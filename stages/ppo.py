@@ -42,6 +42,7 @@ from core.rewards import RuleReward
 from stages import data, engine, generation, models, phases, sequence_parallel
 from stages import losses as L
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, entropy_of, logprobs_of, values_of
+from stages.vllm_engine import VllmEngine
 
 
 @kinds.implements("ppo")
@@ -58,11 +59,13 @@ def run(task, ctx) -> dict:
     schedule = Schedule.of(stage, ctx.world_size, ds_config, len(prompts))
     rl_models = load_models(task, ctx, model_path, tokenizer, ds_config, schedule.total_steps)
     sampler = generation.engine_for(stage, rl_models.actor.module, ctx.device)  # before anything trains
+    vllm = VllmEngine(stage, ctx, model_path) if sampler == "vllm" else None
     rollouts = Rollouts(stage, ctx, rl_models, schedule, prompts, eval_prompts,
-                        rollout_flop_models(task, model_path, rl_models))
+                        rollout_flop_models(task, model_path, rl_models), vllm)
 
     outcome = engine.run(rollouts, stage, ctx)
     rollouts.clock.close()
+    rollouts.maker.rules.close()  # the reward functions' processes
     engine.export(rl_models.actor, tokenizer, stage, ctx.folder.model, ctx.is_main)
     if rl_models.critic is not None:
         engine.export(rl_models.critic, tokenizer, critic_stage(stage), ctx.folder.critic, ctx.is_main)
@@ -82,12 +85,12 @@ def run(task, ctx) -> dict:
 class Rollouts:
     """RL's unit of work on the engine's loop (engine.Work): one rollout and its update, which
     is steps_per_rollout optimizer steps. A checkpoint keeps the reward normaliser's statistics
-    and the KL coefficient (every rank's generators, the sampler's: engine.Checkpoints)."""
+    and the KL coefficient (every rank's generators, the sampler's: stages/checkpoints.py)."""
 
     log_interval = 1  # one metrics.jsonl line per rollout
 
     def __init__(self, stage, ctx, rl_models: Models, schedule: Schedule, prompts: list[Prompt],
-                 eval_prompts: list[Prompt], flop_models: list):
+                 eval_prompts: list[Prompt], flop_models: list, vllm: Optional[VllmEngine] = None):
         self.stage, self.ctx, self.models, self.schedule = stage, ctx, rl_models, schedule
         self.prompts, self.eval_prompts, self.flop_models = prompts, eval_prompts, flop_models
         self.engine = rl_models.actor
@@ -96,7 +99,10 @@ class Rollouts:
         self.decoding_limit = decoding_limit(stage, ctx, rl_models.actor.module, flop_models[0][0])
         self.others = {"critic": rl_models.critic} if rl_models.critic is not None else {}
         self.total_steps, self.steps_per_unit = schedule.total_steps, schedule.steps_per_rollout
-        self.maker = RolloutMaker(stage, ctx, rl_models, RuleReward.from_specs(stage.reward.rules), clock=self.clock)
+        self.vllm = vllm  # the rollout engine, where it is vLLM (else transformers': stages/generation.py)
+        rules = RuleReward.from_specs(stage.reward.rules, stage.reward.timeout_s)
+        self.maker = RolloutMaker(stage, ctx, rl_models, rules,
+                                  generate_fn=generation.generate if vllm is None else vllm, clock=self.clock)
         self.kl_control = (L.AdaptiveKLController(stage.kl_coef, stage.kl_target, 10_000) if stage.kl_target
                            else L.FixedKLController(stage.kl_coef))
         self.latest: dict = {}  # the last rollout's record
@@ -114,6 +120,10 @@ class Rollouts:
                                         for s in rollout.sequences))
             with clock.phase("train_s"):
                 trained = update(self.models, rollout, stage, self.ctx, self.kl_control.value, index)
+            if self.vllm is not None:
+                with clock.phase("sync_s"):
+                    self.vllm.sync(self.engine)
+                trained["sync_bytes"] = float(self.vllm.sync_bytes)
             kl_per_sequence = rollout_kl(rollout)
             if kl_per_sequence is not None:
                 self.kl_control.update(kl_per_sequence, stage.rollout_batch_size * stage.n_samples_per_prompt)
@@ -178,7 +188,7 @@ def load_models(task, ctx, model_path: str, tokenizer, ds_config: dict, total_st
         reference_offload = stage.reference == "offload"
         reference = models.load_frozen(AutoModelForCausalLM, model_path, stage,
                                        ctx.frozen_model_config(stage, model_path, offload=reference_offload),
-                                       ctx.device, offload=reference_offload)
+                                       ctx.device, offload=reference_offload, drops_head=models.SCORE_HEAD)
     rl_models = Models(actor=actor, reference=reference, tokenizer=tokenizer)
     if stage.advantage == "gae":
         critic = models.load_reward_model(critic_path(task, model_path), critic_stage(stage), ds_config, ctx.on_gpu,
@@ -343,7 +353,8 @@ def policy_objective(actor, batch: TrainBatch, stage, kl_coef: float, share: Cal
     new, logits = logprobs_of(actor, batch.tokens, stage.temperature)
     losses, clipped = L.policy_loss(new, batch.old_logprobs, batch.advantages, batch.mask,
                                     clip_eps_low=stage.clip_eps_low, clip_eps_high=stage.clip_eps_high,
-                                    importance_sampling=stage.importance_sampling)
+                                    importance_sampling=stage.importance_sampling,
+                                    sampler_weights=batch.sampler_weights)
     loss = share(losses, stage.loss_aggregation)
     if not stage.kl_in_reward and batch.ref_logprobs is not None:
         loss = loss + kl_coef * share(L.kl_penalty(new, batch.ref_logprobs, stage.kl_estimator), stage.loss_aggregation)
@@ -378,6 +389,7 @@ def rollout_record(index: int, rollout: Rollout, trained: dict, kl: Optional[flo
         "kl_coef": kl_coef,
         **trained,
         **stats.sampling,
+        **stats.sampler,  # vLLM: sampler_logprob_diff_mean, _max
         "response_length": stats.response_tokens / max(sampled * stats.sampling.get("sampling_rounds", 1), 1),
         # generate_s (of which gather_s), score_s (rewards, the frozen models' and the critic's passes,
         # advantages; of which offload_s), train_s, other_s; rollout_s

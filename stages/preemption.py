@@ -14,7 +14,9 @@ rank 0 hands the signal to submitit's own handler (requeue and exit), the others
 Resume is therefore only ever at an optimizer-step boundary, never inside gradient
 accumulation. SIGINT is a user's stop (Ctrl-C, or a local `run` stopping:
 pipeline/executors/local.py): the same save at the step, then every rank exits with
-STOPPED_EXIT_CODE instead of requeueing, and the next `run` resumes from that step.
+STOPPED_EXIT_CODE instead of requeueing, and the next `run` resumes from that step. A local
+`run` stops its stage with SIGINT whatever it got itself; the stage's lines name what it got
+(SIGTERM from `kill`: core/timeline.py `stop_signal`).
 Outside the loop (loading, the final evaluation, export) submitit's handlers are in
 place as before: the job requeues at once (or, at SIGINT, stops) and resumes from the
 newest checkpoint.
@@ -98,7 +100,13 @@ class Signals:
         if self.received is None:
             self.received, self.received_at = signum, time.time()
         # A log call in a signal handler can deadlock on the handler's lock: write directly.
-        os.write(2, f"caught {signal.Signals(signum).name}: saving a checkpoint at the end of this step\n".encode())
+        said = self.said(signal.Signals(signum).name)
+        os.write(2, f"caught {said}: saving a checkpoint at the end of this step\n".encode())
+
+    def said(self, name: str) -> str:
+        """A signal's name as the lines say it: a SIGINT by a local `run` that was stopped is that
+        run's signal (SIGTERM from `kill`, SIGHUP from a closed terminal)."""
+        return timeline.stop_signal(self.folder) if name == STOP else name
 
     def requested(self, step: int, step_s: float, last: bool) -> Optional[str]:
         """After optimizer step `step` (which took `step_s`): the name of a signal some rank
@@ -133,9 +141,9 @@ class Signals:
         if save is not None:
             started = time.time()
             save()
-            log.info("checkpoint at %s took %.2f s", name, time.time() - started)
+            log.info("checkpoint at %s took %.2f s", self.said(name), time.time() - started)
         if self.rank == 0:
-            timeline.record(self.folder, timeline.SAVED_AT_SIGNAL, signal=name, step=step,
+            timeline.record(self.folder, timeline.SAVED_AT_SIGNAL, signal=self.said(name), step=step,
                             reason=timeline.signal_reason(name, timeline.attempt_seconds(self.folder),
                                                           self.time_limit_min))
         if name == STOP:
@@ -146,9 +154,11 @@ class Signals:
         """A user's stop: every rank exits with STOPPED_EXIT_CODE, no requeue."""
         since = f"{time.time() - self.received_at:.1f} s after the signal" if self.received_at else "on another rank's signal"
         if step is not None:
-            log.warning("checkpoint at step %d saved %s: stopping (%s); the next run resumes from it", step, since, STOP)
+            log.warning("checkpoint at step %d saved %s: stopping (%s); the next run resumes from it", step, since,
+                        self.said(STOP))
         else:
-            log.warning("%s after the last step: stopping; the next run resumes from the newest checkpoint", STOP)
+            log.warning("%s after the last step: stopping; the next run resumes from the newest checkpoint",
+                        self.said(STOP))
         _leave(STOPPED_EXIT_CODE)
 
     def requeue(self, rank: int, step: int) -> None:

@@ -40,9 +40,9 @@ import torch.distributed as dist
 
 from core import batching
 from core.rewards import RewardError, RuleReward, RunningMoments, Samples
-from stages import data, engine, sequence_parallel
+from stages import data, engine, sequence_parallel, watchdog
 from stages import losses as L
-from stages.generation import generate
+from stages.generation import Sampled, generate
 from stages.models import position_scores, sequence_scores
 from stages.phases import Clock
 
@@ -90,6 +90,7 @@ class TrainBatch:
     advantages: torch.Tensor
     returns: Optional[torch.Tensor]  # gae
     values: Optional[torch.Tensor]  # gae: the critic's values at sampling time
+    sampler_weights: Optional[torch.Tensor] = None  # truncated importance weights (samples from vLLM)
 
 
 @dataclass
@@ -102,6 +103,7 @@ class RolloutStats:
     tokens: float  # tokens of the rollout's sequences (prompt + response), all processes
     sequences: int  # sequences that train, all processes
     sampling: dict = field(default_factory=dict)  # dynamic sampling: groups_kept, groups_dropped, ...
+    sampler: dict = field(default_factory=dict)  # vLLM: its log-probs against the trainer's (sampler_logprob_diff_*)
 
 
 @dataclass
@@ -127,6 +129,10 @@ class Rollout:
     values: Optional[torch.Tensor]  # (S, W-1) gae: the critic's values at sampling time
     processed_tokens: int = 0  # tokens the scoring passes processed here, padding included
     stats: Optional[RolloutStats] = None
+    # Samples from another engine (vLLM): its log-prob of each token, aligned as old_logprobs (0 off
+    # the mask), and the truncated importance weights of the policy loss (None: no correction).
+    sampler_logprobs: Optional[torch.Tensor] = None
+    sampler_weights: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -145,7 +151,7 @@ class Rollout:
             return None if tensor is None else tensor[index, :width]
 
         return TrainBatch(tokens, take(self.mask), take(self.old_logprobs), take(self.ref_logprobs),
-                          take(self.advantages), take(self.returns), take(self.values))
+                          take(self.advantages), take(self.returns), take(self.values), take(self.sampler_weights))
 
 
 def padded(sequences, response_masks, rows: Sequence[int], pad_id: int, device):
@@ -186,10 +192,13 @@ class _Drawn:
     rewards: list = field(default_factory=list)  # raw summed reward
     trains: list = field(default_factory=list)  # False on places filled with a dropped group
     terms: dict = field(default_factory=dict)  # reward term -> its value's mean, once per sample
+    logprobs: list = field(default_factory=list)  # the sampler's token log-probs per sample (vLLM), or None
 
-    def add(self, prompts, responses, rewards, trains: bool = True, terms: Optional[dict] = None) -> None:
+    def add(self, prompts, responses, rewards, trains: bool = True, terms: Optional[dict] = None,
+            logprobs: Optional[list] = None) -> None:
         self.prompts += list(prompts)
         self.responses += list(responses)
+        self.logprobs += list(logprobs) if logprobs is not None else [None] * len(prompts)
         self.rewards += list(rewards)
         self.trains += [trains] * len(prompts)
         for name, mean in (terms or {}).items():
@@ -208,9 +217,11 @@ class RolloutMaker:
         self.advantage_settings = L.AdvantageSettings(
             group_size=stage.n_samples_per_prompt, gamma=stage.gamma, lam=stage.lam, scale_rewards=stage.scale_rewards)
 
-    def generate(self, prompts: Sequence[Prompt], greedy: bool = False) -> list[list[int]]:
-        return self.generate_fn(self.models.actor, prompts, tokenizer=self.models.tokenizer, stage=self.stage,
-                                device=self.ctx.device, greedy=greedy, clock=self.clock)
+    def generate(self, prompts: Sequence[Prompt], greedy: bool = False) -> Sampled:
+        """The engine's completions (transformers' engines give token ids alone: no log-probs of their own)."""
+        out = self.generate_fn(self.models.actor, prompts, tokenizer=self.models.tokenizer, stage=self.stage,
+                               device=self.ctx.device, greedy=greedy, clock=self.clock)
+        return _as_sampled(out)
 
     def moved_s(self) -> float:
         """Seconds the offloaded frozen models have spent moving so far (stages/models.py FrozenModel)."""
@@ -233,7 +244,8 @@ class RolloutMaker:
         rollout.stats = RolloutStats(
             reward=gathered_mean(every.rewards),
             terms={name: gathered_mean(values) for name, values in every.terms.items()},
-            response_tokens=response_tokens, tokens=tokens, sequences=int(sequences), sampling=sampling)
+            response_tokens=response_tokens, tokens=tokens, sequences=int(sequences), sampling=sampling,
+            sampler=sampler_gap(rollout))
         return rollout
 
     def _draw(self, prompts_of_round):
@@ -247,63 +259,71 @@ class RolloutMaker:
             batch = [p for p in prompts_of_round(round_) for _ in range(n)]
             wanted = len(batch)
             with self.clock.phase("generate_s"):
-                responses = self.sample(batch)
+                sampled = self.sample(batch)
+            responses, logprobs = sampled.ids, sampled.logprobs or [None] * len(batch)
             with self.clock.phase("score_s"):
                 rewards, terms = self.score(batch, responses)
-            every.add(batch, responses, rewards, terms=terms)
+            every.add(batch, responses, rewards, terms=terms, logprobs=logprobs)
             if not stage.dynamic_sampling:
                 return every, every, {}
             for g, informative in enumerate(informative_groups(rewards, n)):
                 part = slice(g * n, (g + 1) * n)
                 uniform += not informative
                 target = kept if informative and len(kept.prompts) < wanted else spare
-                target.add(batch[part], responses[part], rewards[part])
+                target.add(batch[part], responses[part], rewards[part], logprobs=logprobs[part])
             if engine.all_reduce_sums([float(wanted - len(kept.prompts))])[0] == 0:
                 break
         missing = wanted - len(kept.prompts)  # places left: dropped groups fill them, and do not train
-        kept.add(spare.prompts[:missing], spare.responses[:missing], spare.rewards[:missing], trains=False)
+        kept.add(spare.prompts[:missing], spare.responses[:missing], spare.rewards[:missing], trains=False,
+                 logprobs=spare.logprobs[:missing])
         counts = engine.all_reduce_sums([float(sum(kept.trains) // n), float(uniform), float(missing // n)])
         sampling = {"groups_kept": counts[0], "groups_dropped": counts[1], "groups_filled": counts[2],
                     "sampling_rounds": round_ + 1}
         return every, kept, sampling
 
-    def sample(self, prompts: Sequence[Prompt], greedy: bool = False) -> list[list[int]]:
+    @watchdog.phase(watchdog.GENERATION)
+    def sample(self, prompts: Sequence[Prompt], greedy: bool = False) -> Sampled:
         """Completions of `prompts`. Where processes share sequences, every process of a group holds
         the same prompts: each samples its 1/N of them (contiguous, so a prompt's samples stay
-        together; whole sequences, as without sharing) and the group gathers them in order."""
+        together; whole sequences, as without sharing) and the group gathers them in order (the
+        engines that do that report no log-probs of their own: config refuses vllm there)."""
         layout = sequence_parallel.layout()
         if layout.size == 1:
-            return self.generate(prompts, greedy)
+            return _as_sampled(self.generate(prompts, greedy))
         part = len(prompts) // layout.size  # callers give a multiple of the group's processes
-        mine = self.generate(prompts[layout.rank * part : (layout.rank + 1) * part], greedy)
+        mine = _as_sampled(self.generate(prompts[layout.rank * part : (layout.rank + 1) * part], greedy)).ids
         everyone = [None] * layout.size
         dist.all_gather_object(everyone, mine, group=layout.group)
-        return [response for responses in everyone for response in responses]
+        return Sampled([response for responses in everyone for response in responses])
 
+    @watchdog.phase(watchdog.SCORING)
     def score(self, prompts: Sequence[Prompt], responses: list[list[int]]) -> tuple[list[float], dict[str, float]]:
         """Summed reward per completion, before normalisation, and each term's mean. A reward rule that
-        fails on one process stops every process with its message, after the same collective calls on
-        each (the others would otherwise wait for it forever)."""
+        fails on one process (or runs past reward.timeout_s: core/reward_process.py) stops every process
+        with its message, after the same collective calls on each (the others would otherwise wait for
+        it forever)."""
         tokenizer, stage = self.models.tokenizer, self.stage
         completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
         samples = Samples(prompts=[p.text for p in prompts], completions=completions, rows=[p.row for p in prompts],
                           labels=[p.label for p in prompts], lengths=[len(r) for r in responses],
                           names=[p.name for p in prompts])
         failure, total, terms = None, [0.0] * len(responses), {}
-        try:
-            if self.rules.terms:
-                total, terms = self.rules(samples)
-        except RewardError as err:
-            failure = err
+        # The functions bound their own calls; the others wait here for the slowest (the watchdog: as long).
+        with watchdog.phase(watchdog.REWARD_FUNCTIONS, at_least_s=self.rules.longest_s):
+            try:
+                if self.rules.terms:
+                    total, terms = self.rules(samples)
+            except RewardError as err:
+                failure = err
+            everyone = [None] * self.ctx.world_size
+            dist.all_gather_object(everyone, None if failure is None else failure.message)
+        first = next((message for message in everyone if message is not None), None)
+        if first is not None:  # every process says the same, the first failure's message
+            raise failure if failure is not None and failure.message == first else RewardError(first)
         if self.models.reward_model is not None:
             scores = self._reward_model_scores(samples)
             total = [t + stage.reward.model_weight * s for t, s in zip(total, scores)]
             terms["reward_model"] = sum(scores) / max(len(scores), 1)
-        everyone = [None] * self.ctx.world_size
-        dist.all_gather_object(everyone, None if failure is None else failure.message)
-        first = next((message for message in everyone if message is not None), None)
-        if first is not None:  # every process says the same, the first failure's message
-            raise failure if failure is not None and failure.message == first else RewardError(first)
         return total, terms
 
     def _reward_model_scores(self, samples: Samples) -> list[float]:
@@ -369,6 +389,7 @@ class RolloutMaker:
             if values is not None:
                 values[part, :w] = values_of(models.critic, batch)
         mask *= torch.tensor(drawn.trains, dtype=mask.dtype, device=device).unsqueeze(1)
+        sampler = sampler_logprobs(drawn, sequences, shape, device)
         kl = L.kl_penalty(old, ref, stage.kl_estimator) * mask if ref is not None else None
         score_tensor = torch.tensor(scores, dtype=torch.float32, device=device)
         if values is not None:
@@ -378,8 +399,11 @@ class RolloutMaker:
                                    mask=mask, kl_coef=kl_coef if stage.kl_in_reward else 0.0, values=values)
         advantages, returns = L.estimate_advantages(stage.advantage, inputs, self.advantage_settings,
                                                     sum_over_processes)
+        weights = None
+        if sampler is not None and stage.sampler_ratio_cap is not None:
+            weights = L.sampler_correction(old, sampler, mask, stage.sampler_ratio_cap, stage.importance_sampling)
         return Rollout(sequences, response_masks, mask, old, ref, kl, score_tensor, advantages, returns, values,
-                       processed)
+                       processed, sampler_logprobs=sampler, sampler_weights=weights)
 
     # ---- held-out reward
 
@@ -392,8 +416,38 @@ class RolloutMaker:
         calls = -(-len(prompts) // layout.data_world)  # the same number of prompts on every group,
         calls = -(-calls // layout.size) * layout.size  # split evenly over its processes
         filled = share + (share or list(prompts))[:1] * (calls - len(share))
-        rewards, _ = self.score(filled, self.sample(filled, greedy=True))
+        rewards, _ = self.score(filled, self.sample(filled, greedy=True).ids)
         return gathered_mean(rewards[: len(share)])
+
+
+def _as_sampled(out) -> Sampled:
+    """What `RolloutMaker.generate` gave, as Sampled (a test's stand-in may give token ids alone)."""
+    return out if isinstance(out, Sampled) else Sampled(out)
+
+
+def sampler_logprobs(drawn: _Drawn, sequences: list[list[int]], shape, device) -> Optional[torch.Tensor]:
+    """The sampler's log-prob of each response token (S, W-1), aligned as old_logprobs (entry t is
+    about token t + 1; responses cut to max_len as their sequences are), or None where the samples
+    came without them (a transformers engine, the same as the trainer's)."""
+    if any(logprobs is None for logprobs in drawn.logprobs):
+        return None
+    out = torch.zeros(shape)
+    for i, (prompt, logprobs) in enumerate(zip(drawn.prompts, drawn.logprobs)):
+        kept = logprobs[: len(sequences[i]) - len(prompt.ids)]
+        out[i, len(prompt.ids) - 1 : len(prompt.ids) - 1 + len(kept)] = torch.tensor(kept)
+    return out.to(device)
+
+
+def sampler_gap(rollout: Rollout) -> dict:
+    """How far the sampler's log-probs are from the trainer's for the tokens that train, over every
+    process: the mean and the largest absolute difference. Empty without a sampler of its own."""
+    if rollout.sampler_logprobs is None:
+        return {}
+    gap = (rollout.old_logprobs - rollout.sampler_logprobs).abs() * rollout.mask
+    total, count = engine.all_reduce_sums([float(gap.sum()), float(rollout.mask.sum())])
+    largest = gap.max().detach().reshape(1).double()  # where the gap lies: NCCL reduces device tensors
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return {"sampler_logprob_diff_mean": total / max(count, 1.0), "sampler_logprob_diff_max": float(largest)}
 
 
 def token_width(batch: data.Batch) -> int:

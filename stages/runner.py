@@ -25,6 +25,7 @@ from typing import Optional
 from submitit.helpers import Checkpointable, DelayedSubmission
 
 from core import failure, kinds, measured, timeline
+from core.checkpoints import newest_intact
 from core.failure import saving
 from core.runfolder import StageFolder, builtin_folder, remove, temporary
 from core.task import RUN_PID_ENV, StageTask
@@ -120,7 +121,7 @@ class StageJob(Checkpointable):
         folder = self.task.folder
         timeline.record(folder, timeline.REQUEUE, signal="SIGUSR2", reason=timeline.signal_reason(
             "SIGUSR2", timeline.attempt_seconds(folder), self.task.time_limit_min))
-        latest = folder.latest_checkpoint()
+        latest = newest_intact(folder).tag
         start = f"checkpoint {latest}" if latest else "the start (no checkpoint yet)"
         log.warning("stage %s: requeueing; the job will resume from %s", self.task.name, start)
         return DelayedSubmission(StageJob(self.task))
@@ -183,6 +184,8 @@ def _note_sigterm(folder: StageFolder) -> None:
 
 
 def _run_stage(task: StageTask) -> dict:
+    if failure.task_rank() == 0:  # before the imports: the report's timeline tells starting from queued
+        timeline.record(task.folder, timeline.LAUNCHED)
     from stages import distributed
 
     env = distributed.detect()
@@ -205,11 +208,15 @@ def _run_stage(task: StageTask) -> dict:
     )
     ctx.folder.path.mkdir(parents=True, exist_ok=True)
     if ctx.is_main:
-        for leftover in ctx.folder.leftovers():  # of an attempt killed mid-write
+        for leftover in ctx.folder.temporaries():  # of an attempt killed mid-write (checkpoints: stages/checkpoints.py)
             remove(leftover)
         timeline.record_start(ctx.folder)  # every attempt: the report's timeline shows requeues
         _note_sigterm(ctx.folder)
     _refuse_after_too_many_silent_endings(task)
+    from stages import watchdog
+
+    # From here every phase is watched (loading, evaluation, ...); rank 0 requeues a hang through submitit's handler.
+    watchdog.start(ctx, task.stage, task.max_retries, signal.getsignal(signal.SIGUSR2))
     _materialize_builtins(task, ctx)
     # Every rank says where it is (each task has its own log): multi-node problems show here.
     print(

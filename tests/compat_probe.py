@@ -10,6 +10,9 @@ tests/test_compat.py runs it, with and without the compat patches (POST_TRAIN_CO
                                                         ZeRO-2 and ZeRO-3
     python tests/compat_probe.py static-zero3 FOLDER    greedy completions of a ZeRO-3 actor, static-cache
                                                         loop (hooks lifted) vs generate (gathered)
+    python tests/compat_probe.py weights FOLDER         each model folder in FOLDER loaded as a causal LM
+                                                        and as a reward model under ZeRO-3: the class
+                                                        built, or the refusal
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from core.config import SFTStage  # noqa: E402
+from core.errors import InvalidInput  # noqa: E402
 from stages import compat, distributed, engine, models  # noqa: E402
 
 
@@ -142,6 +146,24 @@ def release(folder: str) -> dict:
     return alive
 
 
+def weights(folder: str) -> dict:
+    """What the loader makes of the weights of each model folder in `folder` under ZeRO-3, loaded as
+    a causal LM and as a reward model (stages/loaded_weights.py)."""
+    spec = stage(max_len=32)
+    ds_config = engine.deepspeed_config(spec, world_size=1, hidden_size=64, on_gpu=False)
+    loads = {"causal_lm": lambda path: models.load_causal_lm(path, spec, ds_config, on_gpu=False),
+             "reward_model": lambda path: models.load_reward_model(path, spec, ds_config, on_gpu=False, pad_token_id=0)}
+    found = {}
+    for model in sorted(Path(folder).iterdir()):
+        found[model.name] = {}
+        for kind, load_it in loads.items():
+            try:
+                found[model.name][kind] = type(load_it(str(model))).__name__
+            except InvalidInput as err:
+                found[model.name][kind] = err.message
+    return found
+
+
 def _vm_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -175,7 +197,8 @@ def static_zero3(folder: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["rotary", "train-step", "positions", "release", "static-zero3"])
+    parser.add_argument("scenario", choices=["rotary", "train-step", "positions", "release", "static-zero3",
+                                                         "weights"])
     parser.add_argument("folder")
     parser.add_argument("--limit-gib", type=float, default=4.0)
     args = parser.parse_args()
@@ -189,6 +212,8 @@ def main() -> None:
         result = positions(args.folder, args.limit_gib)
     elif args.scenario == "static-zero3":
         result = static_zero3(args.folder)
+    elif args.scenario == "weights":
+        result = weights(args.folder)
     else:
         result = release(args.folder)
     print("PROBE " + json.dumps(result), flush=True)

@@ -60,6 +60,15 @@ def plugins_importable():
         yield
 
 
+def tiny_rl_stage(reward: dict) -> dict:
+    """An RL stage on the built-in tiny model and task, 2 short rollouts: quick, for a stage's
+    failures (its reward functions: tests/test_failures.py, tests/test_rewards.py)."""
+    return {"name": "rl", "kind": "ppo", "model": "builtin:tiny-llama",
+            "data": {"path": "builtin:digits", "max_rows": 64}, "advantage": "grpo", "n_samples_per_prompt": 2,
+            "rollout_batch_size": 8, "micro_rollout_batch_size": 16, "max_new_tokens": 4, "max_steps": 2,
+            "eval_prompts": 8, "reward": reward}
+
+
 def write_pipeline(folder: Path, spec: dict, filename="pipeline.yaml") -> Path:
     path = folder / filename
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -135,7 +144,18 @@ E2E_FIXTURES = {
     ("test_packing", "packed_and_padded"),
     ("test_sequence_parallel", "layouts"),
     ("test_sequence_parallel_rl", "rl_layouts"),
+    ("test_checkpoints", "trained"),
+    ("test_vllm_engine", "engine_probe"),
+    ("test_vllm_rl", "vllm_runs"),
 }
+
+
+def pytest_configure(config):
+    """The tests' own DeepSpeed processes (scripts that call init_distributed themselves) find the
+    ops where the stages keep them, built by the same ninja (stages/deepspeed_ops.py)."""
+    from stages import deepspeed_ops
+
+    os.environ.update(deepspeed_ops.environment())
 
 
 def pytest_collection_modifyitems(config, items):

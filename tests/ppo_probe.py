@@ -64,7 +64,7 @@ def failing_reward(stage, ctx, rl_models, last: Prompt, mine: list) -> str:
     maker = rollout.RolloutMaker(stage, ctx, rl_models, RuleReward([("probe:fails", fails, 1.0)]),
                                  generate_fn=fixed_completions)
     try:
-        maker.score(mine, maker.generate(mine))
+        maker.score(mine, maker.generate(mine).ids)
     except RewardError as err:
         return err.message
     return "no error"

@@ -6,7 +6,8 @@ on 2 cores) with one rank building and the other waiting on the build lock. In
 CI that once hung inside a captured torchrun worker (rank 0 waiting on ninja
 with no compiler running, rank 1 on the lock) until the test's 15-minute
 timeout. Built here, single-process and up front, no test run compiles
-anything. The ops land in $TORCH_EXTENSIONS_DIR, which the Makefile sets.
+anything. The ops land where the stages keep them (stages/deepspeed_ops.py), built with
+the same ninja; the tests' processes get the same folder and ninja (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import time
 
 
 def main() -> None:
+    from stages import deepspeed_ops
+
+    deepspeed_ops.prepare()
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

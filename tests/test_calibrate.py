@@ -308,6 +308,35 @@ def test_the_calibrated_offloaded_step_replaces_the_records_host_rate_and_the_pl
                     "step on 1 layer of codellama/CodeLlama-34b-hf, ZeRO-3, 16 cores)")
 
 
+@pytest.mark.parametrize("content, problem", [
+    (None, "cannot read the calibration file"),
+    ("not json {", "not a calibration file: not JSON"),
+    (json.dumps(a_calibration()), "measured on NVIDIA H100 80GB HBM3 (h100-80gb), but this pipeline runs on the CPU "
+                                  "(cluster.gpus_per_node: 0)"),
+])
+def test_plan_refuses_a_calibration_file_it_cannot_use_on_a_cpu_pipeline_too(tmp_path, content, problem):
+    from tests.conftest import tiny_pipeline, write_pipeline
+
+    config = write_pipeline(tmp_path, tiny_pipeline())
+    path = tmp_path / "given.json"
+    if content is not None:
+        path.write_text(content)
+    done = run_cli("plan", config, "--calibration", path, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{path}: {problem}" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_cpu_pipeline_takes_a_calibration_measured_without_a_gpu(tmp_path):
+    from pipeline import plan
+    from tests.conftest import tiny_pipeline
+
+    spec = config_module.PipelineSpec.model_validate({**tiny_pipeline(), "runs_dir": str(tmp_path)})
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(a_calibration(gpu=None, matmul=[], memory_bandwidth_gbs=None, host_to_gpu_gbs=None,
+                                             gpu_to_host_gbs=None, collective=None)))
+    assert plan.plan_pipeline(spec, calibration=path)
+
+
 def test_a_calibration_of_another_gpu_is_refused_naming_the_file(tmp_path):
     from pipeline import plan
 
@@ -318,3 +347,13 @@ def test_a_calibration_of_another_gpu_is_refused_naming_the_file(tmp_path):
     with pytest.raises(InvalidInput) as err:
         plan.plan_pipeline(spec, calibration=path)
     assert str(path) in err.value.message and "a100-80gb" in err.value.message and "h100-80gb" in err.value.message
+
+
+def test_a_calibration_measured_without_a_gpu_is_refused_for_a_gpu_pipeline(tmp_path):
+    from pipeline import plan
+
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(a_calibration(gpu=None, matmul=[], memory_bandwidth_gbs=None, host_to_gpu_gbs=None,
+                                             gpu_to_host_gbs=None, collective=None)))
+    with pytest.raises(InvalidInput, match=f"{path}: measured without a GPU, but cluster.gpu is h100-80gb"):
+        plan.plan_pipeline(_h100_pipeline(tmp_path), calibration=path)

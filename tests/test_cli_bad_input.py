@@ -102,8 +102,39 @@ def test_unknown_pipeline_name_lists_the_shipped_ones(workdir):
 def test_validate_accepts_the_tiny_pipeline_and_writes_nothing(workdir):
     result = run_cli("validate", "tiny", cwd=workdir)
     assert result.returncode == 0, result.stderr
-    assert "valid pipeline 'tiny'" in result.stdout
+    assert "valid pipeline 'tiny'" in result.stdout and "warning" not in result.stderr
     assert not (workdir / "runs").exists()
+
+
+def preference_rows(path: Path, count: int, start: int = 0) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"{n}:", "chosen": f"{n}", "rejected": f"{n}."}) + "\n"
+                            for n in range(start, start + count)))
+    return path
+
+
+def rm_spec(**data) -> dict:
+    spec = tiny_pipeline()
+    spec["stages"] = [{"name": "rm", "kind": "rm", "model": "builtin:tiny-llama", "data": data, "max_steps": 5}]
+    return spec
+
+
+def test_validate_warns_of_evaluation_rows_that_are_training_rows(workdir):
+    train = preference_rows(workdir / "train.jsonl", 40)
+    evaluation = preference_rows(workdir / "eval.jsonl", 40, start=3)  # rows 3..39 are training rows
+    result = run_cli("validate", write_pipeline(workdir, rm_spec(path=str(train), eval_split=str(evaluation))),
+                     cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert ("warning: stages[0] (rm).data: eval rows 37 of 40 also appear in the training rows: the eval metrics "
+            "measure memory, not generalisation") in result.stderr
+
+
+def test_validate_warns_when_rows_held_out_for_evaluation_have_copies_left_for_training(workdir):
+    rows = workdir / "rows.jsonl"
+    rows.write_text(preference_rows(workdir / "once.jsonl", 50).read_text() * 2)  # every row twice
+    result = run_cli("validate", write_pipeline(workdir, rm_spec(path=str(rows), eval_fraction=0.1)), cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert "warning: stages[0] (rm).data: eval rows " in result.stderr
+    assert "of 10 also appear in the training rows" in result.stderr
 
 
 def test_gpus_asked_of_a_machine_that_shows_none_are_refused_before_anything_runs(workdir, monkeypatch):
@@ -213,6 +244,16 @@ def test_a_shard_named_by_the_index_that_is_missing_is_refused(model_folder, wor
     shards[-1].unlink()
     run_rejected(workdir, with_model(folder), "model.safetensors.index.json names", "1 of them missing",
                  shards[-1].name)
+
+
+def test_a_gpt2_config_over_llama_weights_is_refused_before_anything_trains(model_folder, workdir):
+    folder = model_folder()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4,
+        "vocab_size": 48, "n_positions": 64}))
+    run_rejected(workdir, with_model(folder), "stages[0] (sft).model", f"{folder / 'config.json'}: config.json's "
+                 "model_type is gpt2", "named as Llama-style models name theirs (model.embed_tokens.weight",
+                 "put the config.json saved with these weights beside them")
 
 
 def test_a_truncated_torch_save_file_is_refused(model_folder, workdir):

@@ -16,13 +16,12 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from core import tiny
-from stages import compat
+from stages import compat, deepspeed_ops
 from tests.conftest import REPO
 
 PROBE = REPO / "tests" / "compat_probe.py"
@@ -180,46 +179,6 @@ def test_deepspeeds_jit_builder_fails_on_9_0a_and_reads_its_rewrite():
     assert compiled_archs(compat.deepspeed_arch_list("9.0a"), jit=True) == ["sm_90"]
 
 
-def test_the_jit_cache_is_where_torch_itself_puts_extensions(monkeypatch, tmp_path):
-    from torch.utils.cpp_extension import _get_build_directory
-
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert compat.torch_extensions_dir() == Path(_get_build_directory("probe", verbose=False)).parent
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
-    assert compat.torch_extensions_dir() == tmp_path / "mine"
-
-
-def test_only_extensions_whose_library_was_built_count_as_jit_built(monkeypatch, tmp_path):
-    (tmp_path / "cpu_adam").mkdir()
-    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
-    (tmp_path / "fused_adam").mkdir()  # a build that stopped before linking
-    (tmp_path / "fused_adam" / "build.ninja").write_text("")
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert compat.jit_built_ops() == ["cpu_adam"]
-
-
-def test_a_stage_says_it_builds_the_cpu_comm_op_before_deepspeed_does_so_silently(monkeypatch, tmp_path, caplog):
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if type(builder).__name__ != "ShareMemCommBuilder" or not deepspeed.ops.__compatible_ops__.get(builder.NAME):
-        pytest.skip("this DeepSpeed builds no CPU shared-memory comm op")
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here yet
-    with caplog.at_level("INFO", logger="stages"):
-        compat.announce_cpu_comm_build()
-    (said,) = [r.getMessage() for r in caplog.records]
-    assert said.startswith(f"building DeepSpeed's CPU communication op ({builder.NAME}) with the C++ compiler")
-    assert str(tmp_path) in said
-    caplog.clear()
-    (tmp_path / builder.NAME).mkdir()
-    (tmp_path / builder.NAME / f"{builder.NAME}.so").write_bytes(b"")  # built once: silent from then on
-    with caplog.at_level("INFO", logger="stages"):
-        compat.announce_cpu_comm_build()
-    assert not caplog.records
-
-
 def test_the_gpu_optimizer_needs_no_deepspeed_op_and_offload_needs_cpu_adam():
     from core.config import SFTStage
     from stages import engine
@@ -258,7 +217,7 @@ def test_self_check_reports_versions_and_passes():
     assert "rotary_fp32:" in done.stdout and "causal_mask_cap:" in done.stdout
     assert "max |error| 0 (OK)" in done.stdout
     assert "DeepSpeed ops prebuilt" in done.stdout
-    assert f"JIT-built extensions in {compat.torch_extensions_dir()}: " in done.stdout
+    assert f"JIT-built extensions in {deepspeed_ops.extensions_dir()}: " in done.stdout
     assert ("optimizer of a GPU stage: without optimizer_offload: torch.optim.AdamW(fused=True), no build; "
             "with optimizer_offload: DeepSpeed cpu_adam (") in done.stdout
     assert "TORCH_CUDA_ARCH_LIST: '8.0 9.0a': stage jobs use '8.0;9.0'" in done.stdout
@@ -332,7 +291,7 @@ def test_training_passes_return_logits_in_the_model_dtype_with_the_same_values(t
 
     from stages import data, models
 
-    model = compat.from_pretrained(AutoModelForCausalLM, str(tiny_llama), torch.bfloat16, "sdpa", 48)
+    model, _ = compat.from_pretrained(AutoModelForCausalLM, str(tiny_llama), torch.bfloat16, "sdpa", 48)
     tokenizer = models.load_tokenizer(str(tiny_llama))
     row = data.tokenize_sft({"prompt": "sort 21 =", "response": " 12"}, tokenizer, data.DataSpec(path="x.jsonl"), 48)
     batch = data.padded_batch([row], tokenizer.pad_token_id)

@@ -136,3 +136,16 @@ def test_validate_measures_a_proportional_sample_of_large_data_and_says_so(tmp_p
     assert (train.rows, held_out.rows) == (380, 20)  # 5% held out
     assert (train.measured, held_out.measured) == (95, 5)
     assert "measured on a random 100 of 400 rows" in splits.summary("sft")
+
+
+def test_a_stage_warns_in_its_log_when_evaluation_rows_are_training_rows(tmp_path, caplog):
+    rows = [{"prompt": f"{n}", "response": "cd"} for n in range(20)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4] + [{"prompt": "x", "response": "y"}]))
+    stage = SFTStage(name="sft", kind="sft", model="builtin:tiny-llama",
+                     data={"path": str(tmp_path / "train.jsonl"), "eval_split": str(tmp_path / "eval.jsonl")})
+    with caplog.at_level("WARNING", logger="stages"):
+        data.tokenized_splits(stage, tiny.build_tokenizer(), tmp_path)
+    assert [r.getMessage() for r in caplog.records] == [
+        "stage sft: eval rows 4 of 5 also appear in the training rows: the eval metrics measure memory, not "
+        "generalisation. Evaluate on rows the stage does not train on"]

@@ -24,7 +24,7 @@ import pytest
 from core import failure
 from core.errors import InvalidInput
 from core.runfolder import StageFolder
-from tests.conftest import REPO, run_cli, tiny_pipeline, write_pipeline
+from tests.conftest import REPO, run_cli, tiny_pipeline, tiny_rl_stage, write_pipeline
 
 
 def described(action):
@@ -90,7 +90,7 @@ def test_a_save_past_the_file_size_limit_names_the_path_the_limit_and_the_checkp
     assert "ulimit -f unlimited" in message
     assert message.endswith(f"nothing earlier was lost, and the stage resumes from its newest complete checkpoint, "
                             f"step-00000001 ({kept})")
-    assert not target.exists() and folder.latest_checkpoint() == "step-00000001"
+    assert not target.exists() and folder.latest_named() == "step-00000001"
 
 
 def test_an_append_the_disk_refuses_names_the_file():
@@ -135,16 +135,6 @@ def test_torchs_allocators_running_out_of_host_or_gpu_memory_say_which():
     assert kind == failure.GPU_OUT_OF_MEMORY
     assert message.startswith("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert "gradient_checkpointing" in message and "python -m pipeline plan" in message
-
-
-def test_what_an_interrupted_save_left_is_found_and_complete_checkpoints_are_not(tmp_path):
-    folder = StageFolder(tmp_path / "sft")
-    for tag in ("step-00000010", "step-00000020", "step-00000030"):
-        (folder.checkpoints / tag).mkdir(parents=True)
-    folder.latest_marker.write_text("step-00000020")
-    for name in ("model.tmp", "result.json.tmp"):
-        (folder.path / name).mkdir()
-    assert sorted(p.name for p in folder.leftovers()) == ["model.tmp", "result.json.tmp", "step-00000030"]
 
 
 def test_a_lost_connection_is_a_consequence_and_the_rank_that_died_is_the_cause():
@@ -261,6 +251,7 @@ DISK_SCRIPT = r"""
 import json, os, subprocess, sys
 from pathlib import Path
 from core import failure, tiny
+from core.checkpoints import newest_intact
 from core.runfolder import StageFolder
 from stages import compat, distributed, engine, models
 from tests.test_engine import stage
@@ -303,8 +294,8 @@ except MemoryError as err:
     failure.record_exception(folder, 0, err, log="the log")  # over its reservation, on the full disk
 seen["record"] = [f.kind for f in failure.read(folder)]
 seen["tags"] = folder.checkpoint_tags()
-seen["latest"] = folder.latest_checkpoint()
-seen["leftovers"] = [str(p) for p in folder.leftovers()]
+seen["latest"] = newest_intact(folder).tag
+seen["leftovers"] = [str(p) for p in folder.temporaries()]
 seen["exported"] = sorted(p.name for p in folder.model.iterdir()) == exported
 seen["resumed"] = checkpoints.load(ds)["step"]
 os.remove(work / "ballast")
@@ -418,7 +409,7 @@ def score(prompts, completions, labels):
     global calls
     calls += 1
     if os.environ["RANK"] == "1" and calls == 2:  # in the first rollout, after the held-out scoring
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getppid(), signal.SIGKILL)  # the stage process: the function runs in a child of it
     return [0.0] * len(completions)
 """
 
@@ -426,11 +417,7 @@ def score(prompts, completions, labels):
 @pytest.mark.slow
 def test_a_training_process_killed_by_a_signal_is_named_not_the_ranks_that_lost_it(workdir):
     (workdir / "reward.py").write_text(REWARD_THAT_KILLS_RANK_1)
-    spec = tiny_pipeline(stages=[{
-        "name": "rl", "kind": "ppo", "model": "builtin:tiny-llama", "data": {"path": "builtin:digits", "max_rows": 64},
-        "advantage": "grpo", "n_samples_per_prompt": 2, "rollout_batch_size": 8, "micro_rollout_batch_size": 16,
-        "max_new_tokens": 4, "max_steps": 2, "eval_prompts": 8, "reward": {"rules": [{"function": "reward.py:score"}]},
-    }])
+    spec = tiny_pipeline(stages=[tiny_rl_stage({"rules": [{"function": "reward.py:score"}]})])
     path = write_pipeline(workdir, spec)
     result = run_cli("run", path, cwd=workdir)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]

@@ -35,6 +35,21 @@ def test_the_progress_line_gives_step_of_total_percent_eta_loss_and_tokens_per_s
     assert "\r" not in line
 
 
+def test_an_rl_progress_line_keeps_to_what_a_person_watching_needs():
+    record = {"step": 3, "total_steps": 25, "eta_s": 25.0, "time": 1.0, "tokens_per_s": 5212.4, "policy_loss": 0.02113,
+              "reward": 0.2773, "kl": 0.1654, "entropy": 0.3071, "response_length": 6.852, "clip_fraction": 0.0,
+              "grad_norm": 1.606, "lr": 0.000289, "mfu": None, "gpu_mem_peak_gib": None, "kl_coef": 0.01,
+              "approx_kl": 0.0, "reward_exact_match": 0.2773, "token_efficiency": 0.8867, "step_s": 0.9582,
+              "host_rss_gib": 0.9178, "rollout": 3, "train_token_efficiency": 0.9574, "generate_s": 0.206,
+              "score_s": 0.2775, "train_s": 0.4658, "other_s": 0.007193, "gather_s": 0.0, "offload_s": 0.0,
+              "rollout_s": 0.9566, "generate_tokens_per_s": 8513.0, "score_tokens_per_s": 17990.0,
+              "train_tokens_per_s": 10720.0, "gpu_busy_generate": None, "generate_bandwidth_fraction": None}
+    line = records.progress_line("rl", record)
+    assert line == ("[rl] step 3/25  12%  ETA 0:25  policy_loss 0.02113  reward 0.2773  tokens/s 5,212 | kl=0.1654 "
+                    "entropy=0.3071 response_length=6.852 clip_fraction=0")
+    assert len(line) <= records.LINE_CHARS
+
+
 def test_status_says_how_old_the_progress_it_shows_is():
     progress = records.Progress(step=40, total_steps=200, eta_s=80.0, time=1000.0)
     assert progress.text(now=1005.0) == "step 40/200 (20%), ETA 1:20 as of 0:05 ago"
@@ -59,15 +74,26 @@ def test_an_eval_record_is_told_from_a_training_record():
     assert not records.is_eval({"step": 5, "loss": 3.2, "eval_loss": 3.0})
 
 
-def test_a_requeued_stage_shows_queued_running_requeued_running():
+def test_a_requeued_stage_shows_queued_starting_running_requeued_starting_running():
     found = timeline.segments(submitted=0.0, attempts=[100.0, 10.0], activity=[20.0, 50.0, 120.0], done=130.0)
     assert [(s.state, s.start, s.end) for s in found] == [
-        ("queued", 0.0, 10.0), ("running", 10.0, 50.0), ("requeued", 50.0, 100.0), ("running", 100.0, 130.0)]
+        ("queued", 0.0, 10.0), ("starting", 10.0, 20.0), ("running", 20.0, 50.0), ("requeued", 50.0, 100.0),
+        ("starting", 100.0, 120.0), ("running", 120.0, 130.0)]
 
 
-def test_a_running_stage_runs_until_its_newest_record():
+def test_a_running_stage_runs_from_its_first_record_until_its_newest():
     found = timeline.segments(submitted=None, attempts=[10.0], activity=[5.0, 20.0, 35.0], done=None)
-    assert [(s.state, s.start, s.end) for s in found] == [("running", 10.0, 35.0)]
+    assert [(s.state, s.start, s.end) for s in found] == [("starting", 10.0, 20.0), ("running", 20.0, 35.0)]
+
+
+def test_a_stage_is_queued_until_its_processes_launch_and_starting_until_its_first_record():
+    # Submitted at 0, the processes began at 2 (a local job: at once), joined up at 40 after imports
+    # and an op build, evaluated first at 60; requeued at 90, launched again at 100.
+    found = timeline.segments(submitted=0.0, attempts=[40.0, 110.0], activity=[60.0, 90.0, 130.0], done=140.0,
+                              launches=[2.0, 100.0])
+    assert [(s.state, s.start, s.end) for s in found] == [
+        ("queued", 0.0, 2.0), ("starting", 2.0, 60.0), ("running", 60.0, 90.0), ("requeued", 90.0, 100.0),
+        ("starting", 100.0, 130.0), ("running", 130.0, 140.0)]
 
 
 def test_measured_rates_leave_out_the_first_record_and_memory_takes_the_peak():

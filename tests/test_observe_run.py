@@ -120,6 +120,10 @@ def test_the_report_is_one_self_contained_page_with_every_plot(tiny_chain):
     assert "partial" not in text
 
 
+def test_run_ends_by_writing_the_report_and_printing_its_path(tiny_chain):
+    assert tiny_chain.stdout.rstrip().splitlines()[-1] == f"report: {(tiny_chain.runs / 'report.html').resolve()}"
+
+
 def test_no_secret_from_the_environment_is_written_anywhere_under_runs(tiny_chain):
     # runs/tiny/<stage>/logs is the submitit folder of each stage's job.
     files = [p for p in tiny_chain.runs.rglob("*") if p.is_file()]

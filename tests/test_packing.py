@@ -92,8 +92,8 @@ def load(folder, attention, auto_class=None, **overrides):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = compat.from_pretrained(auto_class or AutoModelForCausalLM, str(folder), torch.float32, attention, 48,
-                                   **overrides)
+    model, _ = compat.from_pretrained(auto_class or AutoModelForCausalLM, str(folder), torch.float32, attention, 48,
+                                      **overrides)
     return model.eval()
 
 

@@ -201,7 +201,7 @@ def test_an_unknown_model_says_how_to_get_its_config(tmp_path, monkeypatch):
 def test_builtin_tiny_llama_has_the_stages_tiny_shape():
     tiny = shapes.resolve_shape("builtin:tiny-llama")
     assert (tiny.hidden, tiny.intermediate, tiny.layers, tiny.heads, tiny.kv_heads, tiny.max_positions) == (
-        64, 176, 2, 4, 2, 64)
+        64, 176, 2, 2, 2, 64)
     assert tiny.vocab == 4 + 44  # <pad> <s> </s> <unk> + digits, letters and 8 punctuation characters
     assert not tiny.tied_embeddings
 

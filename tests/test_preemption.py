@@ -1,4 +1,4 @@
-"""Save on the signal, resume exactly (stages/preemption.py, engine.Checkpoints).
+"""Save on the signal, resume exactly (stages/preemption.py, stages/checkpoints.py).
 
 The end-to-end check sends real signals to a local run's stage processes: SIGTERM to
 rank 0 of the sft stage, USR2 to rank 1 only of the rl stage (rank 0 learns it through
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def test_steps_between_checks_keep_the_check_within_one_percent_of_a_step():
 
 
 def test_rng_states_round_trip():
-    from stages.engine import rng_states, set_rng_states
+    from stages.checkpoints import rng_states, set_rng_states
 
     saved = rng_states()
     expected = (random.random(), np.random.rand(), torch.rand(3))
@@ -153,7 +154,7 @@ def test_units_of_several_optimizer_steps_log_evaluate_and_save_by_step_and_resu
     task = SimpleNamespace(name="rl", wandb=None, max_retries=2, time_limit_min=None, processes_per_node=1)
     ctx = SimpleNamespace(folder=folder, is_main=True, rank=0, device=torch.device("cpu"), on_gpu=False,
                           world_size=1, task=task)
-    stage = SimpleNamespace(keep_checkpoints=5, eval_interval=3, save_interval=5, hang_factor=0, hang_min_s=300.0)
+    stage = SimpleNamespace(keep_checkpoints=5, eval_interval=3, save_interval=5)
 
     work = FourStepUnits()
     assert engine.run(work, stage, ctx) == {"initial": {"score": 1.0}, "final": {"score": 4.0}, "steps": 10}
@@ -167,6 +168,7 @@ def test_units_of_several_optimizer_steps_log_evaluate_and_save_by_step_and_resu
     assert (folder.checkpoints / "step-00000008" / "critic" / "client.json").exists()
 
     # Stopped after step 8: the resumed run trains the third unit only, with the state saved at step 8.
+    shutil.rmtree(folder.checkpoints / "step-00000010")
     folder.latest_marker.write_text("step-00000008")
     again = FourStepUnits()
     assert engine.run(again, stage, ctx) == {"initial": {"score": 1.0}, "final": {"score": 1.0}, "steps": 10}
@@ -241,6 +243,22 @@ def test_usr2_is_a_time_limit_only_near_the_limit():
     assert signal_reason("SIGUSR2", 9 * 60, 20) == PREEMPTED and signal_reason("SIGUSR2", 10 * 60, 20) == TIME_LIMIT
     assert signal_reason("SIGTERM", 59 * 60, 60) == PREEMPTED  # Slurm's preemption signal
     assert signal_reason("SIGUSR2", 10**6, None) == PREEMPTED  # a local job has no limit
+
+
+def test_the_stage_names_the_signal_its_local_run_got_not_the_sigint_it_was_stopped_with(tmp_path):
+    from core import timeline
+    from core.runfolder import StageFolder
+    from stages.preemption import Signals
+
+    folder = StageFolder(tmp_path / "sft")
+    folder.path.mkdir()
+    signals = Signals(SimpleNamespace(device=None, rank=0, folder=folder, task=SimpleNamespace(time_limit_min=None)))
+    timeline.record(folder, timeline.LAUNCHED)
+    assert signals.said("SIGINT") == "SIGINT"  # a Ctrl-C: the terminal signals the stage itself
+    timeline.record(folder, timeline.STOP_ASKED, signal="SIGTERM")  # `kill` of the local run
+    assert signals.said("SIGINT") == "SIGTERM" and signals.said("SIGUSR2") == "SIGUSR2"
+    timeline.record(folder, timeline.LAUNCHED)  # the next attempt: the earlier stop is not its own
+    assert signals.said("SIGINT") == "SIGINT"
 
 
 # --------------------------------------------------------------------------- end to end
@@ -361,19 +379,3 @@ def test_a_signalled_rl_stage_resumes_with_its_normaliser_kl_coefficient_and_sam
     for mine, theirs in zip(got, want):
         for key in ("policy_loss", "reward", "kl", "kl_coef", "response_length"):
             assert mine[key] == pytest.approx(theirs[key], rel=LOSS_RTOL, abs=1e-7), (mine["step"], key)
-
-
-# --------------------------------------------------------------------------- the hang watchdog
-
-
-def test_a_step_counts_as_hung_past_factor_times_the_median_once_enough_steps_are_timed():
-    from stages.watchdog import HANG_WARMUP_STEPS, Watchdog
-
-    ctx = SimpleNamespace(rank=0, folder=None)
-    dog = Watchdog(ctx, factor=20.0, min_s=3.0, max_retries=2, requeue_handler=None)  # not started: no thread
-    dog.durations = [0.5] * (HANG_WARMUP_STEPS - 1)
-    assert dog.limit_s() is None  # the first steps are not judged
-    dog.durations += [0.1, 0.2, 0.3, 0.4]
-    assert dog.limit_s() == pytest.approx(20 * 0.45)  # median of 0.1..0.5 (eight values)
-    dog.durations = [0.01] * 10
-    assert dog.limit_s() == 3.0  # never under hang_min_s

@@ -19,7 +19,8 @@ from core.rows import read_rows
 from pipeline import preflight
 from pipeline.executors import executor_for
 from pipeline.hfcache import hf_cache
-from pipeline.modelfiles import BadModelFile, check_weights
+from pipeline import weightnames
+from pipeline.modelfiles import BadModelFile, check_weights, weights_in
 from tests.conftest import tiny_pipeline, write_pipeline
 
 
@@ -79,6 +80,98 @@ def test_a_bin_file_that_is_neither_zip_nor_pickle_is_refused(tmp_path):
     path.write_bytes(b"<html>not found</html>")
     with pytest.raises(BadModelFile, match="neither a torch.save archive nor a pickle"):
         check_weights(path)
+
+
+# --------------------------------------------------------------------------- weight names
+
+
+LLAMA_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_hidden_layers": 2,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10, "intermediate_size": 16}
+
+
+def weights_folder(folder, shapes: dict, shards: int = 1):
+    """A model folder of safetensors headers (zeros for data), its tensors in `shards` files with their index."""
+    folder.mkdir()
+    names = list(shapes)
+    files = {f"model-{i + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else "model.safetensors": names[i::shards]
+             for i in range(shards)}
+    for file, held in files.items():
+        header, offset = {}, 0
+        for name in held:
+            size = 4 * shapes[name][0] * shapes[name][1]
+            header[name] = {"dtype": "F32", "shape": shapes[name], "data_offsets": [offset, offset + size]}
+            offset += size
+        safetensors(folder / file, header, data_bytes=offset)
+    if shards > 1:
+        weight_map = {name: file for file, held in files.items() for name in held}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+def llama_shapes(layers=2, hidden=8, vocab=10, kv_width=4, prefix="model."):
+    shapes = {f"{prefix}embed_tokens.weight": [vocab, hidden], "lm_head.weight": [vocab, hidden]}
+    for i in range(layers):
+        shapes[f"{prefix}layers.{i}.self_attn.q_proj.weight"] = [hidden, hidden]
+        shapes[f"{prefix}layers.{i}.self_attn.k_proj.weight"] = [kv_width, hidden]
+    return shapes
+
+
+def contradiction(folder, config=None):
+    return weightnames.mismatch(config or LLAMA_CONFIG, weights_in(folder))
+
+
+def test_weights_named_and_shaped_as_config_json_says_pass_whole_sharded_or_saved_as_a_base_model(tmp_path):
+    assert contradiction(weights_folder(tmp_path / "whole", llama_shapes())) is None
+    assert contradiction(weights_folder(tmp_path / "sharded", llama_shapes(), shards=3)) is None
+    assert contradiction(weights_folder(tmp_path / "base", llama_shapes(prefix=""))) is None
+
+
+def test_a_gpt2_config_over_llama_weights_names_both_families(tmp_path):
+    gpt2 = {"model_type": "gpt2", "n_embd": 8, "n_layer": 2, "n_head": 2, "vocab_size": 10}
+    found = contradiction(weights_folder(tmp_path / "m", llama_shapes()), gpt2)
+    assert "config.json's model_type is gpt2, whose weights are named as GPT-2 models name theirs " \
+           "(transformer.wte.weight" in found
+    assert "but the weights are named as Llama-style models name theirs (model.embed_tokens.weight" in found
+    assert "config.json belongs to another model" in found
+
+
+def test_a_llama_config_over_weights_of_other_names_lists_theirs(tmp_path):
+    found = contradiction(weights_folder(tmp_path / "m", {"tok_embeddings.weight": [10, 8], "output.weight": [10, 8]}))
+    assert "but no weight has that name (the weights' names: output.weight, tok_embeddings.weight" in found
+
+
+def test_more_or_fewer_layers_than_config_json_gives_are_refused(tmp_path):
+    found = contradiction(weights_folder(tmp_path / "m", llama_shapes(layers=3)))
+    assert found == ("config.json's num_hidden_layers is 2, but the weights hold 3 decoder layers "
+                     "(model.layers.N.self_attn.q_proj.weight for N in 0-2)")
+
+
+def test_a_hidden_size_or_kv_heads_other_than_the_weights_name_the_file_and_the_fields(tmp_path):
+    wider = contradiction(weights_folder(tmp_path / "m", llama_shapes()), {**LLAMA_CONFIG, "hidden_size": 16})
+    assert wider == "model.embed_tokens.weight in model.safetensors is [10, 8], but config.json's vocab_size, " \
+                    "hidden_size make it [10, 16]"
+    heads = contradiction(weights_folder(tmp_path / "kv", llama_shapes(kv_width=8), shards=2))
+    assert heads.startswith("model.layers.0.self_attn.k_proj.weight in model-0000")
+    assert "num_key_value_heads, head_dim, hidden_size make it [4, 8]" in heads
+
+
+def test_an_index_that_places_a_tensor_in_a_shard_without_it_is_refused(tmp_path):
+    folder = weights_folder(tmp_path / "m", llama_shapes(), shards=2)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.embed_tokens.weight"] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(BadModelFile, match="places tensor model.embed_tokens.weight in model-00002-of-00002"):
+        weights_in(folder)
+
+
+def test_nothing_is_said_where_the_rule_cannot_tell(tmp_path):
+    folder = weights_folder(tmp_path / "m", llama_shapes(layers=3))
+    assert contradiction(folder, {**LLAMA_CONFIG, "model_type": "stablelm"}) is None  # a family it does not know
+    assert contradiction(folder, {**LLAMA_CONFIG, "quantization_config": {"bits": 4}}) is None
+    torch_saved = tmp_path / "torch"
+    torch_saved.mkdir()
+    (torch_saved / "pytorch_model.bin").write_bytes(b"\x80\x02}q\x00.")  # a pickle: its names need torch
+    assert weights_in(torch_saved) is None
 
 
 # --------------------------------------------------------------------------- text and files
@@ -225,12 +318,10 @@ def test_preflight_of_every_kind_of_input_imports_no_gpu_library(tmp_path, saved
     and a reward function are all checked without torch, transformers or deepspeed."""
     from core import tiny
 
-    model = tmp_path / "model"
-    model.mkdir()
+    model = weights_folder(tmp_path / "model", llama_shapes(hidden=64, vocab=48, kv_width=64))
     (model / "config.json").write_text(json.dumps({
         "model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
         "num_attention_heads": 4, "vocab_size": 48, "max_position_embeddings": 64}))
-    safetensors(model / "model.safetensors", {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 16)
     tiny.build_core_tokenizer().save(str(model / "tokenizer.json"))
     (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": tiny.CHAT_TEMPLATE}))
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"p{n}", "response": "r", "label": "r"})

@@ -1,9 +1,14 @@
-"""Rule-based rewards: built-in rules, user functions and their errors, running moments."""
+"""Rule-based rewards: built-in rules, user functions and their errors, calls stopped at
+reward.timeout_s (core/reward_process.py), running moments."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
+import time
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +16,7 @@ from core import rewards
 from core.config import RewardRule
 from core.errors import InvalidInput
 from core.rewards import RewardError, RuleReward, RunningMoments, Samples
+from tests.conftest import run_cli, tiny_pipeline, tiny_rl_stage, write_pipeline
 
 
 def samples(prompts, completions, labels=None, rows=None, lengths=None) -> Samples:
@@ -140,6 +146,61 @@ def test_a_function_returning_a_non_number_names_the_row(tmp_path, value, proble
     ref = write_function(tmp_path, f"def score(prompts, completions, labels):\n    return [1.0, {value}]\n")
     with pytest.raises(RewardError, match=f"reward function {ref} {problem}"):
         RuleReward.from_specs([rule(function=ref)])(samples(["p", "q"], ["c", "d"]))
+
+
+SLEEPS_ON_Q = ("import time\ndef score(prompts, completions, labels):\n"
+               "    if 'q' in prompts:\n        time.sleep(600)\n    return [1.0] * len(completions)\n")
+
+
+def test_a_call_past_reward_timeout_s_is_stopped_and_names_the_row_it_hangs_on(tmp_path):
+    ref = write_function(tmp_path, SLEEPS_ON_Q)
+    reward = RuleReward.from_specs([rule(function=ref)], timeout_s=1.0)
+    ((_, term, _),) = reward.terms
+    child = term.process.child.pid
+    started = time.monotonic()
+    with pytest.raises(RewardError) as caught:
+        reward(samples(["p", "q", "r"], ["c", "d", "e"]))
+    message = str(caught.value)
+    assert message.startswith(f"reward function {ref} did not return within reward.timeout_s (1 s) on a call with 3 "
+                              "completions; called on one at a time, it was still running on train row 11 (prompt 'q') "
+                              "after ")
+    assert "It was stopped" in message and "raise reward.timeout_s" in message
+    assert time.monotonic() - started < 10  # the call, then the rows one at a time within one more timeout
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # the hung process is gone
+    assert reward(samples(["p"], ["c"]))[0] == [1.0]  # the next call starts a new one
+    reward.close()
+
+
+SLEEPS = ("import time\ndef score(prompts, completions, labels):\n"
+          "    time.sleep(600)\n    return [0.0] * len(completions)\n")
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_sleeps_stops_every_rank_of_an_rl_stage_naming_itself_and_the_row(workdir):
+    (workdir / "sleeps.py").write_text(SLEEPS)
+    spec = tiny_pipeline(stages=[tiny_rl_stage({"rules": [{"function": "sleeps.py:score"}], "timeout_s": 2})])
+    result = run_cli("run", write_pipeline(workdir, spec), cwd=workdir, timeout=300)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    # The first evaluation scores 4 held-out prompts on each rank; rank 0's first is eval row 0.
+    assert ("error: stage rl: reward function sleeps.py:score did not return within reward.timeout_s (2 s) on a call "
+            "with 4 completions; called on one at a time, it was still running on eval row 0 (prompt 'sort ") \
+        in result.stderr, result.stderr
+    stage_dir = workdir / "runs" / "t" / "rl"
+    records = [json.loads((stage_dir / "failures" / f"rank-{r:05d}.json").read_text()) for r in (0, 1)]
+    assert [r["kind"] for r in records] == ["invalid input", "invalid input"]  # every rank ended, saying why
+    (log,) = (stage_dir / "logs").glob("*_0_log.err")
+    assert "reward function sleeps.py:score is past its time: stopping it; its Python stack:" in log.read_text()
+    assert 'sleeps.py", line 3 in score' in log.read_text()
+    assert not [p for p in Path("/proc").glob("[0-9]*") if _runs(p, "core.reward_process", str(workdir))]
+
+
+def _runs(process: Path, *words: str) -> bool:
+    try:
+        command = (process / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    return all(word in command for word in words)
 
 
 def test_rule_options_are_checked_against_the_rule():

@@ -87,6 +87,9 @@ def rollout_records(busy: bool) -> list[dict]:
 @pytest.mark.parametrize("busy", [False, True])
 def test_the_report_plots_each_rollouts_phases(busy):
     figure = report._phases_figure(rollout_records(busy), "rl rollout phases")
-    alt, data = re.fullmatch(r"<img alt='([^']*)' src='data:image/png;base64,([^']+)'>", figure).groups()
+    image = re.match(r"<img alt='([^']*)' src='data:image/png;base64,([^']+)'>", figure)
+    alt, data = image.groups()
     assert alt == "rl rollout phases"
     assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n"
+    said = figure[image.end():]  # without a GPU, one line says the busy share was not measured
+    assert said == ("" if busy else "<p class='note'>GPU busy share: not measured (no GPU, or NVML could not be read)</p>")

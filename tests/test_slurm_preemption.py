@@ -158,12 +158,12 @@ def test_a_hung_stage_is_requeued_then_fails_after_max_retries_and_status_says_h
     stage = wait_until_settled(tmp_path, config)["sft"]
     assert stage["state"] == "failed" and stage["job_id"] == job
     assert stage["restarts"] == 1  # one requeue (max_retries 1), then the second hang fails it
-    assert (f"requeued 1x: hang at step {HANG_STEP}, resumed from step {HANG_SAVE_EVERY}; hang at step {HANG_STEP}"
-            in stage["detail"])
+    hung = f"hang in training step at step {HANG_STEP}"
+    assert f"requeued 1x: {hung}, resumed from step {HANG_SAVE_EVERY}; {hung}" in stage["detail"]
     logs = tmp_path / "runs" / "t" / "sft" / "logs"
     errors = (logs / f"{job}_0_log.err").read_text() + (logs / f"{job}_1_log.err").read_text()
-    assert errors.count(f"hang at step {HANG_STEP}: rank 0") == 2 and errors.count(f"hang at step {HANG_STEP}: rank 1") == 2
-    assert 'watchdog.py", line' in errors and "in step_started" in errors  # rank 1's stack: asleep in the hook
+    assert errors.count(f"{hung}: rank 0") == 2 and errors.count(f"{hung}: rank 1") == 2
+    assert 'watchdog.py", line' in errors and "in enter" in errors  # rank 1's stack: asleep in the hook
     assert "more than cluster.max_retries (1): failing" in errors
 
 

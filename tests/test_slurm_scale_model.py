@@ -35,6 +35,7 @@ import pytest
 import yaml
 
 from core import tiny
+from core.checkpoints import newest_intact
 from core.runfolder import StageFolder
 from core.shapes import read_config_json
 from tests.conftest import REPO, processes_with, read_metrics, read_result, run_cli, write_pipeline
@@ -168,7 +169,7 @@ def scale_runs(slurm_cluster, tmp_path_factory):
         time.sleep(0.5)
     resumed_at = next(e["step"] for e in events(dpo_dir) if e["event"] == "resumed")
     wait_for_step(dpo_dir, resumed_at + KILL_AFTER)
-    run["checkpoint_at_kill"] = StageFolder(dpo_dir).latest_checkpoint()
+    run["checkpoint_at_kill"] = newest_intact(StageFolder(dpo_dir)).tag
     os.kill(rank_process(job, KILLED_RANK), signal.SIGKILL)
     run["after_kill"] = settled(run["workdir"], run["config"])
     run["status_after_kill"] = scale_cli("status", run["config"], run["workdir"]).stdout
@@ -225,8 +226,8 @@ def test_exports_load_with_plain_transformers_and_equal_the_final_checkpoint(sca
     for stage in ("sft", "dpo"):
         folder = StageFolder(run["dir"] / stage)
         steps = read_result(folder.path)["steps"]
-        assert folder.latest_checkpoint() == folder.checkpoint_tag(steps)  # saved after the last step
-        gathered = get_fp32_state_dict_from_zero_checkpoint(str(folder.checkpoints), tag=folder.latest_checkpoint())
+        assert newest_intact(folder).tag == folder.checkpoint_tag(steps)  # saved after the last step
+        gathered = get_fp32_state_dict_from_zero_checkpoint(str(folder.checkpoints), tag=folder.latest_named())
         exported = AutoModelForCausalLM.from_pretrained(folder.model).state_dict()
         assert set(gathered) == set(exported), stage
         for name, tensor in gathered.items():

@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from core import failure, metrics, timeline
+from core import failure, timeline
+from core.checkpoints import newest_intact
 from core.config import PipelineSpec
-from core.errors import Interrupted, InvalidInput, PipelineError, StageFailed
+from core.errors import Interrupted, InvalidInput, InvalidStageInput, PipelineError, StageFailed
 from core.task import StageTask, is_finished
 from pipeline import state
 from pipeline.executors.base import Executor, announce, check_fits, exports, run_state_of, with_log
@@ -69,8 +70,8 @@ class LocalExecutor(Executor):
         """A stage a local `run` started: running while that run holds the folder, else how it ended."""
         base = dict(name=task.name, run_dir=task.run_dir, job_id=record.job_id, source="record")
         if record.state == state.RUNNING and running is not None:
-            progress = metrics.progress(task.folder.metrics)
-            detail = f"local job on {record.host}" + (f", {progress.text()}" if progress is not None else "")
+            doing, progress = state.activity(task.folder)
+            detail = f"local job on {record.host}, {doing}"
             detail += state.interruptions(task)
             return state.StageStatus(state=state.RUNNING, detail=detail + f" (`run` {running.pid})",
                                      progress=state.as_dict(progress), **base)
@@ -120,7 +121,7 @@ def run_local(executor: LocalExecutor, spec: PipelineSpec, planned: list[Planned
             verb = "resuming" if item.action == "resume" else "running"
             echo(f"[{task.name}] {verb} {task.stage.kind} as local job {job.job_id} "
                  f"({task.processes_per_node} processes); log: {job.paths.stdout}")
-            _follow(job, echo, stops, task.name)
+            _follow(job, echo, stops, task)
             if stops.received and not is_finished(task):
                 detail, message = stopped(task, job, stops, config)
                 _end_record(run_state, pipeline_dir, record, state.CANCELLED, detail)
@@ -186,7 +187,7 @@ class _Stops:
     def _note(self, signum, frame) -> None:
         self.received.append(signum)
 
-    def act(self, job, echo, stage: str) -> None:
+    def act(self, job, echo, task: StageTask) -> None:
         """On the signals noted since the last call: ask the job to save and stop, or kill it."""
         if self.acted == len(self.received):
             return
@@ -194,8 +195,9 @@ class _Stops:
         first = self.acted == 0 and len(self.received) == 1
         self.acted = len(self.received)
         if first:
+            timeline.record(task.folder, timeline.STOP_ASKED, signal=self.name)  # what its SIGINT stands for
             _signal_all(family, signal.SIGINT)  # before the line: after SIGHUP the terminal may not take it
-            echo(f"[{stage}] stopping ({self.name}): the stage saves a checkpoint at the end of this training "
+            echo(f"[{task.name}] stopping ({self.name}): the stage saves a checkpoint at the end of this training "
                  "step; Ctrl-C again stops at once without saving")
             return
         self.at_once = True
@@ -209,7 +211,7 @@ class _Stops:
 def stopped(task: StageTask, job, stops: _Stops, config: str) -> tuple[str, str]:
     """What pipeline.json records of a stage a signal stopped, and the line `run` ends with."""
     rerun = f"`python -m pipeline run {config}`"
-    latest = task.folder.latest_checkpoint()
+    latest = newest_intact(task.folder).tag
     resumes = f"{rerun} resumes from checkpoint {latest}" if latest else f"{rerun} starts it over (no checkpoint yet)"
     history = timeline.attempts(task.folder)
     last = history[-1] if history else None
@@ -330,11 +332,11 @@ def check_gpus(spec: PipelineSpec) -> None:
         )
 
 
-def _follow(job, echo, stops: _Stops, stage: str) -> None:
+def _follow(job, echo, stops: _Stops, task: StageTask) -> None:
     """Print rank 0's new log lines until the job ends; act on the signals `stops` notes."""
     position = 0
     while True:
-        stops.act(job, echo, stage)
+        stops.act(job, echo, task)
         finished = job.done()
         path = Path(job.paths.stdout)
         if path.exists():
@@ -357,7 +359,7 @@ def stage_failure(task: StageTask, job) -> PipelineError:
     explained = failure.explain(task.name, records)
     if explained is not None:
         invalid = failure.explaining(records).kind == failure.INVALID_INPUT
-        return (InvalidInput if invalid else StageFailed)(explained)
+        return (InvalidStageInput if invalid else StageFailed)(explained)
     err_path = Path(job.paths.stderr)
     tail = ""
     if err_path.exists():

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from core import metrics, runfolder
+from core import runfolder
+from core.checkpoints import newest_intact
 from core.config import PipelineSpec, slurm_time_to_minutes
 from core.errors import InvalidInput, PipelineError
 from core.rows import is_row_file
@@ -162,7 +163,7 @@ def submit_chain(executor: SlurmExecutor, spec: PipelineSpec, planned: list[Plan
         )
         state.save(pipeline_dir, run_state)
         waits = f", after job {' and '.join(after)}" if after else ""
-        latest = task.folder.latest_checkpoint()
+        latest = newest_intact(task.folder).tag
         start = f" from checkpoint {latest}" if latest else ""
         echo(f"[{task.name}] submitted job {job.job_id}: {task.stage.kind}{start} on {task.stage.nodes} node(s) "
              f"x {task.processes_per_node} task(s){waits}; log: {job.paths.stdout}")
@@ -198,8 +199,8 @@ def _job_status(task: StageTask, record: state.StageRecord, info: Optional[slurm
         return state.StageStatus(state=state.RUNNING, detail="ending: Slurm is cleaning up its processes" + older,
                                  **base)
     if info.live:
-        progress = metrics.progress(task.folder.metrics)
-        detail = f"on {info.nodes}" + (f", {progress.text()}" if progress is not None else "") + requeued
+        doing, progress = state.activity(task.folder)
+        detail = f"on {info.nodes}, {doing}" + requeued
         return state.StageStatus(state=state.RUNNING, detail=detail + older, progress=state.as_dict(progress),
                                  **base)
     if info.state == "CANCELLED":

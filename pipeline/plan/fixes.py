@@ -11,10 +11,12 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from core.batching import rows_per_step
+from core.rollout_engine import tensor_parallel_sizes
 from core.sequence_parallel import SHARDABLE_ATTENTION, shares_for
 from core.shapes import ModelShape
 from pipeline.lengths import RowLengths
 from pipeline.plan.estimate import Estimate, estimate_stage
+from pipeline.plan.rollout_engine import engine_memory
 from pipeline.plan.inputs import REFERENCE_PLACEMENTS, Hardware, Knobs, PPOWorkload, Workload
 
 
@@ -119,6 +121,15 @@ def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tu
         out.append(("sequence", {"sequence_parallel": n},
                     f"sequence_parallel: {n} ({processes // n} data-parallel group{'' if processes == n else 's'} of {n} processes sharing each "
                     f"sequence; max_len stays {knobs.max_len})", False))
+    if knobs.stage_kind.rollouts and not knobs.samples_with_vllm and hw.on_gpu and hw.gpu_memory_bytes:
+        for n in tensor_parallel_sizes(hw.processes_per_node):
+            engine = engine_memory(shape, knobs.weight_bytes, n, knobs.vllm_memory_share, hw.gpu_memory_bytes,
+                                   knobs.max_len)
+            if engine.sequences == 0:  # its share of the GPU would not hold 1/n of the actor and one sequence
+                continue
+            out.append(("generation", {"vllm_tensor_parallel": n, "vllm_sleep": True},
+                        f"generation: vllm, vllm: {{tensor_parallel: {n}, sleep: true}} (each GPU holds 1/{n} of the "
+                        f"actor to sample, released while it trains)", False))
     if not knobs.lora_rank:
         out.append(("lora", {"lora_rank": 16, "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                "up_proj", "down_proj")},

@@ -18,6 +18,15 @@ GiB = 1024**3
 REFERENCE_PLACEMENTS = ("live", "offload", "precompute")
 
 
+def vllm_knobs(stage) -> dict:
+    """A stage's vLLM settings as the plan counts them: where it asks for generation: vllm (auto is
+    decided on the node, by the GPU build there: the plan counts transformers' generation)."""
+    if getattr(stage, "generation", None) != "vllm":
+        return {}
+    return {"vllm_tensor_parallel": stage.vllm.tensor_parallel,
+            "vllm_memory_share": stage.vllm.gpu_memory_utilization, "vllm_sleep": stage.vllm.sleep}
+
+
 @dataclass(frozen=True)
 class Knobs:
     """The settings of a stage that memory and time depend on (a stage spec, flattened)."""
@@ -43,6 +52,11 @@ class Knobs:
     sequence_parallel: int = 1  # processes sharing each micro batch's sequences (Ulysses)
     logits_tile: Optional[int] = None  # positions whose logits the LM head computes at once (None: all)
     mlp_tiles: Optional[int] = None  # tiles each MLP runs a micro batch's positions in (None: all at once)
+    # ppo with generation: vllm (pipeline/plan/rollout_engine.py): its tensor_parallel (None: transformers
+    # samples), the share of each GPU it takes, and whether it sleeps while the actor trains.
+    vllm_tensor_parallel: Optional[int] = None
+    vllm_memory_share: float = 0.3
+    vllm_sleep: bool = False
 
     @classmethod
     def from_stage(cls, stage) -> "Knobs":
@@ -69,7 +83,12 @@ class Knobs:
             sequence_parallel=stage.sequence_parallel,
             logits_tile=stage.logits_tile,
             mlp_tiles=stage.mlp_tiles,
+            **vllm_knobs(stage),
         )
+
+    @property
+    def samples_with_vllm(self) -> bool:
+        return self.vllm_tensor_parallel is not None
 
     @property
     def weight_bytes(self) -> int:

@@ -67,6 +67,7 @@ from core.deepspeed_settings import (
     reduce_bucket_elements,
 )
 from core.shapes import ModelShape
+from pipeline.plan import rollout_engine
 from pipeline.plan.activations import checkpointed_inputs, frozen_forward, held_while_reference_runs, trained_pass
 from pipeline.plan.inputs import GiB, Hardware, Knobs, ModelUse, Workload, attention_kernel
 
@@ -234,7 +235,7 @@ def estimate_memory(models: list[ModelUse], workload: Workload, knobs: Knobs, hw
             _trained_model_states(ledger, use)
             _trained_model_passes(ledger, use)
     if workload.generation is not None:
-        _generation(ledger, models)
+        _generation(ledger, models, hw)
     _workspace_and_host(ledger, models)
     capacity_gpu = hw.gpu_memory_bytes if hw.on_gpu else None
     return Memory(ledger.items, hw.processes_per_node, capacity_gpu, hw.host_memory_bytes, hw.host_memory_source)
@@ -384,10 +385,14 @@ def _trained_model_passes(ledger: _Ledger, use: ModelUse) -> None:
                    "host", layers_phase(use.role), inputs)
 
 
-def _generation(ledger: _Ledger, models: list[ModelUse]) -> None:
-    """PPO rollouts: the actor's KV cache and logits, and under ZeRO-3 the actor gathered whole."""
+def _generation(ledger: _Ledger, models: list[ModelUse], hw: Hardware) -> None:
+    """PPO rollouts: the actor's KV cache and logits, and under ZeRO-3 the actor gathered whole
+    (vLLM: _vllm_engine)."""
     actor = next((m for m in models if m.trained and m.head == "lm"), None)
     if actor is None:
+        return
+    if ledger.knobs.samples_with_vllm and ledger.on_gpu and hw.gpu_memory_bytes:
+        _vllm_engine(ledger, actor, hw)
         return
     gen, s, b, device = ledger.workload.generation, actor.shape, ledger.knobs.weight_bytes, ledger.device
     length = gen.prompt_len + gen.new_tokens
@@ -396,6 +401,26 @@ def _generation(ledger: _Ledger, models: list[ModelUse]) -> None:
     ledger.add("generation logits", "logits", device, "generation", gen.batch * s.vocab * 4)
     if ledger.knobs.zero_stage == 3:  # stages/ppo.py gathers the whole actor once per rollout, not per token
         ledger.add("actor weights gathered whole for generation", "weights", device, "generation", s.n_params * b)
+
+
+def _vllm_engine(ledger: _Ledger, actor: ModelUse, hw: Hardware) -> None:
+    """The vLLM engine's share of the GPU (pipeline/plan/rollout_engine.py): all the time, or only
+    at generation where it sleeps while the actor trains; a ZeRO-3 sync gathers one module at a time."""
+    knobs, gen = ledger.knobs, ledger.workload.generation
+    n = knobs.vllm_tensor_parallel
+    engine = rollout_engine.engine_memory(actor.shape, knobs.weight_bytes, n, knobs.vllm_memory_share,
+                                          hw.gpu_memory_bytes, gen.prompt_len + gen.new_tokens)
+    phase = "generation" if knobs.vllm_sleep else "always"
+    ledger.add(f"vLLM engine: 1/{n} of the actor's weights (tensor_parallel {n})", "weights", "gpu", phase,
+               engine.weights)
+    holds = (f"{engine.sequences} sequences of {gen.prompt_len + gen.new_tokens} tokens" if engine.sequences else
+             f"NO sequence of {gen.prompt_len + gen.new_tokens} tokens: vLLM will not start; raise "
+             f"vllm.gpu_memory_utilization or vllm.tensor_parallel")
+    ledger.add(f"vLLM engine: KV cache, the rest of gpu_memory_utilization {knobs.vllm_memory_share:g} ({holds})",
+               "activations", "gpu", phase, engine.kv_cache)
+    if knobs.zero_stage == 3:
+        ledger.add("actor's largest module gathered whole for the weight sync", "weights", "gpu", "generation",
+                   engine.sync_module)
 
 
 def _workspace_and_host(ledger: _Ledger, models: list[ModelUse]) -> None:

@@ -144,21 +144,30 @@ def known_rows(spec) -> dict:
 def hardware_of(spec, calibration: Optional[Path] = None) -> Hardware:
     """What the pipeline's stages run on, with the rates measured on such a node where a
     calibration file is given, or sits at its default place (<runs_dir>/calibration/<gpu>.json).
-    InvalidInput (exit 2) for an unknown GPU, an unreadable file, or one measured on another GPU."""
+    InvalidInput (exit 2) for an unknown GPU, or a file given that is unreadable or was measured
+    on another GPU than the pipeline's (or on none, or on one for a CPU pipeline)."""
     try:
         hw = Hardware.from_cluster(spec.cluster)
     except ValueError as err:
         raise InvalidInput(f"cluster.gpu: {err}") from None
-    if not hw.on_gpu or hw.gpu is None:
-        return hw
-    path = Path(calibration) if calibration else calibration_file.default_path(spec)
-    if calibration is None and not path.is_file():
-        return hw
+    if calibration is None:
+        if not hw.on_gpu or hw.gpu is None or not calibration_file.default_path(spec).is_file():
+            return hw
+        calibration = calibration_file.default_path(spec)
+    path = Path(calibration)
     measured = calibration_file.load(path)
-    if measured.gpu is not None and measured.gpu.catalogue != hw.gpu.name:
-        catalogue = measured.gpu.catalogue or "not in the catalogue"
-        raise InvalidInput(f"{path}: measured on {measured.gpu.device_name} ({catalogue}), but cluster.gpu is "
-                           f"{hw.gpu.name}: calibrate a node of that GPU, or name the file that was")
+    if hw.on_gpu:
+        fits = measured.gpu is not None and hw.gpu is not None and measured.gpu.catalogue == hw.gpu.name
+    else:
+        fits = measured.gpu is None
+    if not fits:
+        on = (f"on {measured.gpu.device_name} ({measured.gpu.catalogue or 'not in the catalogue'})"
+              if measured.gpu is not None else "without a GPU")
+        pipeline = (f"cluster.gpu is {hw.gpu.name}" if hw.on_gpu and hw.gpu is not None
+                    else "cluster.gpu is not set" if hw.on_gpu
+                    else "this pipeline runs on the CPU (cluster.gpus_per_node: 0)")
+        raise InvalidInput(f"{path}: measured {on}, but {pipeline}: calibrate a node like the pipeline's, "
+                           "or name the file that was")
     return dataclasses.replace(hw, calibration=measured)
 
 

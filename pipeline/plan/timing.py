@@ -63,6 +63,7 @@ from core.flops import (
 )
 from core.shapes import ModelShape
 from pipeline.plan import rates as rate_table
+from pipeline.plan import rollout_engine
 from pipeline.plan.batches import Batches
 from pipeline.plan.inputs import Hardware, Knobs, ModelUse, Workload, attention_kernel
 from pipeline.plan.memory import trainable_tensors
@@ -234,8 +235,11 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
     offload_s = copies_s + host_adam_params / rates.host_adam_params_per_s.value
     unit_s = compute_s + optimizer_s + exposed + offload_s
     if rollout:
-        unit_s += _generation_s(models, workload, knobs, rates, world, ring, bandwidth)
-        notes.append("generation time assumes memory-bound decoding (weights read once per new token)")
+        unit_s += _generation_s(models, workload, knobs, rates, world, ring, bandwidth, hw)
+        notes.append("generation time assumes memory-bound decoding (weights read once per new token)"
+                     + (f"; vLLM: each process reads 1/{knobs.vllm_tensor_parallel} of them per token step, plus "
+                        "the KV cache, and the weights are synced after every update" if knobs.samples_with_vllm
+                        else ""))
 
     per_1000 = unit_s * 1000 / work.rows
     precompute_s = sum(compute_seconds(work.precompute, rates, kernel, knobs.zero_stage).values()) / world
@@ -404,17 +408,36 @@ def _rollout_work(models: list[ModelUse], workload: Workload, knobs: Knobs, worl
 
 
 def _generation_s(models: list[ModelUse], workload: Workload, knobs: Knobs, rates: rate_table.Rates, world: int,
-                  ring: float, bandwidth: float) -> float:
-    """Decoding a rollout: memory-bound, every weight read once per new token per call."""
+                  ring: float, bandwidth: float, hw: Hardware) -> float:
+    """Decoding a rollout: memory-bound, every weight read once per new token per call (vLLM:
+    _vllm_generation_s)."""
     gen, actor = workload.generation, next((m for m in models if m.trained and m.head == "lm"), None)
     if gen is None or actor is None:
         return 0.0
+    if knobs.samples_with_vllm and hw.on_gpu and hw.gpu_memory_bytes:
+        return _vllm_generation_s(actor, workload, knobs, rates, world, ring, bandwidth, hw)
     weights = actor.shape.n_params * knobs.weight_bytes
     calls = math.ceil(workload.rows_per_rollout * workload.sequences_per_row / world / gen.batch)
     seconds = calls * gen.new_tokens * weights / rates.hbm_bytes_per_s.value
     if knobs.zero_stage == 3 and world > 1:  # one gather of the whole actor per rollout
         seconds += weights * ring / bandwidth
     return seconds
+
+
+def _vllm_generation_s(actor: ModelUse, workload: Workload, knobs: Knobs, rates: rate_table.Rates, world: int,
+                       ring: float, bandwidth: float, hw: Hardware) -> float:
+    """A rollout's decoding by the vLLM engines (each samples its tensor_parallel processes' prompts,
+    as many at once as its KV cache holds) and the weight sync after the update
+    (pipeline/plan/rollout_engine.py)."""
+    gen, n, b = workload.generation, knobs.vllm_tensor_parallel, knobs.weight_bytes
+    engine = rollout_engine.engine_memory(actor.shape, b, n, knobs.vllm_memory_share, hw.gpu_memory_bytes,
+                                          gen.prompt_len + gen.new_tokens)
+    sequences = math.ceil(workload.rows_per_rollout * workload.sequences_per_row / world) * n
+    hbm = rates.hbm_bytes_per_s.value
+    decode = rollout_engine.decode_s(actor.shape, b, n, sequences, gen.prompt_len, gen.new_tokens, engine.sequences,
+                                     hbm)
+    gather = bandwidth / ring if knobs.zero_stage == 3 and world > 1 else 0.0
+    return decode + rollout_engine.sync_s(actor.shape, b, gather, hbm)
 
 
 # --------------------------------------------------------------------------- checkpoints
