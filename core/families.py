@@ -12,7 +12,9 @@ refused (`uncountable`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Optional
 
 
@@ -32,9 +34,10 @@ class Family:
     shared_expert: str = ""  # "deepseek": moe_intermediate x n_shared_experts; "qwen2": its own width + a gate
     expert_biases: bool = False  # gpt_oss: the router and the experts' projections have biases
     latent_attention: bool = False  # DeepSeek's multi-head latent attention (MLA)
-    # attention kernels its transformers class refuses (_supports_sdpa / _supports_flash_attn false, or
-    # flash_attention_2 not among its _compatible_flash_implementations: gpt_oss's sinks need kernels from
-    # the hub); tests/test_attention_support.py checks them against the installed transformers
+    # (kernel, the first transformers version that refuses it; "" every one) its model classes refuse:
+    # _supports_sdpa / _supports_flash_attn false, or flash_attention_2 not among its
+    # _compatible_flash_implementations (gpt_oss's sinks need kernels from the hub);
+    # tests/test_attention_support.py checks them against the installed transformers
     refuses: tuple = ()
 
 
@@ -48,7 +51,7 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(counted=True, patched=True, bias="", experts="all"),
     "qwen3": Family(counted=True, qk_norm="head"),
     "gemma": Family(counted=True, untied=False),
-    "gemma2": Family(counted=True, untied=False, layer_norms=4, refuses=("sdpa",)),
+    "gemma2": Family(counted=True, untied=False, layer_norms=4, refuses=(("sdpa", "5.21"),)),
     "gemma3_text": Family(counted=True, untied=False, layer_norms=4, qk_norm="head"),
     "olmo": Family(counted=True, layer_norms=0, norm_weights=False),
     "olmo2": Family(counted=True, qk_norm="width"),
@@ -57,7 +60,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family(counted=True, bias="qkv_bias", bias_default=True, experts="sparse_step",
                         shared_expert="qwen2"),
     "gpt_oss": Family(counted=True, bias_default=True, sinks=True, experts="all", expert_biases=True,
-                      refuses=("sdpa", "flash_attention_2")),
+                      refuses=(("sdpa", ""), ("flash_attention_2", ""))),
     "deepseek_v2": Family(counted=True, mlp_bias=True, experts="first_dense", shared_expert="deepseek",
                           latent_attention=True),
     "deepseek_v3": Family(counted=True, experts="first_dense", shared_expert="deepseek", latent_attention=True),
@@ -163,24 +166,48 @@ def biases(config: dict, fam: Family) -> tuple[bool, bool]:
 KERNELS = ("flash_attention_2", "sdpa", "eager")
 
 
-def attention_kernel(requested: str, model_type: str, on_gpu: bool, flash_installed: bool = True) -> str:
+def installed_transformers() -> Optional[str]:
+    """The version of the transformers installed beside this python, read without importing it."""
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _release(version: str) -> tuple:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def refused_kernels(model_type: str, transformers_version: Optional[str]) -> set:
+    """The kernels the model classes of this family refuse in that transformers version (None: a
+    version not known here, so every kernel any supported version refuses)."""
+    return {kernel for kernel, since in family(model_type).refuses
+            if transformers_version is None or not since or _release(transformers_version) >= _release(since)}
+
+
+def attention_kernel(requested: str, model_type: str, on_gpu: bool, flash_installed: bool = True,
+                     transformers_version: Optional[str] = None) -> str:
     """The attention a model of this family runs: an explicit kernel as asked (validate has refused
     one the family refuses: attention_refusal); auto the fastest it supports where it runs:
     flash_attention_2 on GPUs where flash_attn is installed (the images install it), else sdpa,
-    else eager. The planner (on a login node, for the GPUs) and the stage (where it runs) both ask this."""
+    else eager. The planner (on a login node, for the GPUs) and the stage (where it runs) both ask
+    this, of the transformers installed with them (installed_transformers)."""
     if requested != "auto":
         return requested
-    refused = family(model_type).refuses
+    refused = refused_kernels(model_type, transformers_version)
     usable = [k for k in KERNELS if k not in refused and (k != "flash_attention_2" or (on_gpu and flash_installed))]
     return usable[0]
 
 
-def attention_refusal(requested: str, model_type: str) -> Optional[str]:
-    """Why a model of this family cannot run the kernel asked for (None: it can, or auto)."""
-    refused = family(model_type).refuses
+def attention_refusal(requested: str, model_type: str, transformers_version: Optional[str]) -> Optional[str]:
+    """Why a model of this family cannot run the kernel asked for in that transformers version
+    (None: it can, or auto)."""
+    refused = refused_kernels(model_type, transformers_version)
     if requested == "auto" or requested not in refused:
         return None
     usable = [k for k in KERNELS if k not in refused]
-    gpu, cpu = (attention_kernel("auto", model_type, on_gpu) for on_gpu in (True, False))
-    return (f"transformers refuses {requested} for model_type '{model_type}' (its model class does not support "
+    gpu, cpu = (attention_kernel("auto", model_type, on_gpu, transformers_version=transformers_version)
+                for on_gpu in (True, False))
+    version = f"transformers {transformers_version}" if transformers_version else "transformers"
+    return (f"{version} refuses {requested} for model_type '{model_type}' (its model class does not support "
             f"it): use auto ({gpu} on GPUs, {cpu} on CPU for this family) or {' or '.join(usable)}")

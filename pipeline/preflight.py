@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from core import failure, kinds, reward_quality, rollout_engine, sequence_parallel
-from core.families import attention_kernel, attention_refusal
+from core.families import attention_kernel, attention_refusal, installed_transformers
 from core.config import BUILTIN_PREFIX, PipelineSpec
 from core.errors import InvalidInput
 from core.shapes import ShapeNotFound, cached_config, resolve_shape
@@ -203,18 +203,19 @@ def loaded_models(spec: PipelineSpec, stage, root: str) -> dict[str, str]:
 
 
 def check_attention(spec: PipelineSpec, stage, root: str, where: str, cache: HFCache) -> None:
-    """Every model the stage loads supports its attention kernel (transformers refuses, e.g., sdpa
-    for Gemma-2 only when the stage loads the model: core/families.py attention_refusal), and one
-    that shares sequences (sequence_parallel) by the kernel it runs where the stage runs."""
-    on_gpu = bool(spec.cluster.gpus_per_node)
+    """Every model the stage loads supports its attention kernel in the transformers installed here
+    (transformers refuses, e.g., sdpa for Gemma-2 from 5.21 on only when the stage loads the model:
+    core/families.py attention_refusal), and one that shares sequences (sequence_parallel) by the
+    kernel it runs where the stage runs."""
+    on_gpu, version = bool(spec.cluster.gpus_per_node), installed_transformers()
     for model, which in loaded_models(spec, stage, root).items():
         shape = shape_of(model, cache)
         if shape is None:
             continue
-        refusal = attention_refusal(stage.attention, shape.model_type)
+        refusal = attention_refusal(stage.attention, shape.model_type, version)
         if refusal:
             raise InvalidInput(f"{where}.attention: model {model}{which}: {refusal}")
-        kernel = attention_kernel(stage.attention, shape.model_type, on_gpu)
+        kernel = attention_kernel(stage.attention, shape.model_type, on_gpu, transformers_version=version)
         if stage.sequence_parallel > 1 and kernel not in sequence_parallel.SHARDABLE_ATTENTION:
             raise InvalidInput(f"{where}.sequence_parallel: model {model}{which} runs {kernel} attention "
                                f"{'on GPUs' if on_gpu else 'on CPU'} (the fastest its family supports there), "

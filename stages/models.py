@@ -69,13 +69,14 @@ def attention_implementation(requested: str, on_gpu: bool, path: str) -> str:
     """The attention kernel the model at `path` runs, by the rule the planner uses (core/families.py
     attention_kernel): auto is the fastest its family supports here; an explicit kernel its family
     refuses is refused (validate says so before anything starts; a container's stage says it here)."""
-    from transformers import AutoConfig
+    import transformers
 
-    model_type = AutoConfig.from_pretrained(path).model_type
-    refusal = families.attention_refusal(requested, model_type)
+    model_type = transformers.AutoConfig.from_pretrained(path).model_type
+    refusal = families.attention_refusal(requested, model_type, transformers.__version__)
     if refusal:
         raise InvalidInput(f"attention: model {path}: {refusal}")
-    return families.attention_kernel(requested, model_type, on_gpu, importlib.util.find_spec("flash_attn") is not None)
+    return families.attention_kernel(requested, model_type, on_gpu, importlib.util.find_spec("flash_attn") is not None,
+                                     transformers.__version__)
 
 
 def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool, adds_head: Optional[str] = None,

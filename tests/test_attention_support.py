@@ -48,24 +48,35 @@ COUNTED = [t for t, f in families.FAMILIES.items() if f.counted]
 @pytest.mark.parametrize("model_type", COUNTED)
 def test_the_table_says_what_transformers_classes_refuse(model_type):
     for cls in _classes(model_type):
-        assert set(families.FAMILIES[model_type].refuses) == _refused_by(cls), cls.__name__
+        assert families.refused_kernels(model_type, transformers.__version__) == _refused_by(cls), cls.__name__
 
 
 @pytest.mark.parametrize("model_type", COUNTED)
 def test_auto_picks_a_kernel_every_family_supports(model_type):
     for cls in _classes(model_type):
         for on_gpu in (True, False):
-            assert families.attention_kernel("auto", model_type, on_gpu) not in _refused_by(cls)
+            kernel = families.attention_kernel("auto", model_type, on_gpu,
+                                               transformers_version=transformers.__version__)
+            assert kernel not in _refused_by(cls)
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss", "llama"])
 def test_auto_loads_on_this_cpu(model_type):
-    _classes(model_type)
-    kernel = families.attention_kernel("auto", model_type, on_gpu=False)
+    refused = set().union(*map(_refused_by, _classes(model_type)))
+    kernel = families.attention_kernel("auto", model_type, False, transformers_version=transformers.__version__)
     config = transformers.AutoConfig.for_model(model_type, **TINY)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=kernel)
     assert model.config._attn_implementation == kernel
-    assert kernel == ("sdpa" if model_type == "llama" else "eager")
+    assert kernel == ("sdpa" if "sdpa" not in refused else "eager")
+
+
+def test_a_refusal_holds_from_the_transformers_version_that_made_it():
+    assert families.refused_kernels("gemma2", "5.19.0") == set()
+    assert families.refused_kernels("gemma2", "5.21.0") == families.refused_kernels("gemma2", "5.23.0") == {"sdpa"}
+    assert families.refused_kernels("gemma2", None) == {"sdpa"}  # a version not known: the strictest
+    assert families.refused_kernels("gpt_oss", "5.19.0") == {"sdpa", "flash_attention_2"}
+    assert families.attention_kernel("auto", "gemma2", False, transformers_version="5.19.0") == "sdpa"
+    assert families.attention_kernel("auto", "gemma2", False, transformers_version="5.23.0") == "eager"
 
 
 def _cached_hub_model(workdir, monkeypatch, model_type: str) -> str:
@@ -81,20 +92,20 @@ def _cached_hub_model(workdir, monkeypatch, model_type: str) -> str:
 
 def test_validate_refuses_a_kernel_the_model_refuses(workdir, monkeypatch):
     spec = tiny_pipeline()
-    spec["stages"][0].update(model=_cached_hub_model(workdir, monkeypatch, "gemma2"), attention="sdpa")
-    run_rejected(workdir, spec, "stages[0] (sft).attention", "transformers refuses sdpa for model_type 'gemma2'",
-                 "use auto")
+    spec["stages"][0].update(model=_cached_hub_model(workdir, monkeypatch, "gpt_oss"), attention="sdpa")
+    run_rejected(workdir, spec, "stages[0] (sft).attention", f"transformers {transformers.__version__} refuses "
+                 "sdpa for model_type 'gpt_oss'", "use auto (eager on GPUs, eager on CPU")
 
 
 def test_the_stage_decides_by_the_same_rule(tmp_path):
     from core.errors import InvalidInput
     from stages import models
 
-    _classes("gemma2")
-    transformers.AutoConfig.for_model("gemma2", **TINY).save_pretrained(tmp_path)
+    _classes("gpt_oss")
+    transformers.AutoConfig.for_model("gpt_oss", **TINY).save_pretrained(tmp_path)
     assert models.attention_implementation("auto", False, str(tmp_path)) == "eager"
     assert models.attention_implementation("eager", False, str(tmp_path)) == "eager"
-    with pytest.raises(InvalidInput, match="attention: model .*transformers refuses sdpa for model_type 'gemma2'"):
+    with pytest.raises(InvalidInput, match="attention: model .*transformers .* refuses sdpa for model_type 'gpt_oss'"):
         models.attention_implementation("sdpa", False, str(tmp_path))
 
 

@@ -127,7 +127,8 @@ def attention_kernel(attention: str, on_gpu: bool, shape: ModelShape) -> str:
     """The attention a stage runs the model of `shape` with: auto is the fastest its family supports
     (flash_attention_2 on GPUs, where the images install it; else sdpa, else eager), as the stage
     decides (core/families.py attention_kernel)."""
-    return families.attention_kernel(attention, shape.model_type, on_gpu)
+    return families.attention_kernel(attention, shape.model_type, on_gpu,
+                                     transformers_version=families.installed_transformers())
 
 
 def masked_line_width(tokens: int, max_len: int) -> int:
