@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     per_process = args.prompts or stage.rollout_batch_size // processes
     folder = args.model or str(tiny.materialize("tiny-llama", REPO / "benchmarks" / "out" / "builtin"))
     tokenizer = models.load_tokenizer(folder)
-    attention = models.attention_implementation(stage.attention, on_gpu=args.device.startswith("cuda"))
+    attention = models.attention_implementation(stage.attention, args.device.startswith("cuda"), folder)
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention).to(args.device).eval()
     rows = dict(tiny.digits_splits())["train"]
     rng = random.Random(0)

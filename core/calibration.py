@@ -2,7 +2,7 @@
 
 The planner's time model needs rates of the machine a stage runs on: matmul TFLOP/s at the
 shapes the models multiply, GPU memory and host<->GPU copy bandwidth, one process's CPU Adam
-rate, NCCL's collective bandwidth. core/hardware.py holds datasheet numbers for them;
+rate and the host work of a whole offloaded optimizer step, NCCL's collective bandwidth. core/hardware.py holds datasheet numbers for them;
 a calibration file holds what a node really did (measured by stages/calibrate.py).
 
     {"version": 1, "node": "gpu07", "date": "2026-11-26T05:50:00+00:00",
@@ -13,6 +13,8 @@ a calibration file holds what a node really did (measured by stages/calibrate.py
                  "n": 8192, "dtype": "bf16", "tflops": 712.4}, ...],
      "memory_bandwidth_gbs": 2950.1, "host_to_gpu_gbs": 51.3, "gpu_to_host_gbs": 52.0,
      "cpu_adam": {"params_per_s": 1.1e9, "optimizer": "DeepSpeedCPUAdam", "threads": 16, "params": 67108864},
+     "offload_step": {"params_per_s": 4.2e8, "model": "codellama/CodeLlama-34b-hf", "layers": 1,
+                      "params": 692060160, "zero_stage": 3, "threads": 16, "step_s": 1.71, "copies_s": 0.06},
      "collective": {"all_gather_gbs": 361.0, "reduce_scatter_gbs": 355.2, "processes": 8, "bytes": 1073741824},
      "settings": {...}, "seconds": {"matmul": 21.0, ...}, "notes": ["..."]}
 
@@ -81,6 +83,22 @@ class CpuAdamRate:
 
 
 @dataclass(frozen=True)
+class OffloadStepRate:
+    """One process's host work in DeepSpeed's own offloaded optimizer step (optimizer_offload), on a
+    slice of a model the pipeline file trains: the norms, DeepSpeedCPUAdam, the fp32 and staging
+    copies, all the host does per parameter. The plan's host term is this work (pipeline/plan/rates.py)."""
+
+    params_per_s: Positive  # parameters stepped per second of host work (the upload of the new weights taken out)
+    model: str  # the model the slice is of, as the pipeline file names it
+    layers: Count  # its decoder layers in the slice, at the model's full width
+    params: Count  # the slice's trained parameters
+    zero_stage: int  # the stage's ZeRO stage (1-3) the step ran under
+    threads: Count  # the process's share of the node's cores
+    step_s: Positive  # the median optimizer step
+    copies_s: float  # of which the new weights' host->GPU copies (0 on a CPU), taken out of the rate
+
+
+@dataclass(frozen=True)
 class CollectiveRate:
     """NCCL collectives between the node's GPUs, one process per GPU; bus bandwidth as nccl-tests
     defines it: the full tensor's bytes x (W-1)/W / seconds, comparable to a link's speed."""
@@ -109,6 +127,7 @@ class Calibration:
     gpu_to_host_gbs: Optional[Positive]  # GPU -> pinned host memory copy
     cpu_adam: Optional[CpuAdamRate]
     collective: Optional[CollectiveRate]  # None with one GPU, or none
+    offload_step: Optional[OffloadStepRate] = None  # None: not measured (a note says why; files before it)
     settings: dict[str, Any] = field(default_factory=dict)  # sizes and repeats each measurement used
     seconds: dict[str, float] = field(default_factory=dict)  # wall time each measurement took
     notes: tuple[str, ...] = ()  # what was not measured and why; anything unusual seen

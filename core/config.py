@@ -372,8 +372,16 @@ class TrainingKnobs(Strict):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: far less memory, ~30% more compute."
     )
+    checkpoint_offload: bool = Field(
+        False, description="With gradient_checkpointing: keep each decoder layer's checkpointed input in pinned "
+        "host memory instead of on the GPU, brought back when the backward recomputes the layer (as ALST does): "
+        "layers x tokens x hidden x 2 bytes a process leave the GPU for host RAM (`plan` counts it), for two "
+        "PCIe copies of each layer's input a micro batch. The same loss and gradients.",
+    )
     attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
-        "auto", description="Attention kernel; auto = flash_attention_2 when installed and on GPU, else sdpa."
+        "auto", description="Attention kernel; auto = the fastest the model's family supports: "
+        "flash_attention_2 when installed and on GPU, else sdpa, else eager (Gemma-2, gpt-oss). A kernel the "
+        "model refuses is refused by validate."
     )
     sequence_parallel: int = Field(
         1, ge=1, le=1024,
@@ -406,7 +414,7 @@ class TrainingKnobs(Strict):
     )
     lora: Optional[LoraSpec] = Field(None, description="Train LoRA adapters instead of all parameters.")
     max_len: int = Field(
-        2048, ge=8, le=1_000_000,
+        2048, ge=8,
         description="Longest tokenised sequence; longer ones lose their last tokens, and rows left with nothing "
         "to learn are dropped (see max_truncated_share).",
     )
@@ -533,6 +541,13 @@ class StageBase(TrainingKnobs):
             raise ValueError(f"sequence_parallel {self.sequence_parallel} needs attention: "
                              f"{' or '.join(SHARDABLE_ATTENTION)}, not {self.attention} (eager attention builds a "
                              f"full mask of its own that the sequence exchange cannot use)")
+        return self
+
+    @model_validator(mode="after")
+    def _offloads_only_checkpoints(self):
+        if self.checkpoint_offload and not self.gradient_checkpointing:
+            raise ValueError("checkpoint_offload keeps the checkpointed layer inputs in host memory: it needs "
+                             "gradient_checkpointing: true")
         return self
 
     @model_validator(mode="after")

@@ -8,6 +8,8 @@ Python (no torch): the planner runs on login nodes.
 
 from __future__ import annotations
 
+from typing import Optional
+
 # ZeRO's reduce / all-gather / prefetch buckets, in elements. DeepSpeed's 5e8 default
 # suits GPUs; on CPU buckets that size make every step take seconds.
 GPU_BUCKET_ELEMENTS = int(5e8)
@@ -21,8 +23,17 @@ FROZEN_PREFETCH_ELEMENTS = int(5e7)  # stage3_prefetch_bucket_size, which frozen
 
 
 def bucket_elements(on_gpu: bool) -> int:
-    """Elements per ZeRO communication bucket on GPUs or on CPU."""
+    """Elements per ZeRO all-gather and prefetch bucket on GPUs or on CPU."""
     return GPU_BUCKET_ELEMENTS if on_gpu else CPU_BUCKET_ELEMENTS
+
+
+def reduce_bucket_elements(on_gpu: bool, trained: Optional[int] = None) -> int:
+    """Elements per gradient (reduce) bucket for a model that trains `trained` parameters (None:
+    not known, as many as a bucket holds). DeepSpeed allocates each bucket whole at the first
+    backward, two with overlap_comm, whatever fills them: LoRA on Llama-3-8B trains 168M
+    parameters, and 5e8-element buckets held 1.2 GiB that no gradient ever used."""
+    limit = bucket_elements(on_gpu)
+    return limit if trained is None else max(1, min(limit, trained))
 
 
 def persistence_threshold(hidden: int) -> int:

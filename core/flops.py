@@ -3,9 +3,11 @@ MFU and the MFU a running stage measures, so a wrong prediction shows in the run
 own numbers. Pure Python (no torch).
 
 A forward pass costs, per token of a sequence of n tokens, 2 FLOPs per matmul
-parameter (the input embedding is a lookup; a tied output embedding is a matmul)
-plus 4 * layers * q_width * n for the attention scores and their weighted sum
-(counted in full, as PaLM and Megatron count them). The backward pass costs twice
+parameter it goes through (the input embedding is a lookup; a tied output embedding
+is a matmul; of a mixture of experts' layer, the router and the experts_per_token
+experts the token is routed to) plus 2 * layers * (q_width + out_width) * n for the
+attention scores and their weighted sum, 4 * layers * q_width * n where heads are
+alike (counted in full, as PaLM and Megatron count them). The backward pass costs twice
 the forward; with LoRA the frozen weights need no gradient of their own, so it
 costs one forward plus 2 FLOPs per trained parameter. Gradient checkpointing's
 recomputed forward is executed work, not model work: it is not counted in MFU.
@@ -25,7 +27,7 @@ from core.shapes import ModelShape
 
 
 def _matmul_params(shape: ModelShape, head: str) -> int:
-    matmul = shape.params_with_head(head) - shape.embedding_params
+    matmul = shape.active_params_with_head(head) - shape.embedding_params
     if head == "lm" and shape.tied_embeddings:
         matmul += shape.embedding_params  # the tied table is also the output matmul
     return matmul
@@ -38,7 +40,7 @@ def matmul_flops_per_position(shape: ModelShape, head: str) -> float:
 
 def attention_flops(shape: ModelShape, attended: float) -> float:
     """Forward FLOPs of the attention scores and their weighted sum over `attended` query-key pairs."""
-    return 4 * shape.layers * shape.q_width * attended
+    return 2 * shape.layers * (shape.q_width + shape.out_width) * attended
 
 
 def forward_flops_per_token(shape: ModelShape, head: str, length: int) -> float:

@@ -10,36 +10,35 @@ Parameter count of a Llama-style decoder (SwiGLU MLP, RMSNorm, RoPE):
   + layers * [ q: h*H*d, k and v: h*K*d each, o: H*d*h   (H heads, K KV heads, d = head dim)
                + MLP gate/up/down: 3*h*i  + two norms: 2*h  (+ q/k/v biases (H+2K)*d if any) ]
   + final norm h
+What a family holds besides (more norms, q/k norms, biases, attention sinks; DeepSeek's latent
+attention) is core/families.py's. A mixture-of-experts layer holds, in place of the MLP, a
+router E*h and E experts of 3*h*i_e each (+ shared experts): memory counts all E, FLOPs the k
+experts each token goes through (experts_per_token) and the router.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Optional
 
+from core.families import PATCHED_FAMILIES  # noqa: F401  (stages/compat.py reads it from here)
+from core.families import (
+    FAMILIES,
+    Family,
+    LatentAttention,
+    biases,
+    expert_fields,
+    family,
+    latent_attention,
+    uncountable,
+)
+
 BUILTIN_PREFIX = "builtin:"
 
-# Decoder families by transformers model_type, the one list: `exact` when the formula above
-# describes the family (others are estimated with it and flagged), `patched` when stages/compat.py's
-# load-time patches (rotary_fp32, logits_native_dtype, flash_varlen) cover its modelling module.
-MODEL_FAMILIES = {
-    "llama": {"exact": True, "patched": True},
-    "mistral": {"exact": True, "patched": True},
-    "qwen2": {"exact": True, "patched": True},
-    "mixtral": {"exact": False, "patched": True},  # mixture of experts: not the dense formula
-    **{t: {"exact": True, "patched": False}
-       for t in ("qwen3", "yi", "internlm2", "gemma", "gemma2", "olmo", "olmo2", "granite")},
-}
-LLAMA_LIKE = {t for t, family in MODEL_FAMILIES.items() if family["exact"]}
-PATCHED_FAMILIES = tuple(t for t, family in MODEL_FAMILIES.items() if family["patched"])
-
-# model_types whose q/k/v projections carry a bias
-QKV_BIAS_TYPES = {"qwen2"}
-
-# transformers' own defaults for tie_word_embeddings when config.json omits it
-UNTIED_BY_DEFAULT = {"llama", "mistral", "qwen2", "qwen3", "yi", "internlm2", "olmo", "olmo2", "mixtral"}
+COUNTED_FAMILIES = tuple(t for t, f in FAMILIES.items() if f.counted)
 
 
 class ShapeNotFound(ValueError):
@@ -49,7 +48,7 @@ class ShapeNotFound(ValueError):
 @dataclass(frozen=True)
 class ModelShape:
     hidden: int
-    intermediate: int
+    intermediate: int  # the dense MLP's width (mixtral, gpt_oss: each expert's)
     layers: int
     heads: int
     kv_heads: int
@@ -59,9 +58,46 @@ class ModelShape:
     qkv_bias: bool = False
     model_type: str = "llama"
     head_dim_override: Optional[int] = None
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # mixture of experts: routed experts per expert layer (0: dense), how many each token goes
+    # through, each one's width, the shared experts' width, and the layers that stay dense
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    dense_layers: tuple = ()
+    latent: Optional[LatentAttention] = None
     # Not a size (so not part of a shape's equality): kept so a scale model (pipeline/scale.py) has the real one.
     rope_theta: Optional[float] = field(default=None, compare=False)
     source: str = field(default="", compare=False)
+
+    # ------------------------------------------------------------ family
+
+    @property
+    def family(self) -> Family:
+        return family(self.model_type)
+
+    @property
+    def is_counted(self) -> bool:
+        """Its family's count is checked against transformers' own (core/families.py); else estimated."""
+        return self.family.counted
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def expert_layer(self, index: int) -> bool:
+        return self.is_moe and index not in self.dense_layers
+
+    @cached_property
+    def expert_layers(self) -> int:
+        return sum(1 for i in range(self.layers) if self.expert_layer(i))
+
+    def _layer_kinds(self) -> list[int]:
+        """One decoder layer of each kind (dense, expert): the others repeat them."""
+        first = {self.expert_layer(i): i for i in reversed(range(self.layers))}
+        return sorted(first.values())
 
     # ------------------------------------------------------------ dimensions
 
@@ -71,28 +107,67 @@ class ModelShape:
 
     @property
     def q_width(self) -> int:
-        return self.heads * self.head_dim
+        return self.heads * (self.latent.qk_head if self.latent else self.head_dim)
 
     @property
     def kv_width(self) -> int:
-        return self.kv_heads * self.head_dim
+        """Keys' width per position (latent attention: one per query head)."""
+        return self.heads * self.latent.qk_head if self.latent else self.kv_heads * self.head_dim
 
     @property
-    def is_llama_like(self) -> bool:
-        return self.model_type in LLAMA_LIKE
+    def v_width(self) -> int:
+        return self.heads * self.latent.v_head if self.latent else self.kv_width
+
+    @property
+    def out_width(self) -> int:
+        """The attention's output per position, o_proj's input."""
+        return self.heads * self.latent.v_head if self.latent else self.q_width
+
+    @property
+    def attention_io_width(self) -> int:
+        """q, k, v and the output per position: what the attention keeps and Ulysses exchanges."""
+        return self.q_width + self.kv_width + self.v_width + self.out_width
+
+    @cached_property
+    def mlp_width(self) -> int:
+        """The MLP intermediate one token goes through (an expert layer: its k experts' and the
+        shared ones'), the widest layer's."""
+        return max(self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate
+                   if self.expert_layer(i) else self.intermediate for i in self._layer_kinds())
+
+    def attention_linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of a decoder layer's attention projections, by peft module name."""
+        h, lat = self.hidden, self.latent
+        if lat is None:
+            return {"q_proj": (h, self.q_width), "k_proj": (h, self.kv_width), "v_proj": (h, self.kv_width),
+                    "o_proj": (self.q_width, h)}
+        q = ({"q_a_proj": (h, lat.q_rank), "q_b_proj": (lat.q_rank, self.q_width)} if lat.q_rank
+             else {"q_proj": (h, self.q_width)})
+        return {**q, "kv_a_proj_with_mqa": (h, lat.kv_rank + lat.qk_rope),
+                "kv_b_proj": (lat.kv_rank, self.heads * (lat.qk_nope + lat.v_head)), "o_proj": (self.out_width, h)}
+
+    def _mlp_linears(self, width: int) -> dict[str, tuple[int, int]]:
+        h = self.hidden
+        return {"gate_proj": (h, width), "up_proj": (h, width), "down_proj": (width, h)}
+
+    def layer_linears(self, index: int) -> dict[str, tuple[int, int]]:
+        """The Linear modules of decoder layer `index`, by the names peft's target_modules match:
+        the attention's, and the MLP's (a dense layer) or the shared experts' (an expert layer;
+        routed experts are 3-d parameters in transformers 5, no Linear of their own)."""
+        linears = self.attention_linears()
+        if not self.expert_layer(index):
+            linears.update(self._mlp_linears(self.intermediate))
+        elif self.shared_expert_intermediate:
+            linears.update(self._mlp_linears(self.shared_expert_intermediate))
+            if self.family.shared_expert == "qwen2":
+                linears["shared_expert_gate"] = (self.hidden, 1)
+        return linears
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each linear layer of one decoder layer, by peft module name."""
-        h, i = self.hidden, self.intermediate
-        return {
-            "q_proj": (h, self.q_width),
-            "k_proj": (h, self.kv_width),
-            "v_proj": (h, self.kv_width),
-            "o_proj": (self.q_width, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
+        """(in, out) features of the products one decoder layer multiplies, by peft module name:
+        its attention and a dense MLP, or one expert (the shapes a matmul rate is measured at)."""
+        width = self.expert_intermediate if self.is_moe and not self.dense_layers else self.intermediate
+        return {**self.attention_linears(), **self._mlp_linears(width)}
 
     # ------------------------------------------------------------ counts
 
@@ -105,17 +180,78 @@ class ModelShape:
         """Extra parameters of the language-model head (none when tied to the embeddings)."""
         return 0 if self.tied_embeddings else self.vocab * self.hidden
 
-    @property
-    def layer_params(self) -> int:
-        bias = (self.q_width + 2 * self.kv_width) if self.qkv_bias else 0
-        return sum(a * b for a, b in self.linear_dims().values()) + bias + 2 * self.hidden
+    def _attention_tensors(self) -> list[int]:
+        fam, lat = self.family, self.latent
+        tensors: list[int] = []
+        for name, (a, b) in self.attention_linears().items():
+            tensors.append(a * b)
+            if name in ("q_proj", "k_proj", "v_proj") and self.qkv_bias and lat is None:
+                tensors.append(b)
+            elif name in ("q_a_proj", "kv_a_proj_with_mqa") and self.qkv_bias:
+                tensors.append(b)
+            elif name == "o_proj" and self.o_bias:
+                tensors.append(b)
+            if name == "q_a_proj":
+                tensors.append(lat.q_rank)  # q_a_layernorm
+            elif name == "kv_a_proj_with_mqa":
+                tensors.append(lat.kv_rank)  # kv_a_layernorm
+        if fam.qk_norm == "head":
+            tensors += [self.head_dim, self.head_dim]
+        elif fam.qk_norm == "width":
+            tensors += [self.q_width, self.kv_width]
+        if fam.sinks:
+            tensors.append(self.heads)
+        return tensors
+
+    def _mlp_tensors(self, width: int, biased: bool) -> list[int]:
+        h = self.hidden
+        return [h * width, h * width, width * h] + ([width, width, h] if biased else [])
 
     @property
+    def expert_params(self) -> int:
+        """One routed expert's parameters (gate, up, down; gpt_oss: their biases)."""
+        i, h = self.expert_intermediate, self.hidden
+        return 3 * h * i + (2 * i + h if self.family.expert_biases else 0)
+
+    def _expert_layer_tensors(self) -> list[int]:
+        fam, h, e, i = self.family, self.hidden, self.experts, self.expert_intermediate
+        tensors = [e * h] + ([e] if fam.expert_biases else [])  # the router
+        tensors += [e * 2 * i * h, e * i * h]  # gate and up fused, down: transformers 5's layout
+        if fam.expert_biases:
+            tensors += [e * 2 * i, e * h]
+        if self.shared_expert_intermediate:
+            tensors += self._mlp_tensors(self.shared_expert_intermediate, self.mlp_bias)
+            if fam.shared_expert == "qwen2":
+                tensors.append(h)  # shared_expert_gate
+        return tensors
+
+    def layer_tensors(self, index: int) -> list[int]:
+        """numel of every parameter tensor of decoder layer `index` (weights, biases, norms)."""
+        norms = [self.hidden] * self.family.layer_norms if self.family.norm_weights else []
+        mlp = (self._expert_layer_tensors() if self.expert_layer(index)
+               else self._mlp_tensors(self.intermediate, self.mlp_bias))
+        return norms[:1] + self._attention_tensors() + mlp + norms[1:]
+
+    @cached_property
+    def layer_params(self) -> int:
+        """Parameters of the largest decoder layer (what ZeRO-3 gathers at once)."""
+        return max(sum(self.layer_tensors(i)) for i in self._layer_kinds())
+
+    @cached_property
+    def decoder_params(self) -> int:
+        """Parameters of all decoder layers."""
+        return sum(sum(self.layer_tensors(i)) for i in range(self.layers))
+
+    @property
+    def final_norm_params(self) -> int:
+        return self.hidden if self.family.norm_weights else 0
+
+    @cached_property
     def trunk_params(self) -> int:
         """Embeddings, decoder layers and final norm: everything but the output head."""
-        return self.embedding_params + self.layers * self.layer_params + self.hidden
+        return self.embedding_params + self.decoder_params + self.final_norm_params
 
-    @property
+    @cached_property
     def n_params(self) -> int:
         """Parameters of the causal LM (trunk + lm_head)."""
         return self.trunk_params + self.lm_head_params
@@ -124,48 +260,97 @@ class ModelShape:
         """'lm': next-token head; 'scalar': a reward/value model's Linear(h, 1) instead."""
         return self.n_params if head == "lm" else self.trunk_params + self.hidden
 
+    @cached_property
+    def inactive_expert_params(self) -> int:
+        """Parameters of the routed experts a token does not go through, over all layers."""
+        return self.expert_layers * max(0, self.experts - self.experts_per_token) * self.expert_params
+
+    def active_params_with_head(self, head: str) -> int:
+        """The parameters one token's forward multiplies by (all of them in a dense model)."""
+        return self.params_with_head(head) - self.inactive_expert_params
+
+    @cached_property
+    def mlp_active_params(self) -> int:
+        """The MLPs' matmul parameters one token goes through, over all layers (router included)."""
+        h, total = self.hidden, 0
+        for i in range(self.layers):
+            if self.expert_layer(i):
+                total += h * self.experts + 3 * h * (self.experts_per_token * self.expert_intermediate
+                                                     + self.shared_expert_intermediate)
+            else:
+                total += 3 * h * self.intermediate
+        return total
+
     def parameter_tensors(self, head: str = "lm") -> list[int]:
         """numel of every parameter tensor, in model order (for ZeRO-3 persistence and
         the largest tensor a buffer must hold)."""
-        per_layer = [self.hidden]  # input norm
-        for name, (a, b) in self.linear_dims().items():
-            per_layer.append(a * b)
-            if self.qkv_bias and name in ("q_proj", "k_proj", "v_proj"):
-                per_layer.append(b)
-        per_layer.append(self.hidden)  # post-attention norm
-        tensors = [self.embedding_params] + per_layer * self.layers + [self.hidden]
+        return list(_parameter_tensors(self, head))
+
+    def _parameter_tensors(self, head: str) -> tuple[int, ...]:
+        tensors = [self.embedding_params]
+        for i in range(self.layers):
+            tensors += self.layer_tensors(i)
+        tensors += [self.hidden] if self.family.norm_weights else []
         if head == "lm":
             if not self.tied_embeddings:
                 tensors.append(self.vocab * self.hidden)
         else:
             tensors.append(self.hidden)
-        return tensors
+        return tuple(tensors)
+
+    def _adapted(self, targets) -> list[list[tuple[int, int]]]:
+        """(in, out) of each adapted Linear, per decoder layer. As peft, a target some layer lacks
+        adapts nothing there (an expert model's gate_proj); ValueError when no target is anywhere."""
+        per_layer = [[linears[t] for t in targets if t in linears]
+                     for linears in (self.layer_linears(i) for i in range(self.layers))]
+        names = set().union(*(self.layer_linears(i) for i in self._layer_kinds())) | {"lm_head", "embed_tokens"}
+        if not names.intersection(targets):
+            raise ValueError(f"LoRA target modules {', '.join(targets)}: none is a layer of a {self.model_type} "
+                             f"model; known: {', '.join(sorted(names))}")
+        return per_layer
 
     def lora_tensors(self, rank: int, targets) -> list[int]:
         """numel of every LoRA adapter tensor (A: r x in, B: out x r) for the target modules."""
-        dims = self.linear_dims()
-        per_layer: list[int] = []
-        extra: list[int] = []
+        tensors = [n for layer in self._adapted(targets) for a, b in layer for n in (rank * a, b * rank)]
         for target in targets:
-            if target in dims:
-                a, b = dims[target]
-                per_layer += [rank * a, b * rank]
-            elif target == "lm_head":
-                extra += [rank * self.hidden, self.vocab * rank]
+            if target == "lm_head":
+                tensors += [rank * self.hidden, self.vocab * rank]
             elif target == "embed_tokens":
-                extra += [rank * self.vocab, self.hidden * rank]
-            else:
-                known = ", ".join(list(dims) + ["lm_head", "embed_tokens"])
-                raise ValueError(f"LoRA target module '{target}' is not a layer of a {self.model_type} model; known: {known}")
-        return per_layer * self.layers + extra
+                tensors += [rank * self.vocab, self.hidden * rank]
+        return tensors
+
+    def trained_tensors(self, head: str, lora_rank: Optional[int] = None, lora_targets=()) -> list[int]:
+        """numel of every tensor a stage trains of this model: all of them, or with LoRA its adapters
+        (and a reward or value model's scalar head, which peft trains in full: modules_to_save)."""
+        if not lora_rank:
+            return self.parameter_tensors(head)
+        return self.lora_tensors(lora_rank, lora_targets) + ([self.hidden] if head == "scalar" else [])
 
     def lora_params(self, rank: int, targets) -> int:
         """Trainable adapter parameters: r x (in + out) per targeted linear layer."""
         return sum(self.lora_tensors(rank, targets))
 
+    def lora_layer_params(self, rank: int, targets) -> int:
+        """Adapter parameters of the decoder layer that has the most."""
+        return max((rank * sum(a + b for a, b in layer) for layer in self._adapted(targets)), default=0)
+
+    def lora_features(self, targets) -> int:
+        """In + out features of every adapted Linear of the decoder layers (not the head's)."""
+        return sum(a + b for layer in self._adapted(targets) for a, b in layer)
+
     def describe(self) -> str:
+        experts = ""
+        if self.is_moe:
+            active = count_text(self.active_params_with_head("lm"))
+            experts = f", {self.experts} experts ({self.experts_per_token} per token: {active} active)"
         return (f"{count_text(self.n_params)} params: hidden {self.hidden}, {self.layers} layers, "
-                f"{self.heads} heads ({self.kv_heads} KV), vocab {self.vocab}")
+                f"{self.heads} heads ({self.kv_heads} KV), vocab {self.vocab}{experts}")
+
+
+# The planner asks for a shape's tensors thousands of times while it searches for fixes.
+@lru_cache(maxsize=64)
+def _parameter_tensors(shape: ModelShape, head: str) -> tuple[int, ...]:
+    return shape._parameter_tensors(head)
 
 
 def count_text(n: float) -> str:
@@ -187,7 +372,8 @@ def _first(config: dict, *keys, default=None):
 
 
 def from_config_json(config: dict, source: str = "") -> ModelShape:
-    """A shape from a Hugging Face config.json (already parsed)."""
+    """A shape from a Hugging Face config.json (already parsed). ValueError for one that is not a
+    decoder, or of a family the planner cannot count (core/families.py uncountable)."""
     if "text_config" in config and "hidden_size" not in config:
         config = {**config["text_config"], "model_type": config.get("model_type")}
     model_type = str(config.get("model_type") or "llama")
@@ -200,21 +386,31 @@ def from_config_json(config: dict, source: str = "") -> ModelShape:
                if value is None]
     if missing:
         raise ValueError(f"{source or 'config.json'} has no {', '.join(missing)}; is it a decoder language model?")
-    tied_default = model_type not in UNTIED_BY_DEFAULT
+    refused = uncountable(config, model_type)
+    if refused:
+        raise ValueError(f"{source or 'config.json'}: {refused}")
+    fam = family(model_type)
+    intermediate = int(_first(config, "intermediate_size", "n_inner", "ffn_dim", default=4 * int(hidden)))
+    qkv_bias, o_bias = biases(config, fam)
+    latent = latent_attention(config) if fam.latent_attention else None
     return ModelShape(
         hidden=int(hidden),
-        intermediate=int(_first(config, "intermediate_size", "n_inner", "ffn_dim", default=4 * int(hidden))),
+        intermediate=intermediate,
         layers=int(layers),
         heads=int(heads),
-        kv_heads=int(_first(config, "num_key_value_heads", default=heads)),
+        kv_heads=int(heads) if latent else int(_first(config, "num_key_value_heads", default=heads)),
         vocab=int(vocab),
         max_positions=int(_first(config, "max_position_embeddings", "n_positions", "max_sequence_length", default=0)),
-        tied_embeddings=bool(config.get("tie_word_embeddings", tied_default)),
-        qkv_bias=bool(config.get("attention_bias", model_type in QKV_BIAS_TYPES)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", not fam.untied)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=fam.mlp_bias and bool(config.get("mlp_bias")),
         model_type=model_type,
-        head_dim_override=_head_dim_override(config, int(hidden), int(heads)),
+        head_dim_override=None if latent else _head_dim_override(config, int(hidden), int(heads)),
+        latent=latent,
         rope_theta=_rope_theta(config),
         source=source,
+        **expert_fields(config, fam, int(layers), intermediate),
     )
 
 
@@ -240,6 +436,16 @@ def to_config_json(shape: ModelShape) -> dict:
     if shape.rope_theta is not None:
         config["rope_theta"] = shape.rope_theta
     return config
+
+
+def builtin_config(hub_id: str) -> Optional[dict]:
+    """The config.json of a hub id of the built-in table: as published (the experts'), or written
+    from its shape (to_config_json); None for a hub id not in the table."""
+    shape = _builtin_lookup(hub_id)
+    if shape is None:
+        return None
+    published = {k.lower(): v for k, v in _EXPERT_CONFIGS.items()}.get(hub_id.lower())
+    return dict(published) if published else to_config_json(shape)
 
 
 def _head_dim_override(config: dict, hidden: int, heads: int) -> Optional[int]:
@@ -277,13 +483,38 @@ _TABLE = {
     "01-ai/Yi-34B": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000, max_positions=4096, rope_theta=5e6),
     "01-ai/Yi-34B-200K": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000, max_positions=200000, rope_theta=1e7),
     "meta-llama/Meta-Llama-3-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, max_positions=8192, rope_theta=5e5),
+    "meta-llama/Llama-3.1-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, max_positions=131072, rope_theta=5e5),
     "meta-llama/Meta-Llama-3-70B": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256, max_positions=8192, rope_theta=5e5),
     "mistralai/Mistral-7B-v0.1": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=32000, max_positions=32768, model_type="mistral", rope_theta=1e4),
     "Qwen/Qwen1.5-7B": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=151936, max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),
     "Qwen/Qwen1.5-1.8B": dict(hidden=2048, intermediate=5504, layers=24, heads=16, kv_heads=16, vocab=151936, max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),
 }
+# Mixtures of experts, as their published config.json files give them (the fields that size them).
+_EXPERT_CONFIGS = {
+    "mistralai/Mixtral-8x7B-v0.1": dict(
+        model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, num_local_experts=8,
+        num_experts_per_tok=2, rope_theta=1e6),
+    "Qwen/Qwen3-30B-A3B": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False,
+        rope_theta=1e6),
+    "openai/gpt-oss-20b": dict(
+        model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, vocab_size=201088, max_position_embeddings=131072, num_local_experts=32,
+        num_experts_per_tok=4, attention_bias=True, tie_word_embeddings=False, rope_theta=150000),
+    "deepseek-ai/DeepSeek-V3": dict(
+        model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, vocab_size=129280,
+        max_position_embeddings=163840, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+        first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, tie_word_embeddings=False, rope_theta=10000),
+}
 BUILTIN_SHAPES: dict[str, ModelShape] = {
-    hub_id: ModelShape(**dims, source=f"built-in table ({hub_id})") for hub_id, dims in _TABLE.items()
+    **{hub_id: ModelShape(**dims, source=f"built-in table ({hub_id})") for hub_id, dims in _TABLE.items()},
+    **{hub_id: from_config_json(config, source=f"built-in table ({hub_id})")
+       for hub_id, config in _EXPERT_CONFIGS.items()},
 }
 
 

@@ -6,12 +6,13 @@ batch's tokens, in the stages' precision), where (its executor's: this machine, 
 with the file's cluster section), and the file (core/calibration.py). On the node, stages/calibrate.py
 measures.
 
-Without a GPU here, a local calibration measures what a CPU can (the CPU Adam rate) and writes
-cpu.json with every GPU field null; --require-gpu refuses instead (exit 2).
+Without a GPU here, a local calibration measures what a CPU can (the CPU Adam rate, the offloaded
+optimizer step) and writes cpu.json with every GPU field null; --require-gpu refuses instead (exit 2).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from dataclasses import dataclass
@@ -22,11 +23,12 @@ from core import calibration, hardware, kinds, runfolder
 from core.calibration import Calibration
 from core.config import PipelineSpec
 from core.errors import InvalidInput
-from core.shapes import resolve_shape
+from core.shapes import builtin_config, from_config_json, resolve_shape, to_config_json
 from pipeline.hfcache import hf_cache
 from pipeline.plan.estimate import stage_models
 from pipeline.plan.inputs import Knobs
 from pipeline.plan.planner import _stage_model_name
+from pipeline.preflight import model_folder
 
 # The square product every calibration times beside the file's shapes: the matmul ceiling
 # people quote, comparable between nodes and pipelines.
@@ -58,17 +60,33 @@ class Sizes:
     cpu_adam_params: int  # fp32 parameters CPU Adam steps (4 bytes each, plus grads, m and v)
     cpu_adam_steps: int  # timed steps (median kept), after a warm-up step
     cpu_adam_budget_s: float  # fewer steps if they would take longer (the first JIT build is not counted)
+    offload_params: int  # about this many parameters in the offloaded step's slice (whole layers, at least one)
+    offload_steps: int  # timed offloaded steps (median kept), after a warm-up step
     collective_bytes: int  # the full tensor each collective gathers or reduces
     collective_repeats: int
     collective_timeout_s: float  # the spawned processes are stopped after this (NCCL start-up included)
 
 
 FULL = Sizes(matmul_repeats=10, matmul_budget_s=240, copy_bytes=2**30, copy_repeats=10,
-             cpu_adam_params=2**26, cpu_adam_steps=10, cpu_adam_budget_s=60,
+             cpu_adam_params=2**26, cpu_adam_steps=10, cpu_adam_budget_s=60, offload_params=2**27, offload_steps=5,
              collective_bytes=2**30, collective_repeats=10, collective_timeout_s=180)
 QUICK = Sizes(matmul_repeats=3, matmul_budget_s=60, copy_bytes=2**28, copy_repeats=3,
-              cpu_adam_params=2**22, cpu_adam_steps=5, cpu_adam_budget_s=15,
+              cpu_adam_params=2**22, cpu_adam_steps=5, cpu_adam_budget_s=15, offload_params=2**22, offload_steps=3,
               collective_bytes=2**26, collective_repeats=3, collective_timeout_s=120)
+
+
+@dataclass(frozen=True)
+class OffloadSlice:
+    """The model whose offloaded optimizer step is timed: the first layers of a model the file
+    trains, at its full width, as many as make about Sizes.offload_params parameters (one at least),
+    with a small vocabulary (the host's work per parameter is the same in every tensor)."""
+
+    model: str  # as the pipeline file names it
+    config: dict  # the slice's config.json
+    layers: int
+    params: int  # trained parameters (core/shapes.py's count of the slice)
+    precision: str
+    zero_stage: int  # the stage's (1-3; ZeRO-2 for a stage without ZeRO, which cannot offload)
 
 
 @dataclass(frozen=True)
@@ -79,6 +97,7 @@ class Request:
     processes_per_node: int  # the pipeline's: a stage process's share of the cores is cores // this
     sizes: Sizes
     require_gpu: bool  # refuse (InvalidInput) rather than measure only the CPU when no GPU is visible
+    offload: Optional[OffloadSlice] = None  # None: the offloaded step is not measured (request says why)
 
 
 def gemms(spec: PipelineSpec) -> list[Gemm]:
@@ -114,8 +133,44 @@ def gemms(spec: PipelineSpec) -> list[Gemm]:
     return list(found.values())
 
 
+SLICE_VOCAB = 256
+
+
+def offload_slice(spec: PipelineSpec, sizes: Sizes) -> Optional[OffloadSlice]:
+    """The slice of the model of the file's first stage that offloads its optimizer (else its first
+    stage) whose offloaded step calibrate times; None where the model's config.json is not here."""
+    cache = hf_cache(spec)
+    stage = next((s for s in spec.stages if s.optimizer_offload), spec.stages[0])
+    model = _stage_model_name(spec, stage)
+    config = _config_json(model, cache)
+    if config is None:
+        return None
+    shape = resolve_shape(model, cache.hub)
+    layers = max(1, min(shape.layers, sizes.offload_params // max(1, shape.layer_params)))
+    config = {**{k: v for k, v in config.items() if k not in ("quantization_config", "_name_or_path")},
+              "num_hidden_layers": layers, "vocab_size": SLICE_VOCAB, "tie_word_embeddings": False}
+    for key in ("layer_types", "mlp_only_layers"):  # per-layer lists: the slice's layers only
+        if isinstance(config.get(key), list):
+            config[key] = [x for x in config[key] if key == "layer_types" or x < layers][:layers]
+    params = from_config_json(config).n_params
+    return OffloadSlice(model, config, layers, params, stage.precision, stage.zero_stage or 2)
+
+
+def _config_json(model: str, cache) -> Optional[dict]:
+    """A model's config.json: its folder's (local or in the hub cache), the built-in table's."""
+    folder = model_folder(model, cache)
+    if folder is not None and (folder / "config.json").is_file():
+        return json.loads((folder / "config.json").read_text())
+    try:
+        return builtin_config(model) or to_config_json(resolve_shape(model, cache.hub))
+    except ValueError:
+        return None
+
+
 def request(spec: PipelineSpec, quick: bool, require_gpu: bool) -> Request:
-    return Request(tuple(gemms(spec)), spec.cluster.processes_per_node, QUICK if quick else FULL, require_gpu)
+    sizes = QUICK if quick else FULL
+    return Request(tuple(gemms(spec)), spec.cluster.processes_per_node, sizes, require_gpu,
+                   offload_slice(spec, sizes))
 
 
 # --------------------------------------------------------------------------- where it runs
@@ -189,6 +244,12 @@ def summary(result: Calibration, path: Path, spec: PipelineSpec) -> str:
                   "", _seconds(result, "cpu_adam")),
                  (f"  x {result.processes_per_node} processes (node)",
                   _rate(result.cpu_adam_params_per_s_per_node / 1e9, "G params/s"), "", "")]
+    step = result.offload_step
+    if step:
+        rows.append((f"offloaded optimizer step (DeepSpeed, ZeRO-{step.zero_stage}, {step.layers} layer"
+                     f"{'s' if step.layers > 1 else ''} of {step.model}), 1 process, {step.threads} "
+                     f"thread{'s' if step.threads > 1 else ''}",
+                     _rate(step.params_per_s / 1e9, "G params/s"), "", _seconds(result, "offload_step")))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [f"calibration of {result.node}: {gpu}, {result.cores_available} cores, "
              f"{result.processes_per_node} processes per node", f"  written to {path}", ""]

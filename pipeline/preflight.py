@@ -9,7 +9,8 @@ InvalidInput (exit 2) naming the field, file or row, what is wrong and what to d
   (pipeline/modelfiles.py) and whose names and shapes config.json describes (as far as
   pipeline/weightnames.py can tell), and a tokenizer; hub ids are in the local cache, or
   the hub answers (local runs only: a Slurm `run` fetches them itself); max_len within
-  the model's positions; a chat template where the stage formats chats.
+  the model's positions; an attention kernel the model's family supports; a chat
+  template where the stage formats chats.
 - `from:` and `reward.model`: an upstream export the stage can start from.
 - data: a supported file (UTF-8, every row with the stage's columns), a dataset
   folder (its splits and columns), builtin:digits; eval_split as the data's kind
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from core import failure, kinds, reward_quality, rollout_engine, sequence_parallel
+from core.families import attention_kernel, attention_refusal, installed_transformers
 from core.config import BUILTIN_PREFIX, PipelineSpec
 from core.errors import InvalidInput
 from core.shapes import ShapeNotFound, cached_config, resolve_shape
@@ -61,6 +63,7 @@ def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
         check_upstream(spec, stage, where, cache)
         root = root_model(spec, stage)
         check_positions(stage, root, where, cache)
+        check_attention(spec, stage, root, where, cache)
         check_sequence_parallel(spec, stage, root, where, cache, spec.cluster.processes_per_node * stage.nodes,
                                 stack_is_here=executor.runs_this_python(spec))
         check_tiles(stage, where, stack_is_here=executor.runs_this_python(spec))
@@ -179,10 +182,7 @@ def check_sequence_parallel(spec: PipelineSpec, stage, root: str, where: str, ca
     a container's stack is checked by the stage itself when it starts)."""
     if stage.sequence_parallel == 1:
         return
-    models = {root: ""}
-    for field, name in stage.upstream_references:
-        models.setdefault(root_model(spec, spec.stage(name)), f", the {field}")
-    for model, which in models.items():
+    for model, which in loaded_models(spec, stage, root).items():
         shape = shape_of(model, cache)
         problem = shape and sequence_parallel.share_problem(shape.heads, shape.kv_heads, processes,
                                                             stage.sequence_parallel)
@@ -191,6 +191,35 @@ def check_sequence_parallel(spec: PipelineSpec, stage, root: str, where: str, ca
     problem = stack_is_here and sequence_parallel.stack_problem()
     if problem:
         raise InvalidInput(f"{where}.{problem}")
+
+
+def loaded_models(spec: PipelineSpec, stage, root: str) -> dict[str, str]:
+    """The models a stage loads (its own, and the upstream ones: ppo's reward model), each with
+    what to call it in a message ("" for its own)."""
+    models = {root: ""}
+    for field, name in stage.upstream_references:
+        models.setdefault(root_model(spec, spec.stage(name)), f", the {field}")
+    return models
+
+
+def check_attention(spec: PipelineSpec, stage, root: str, where: str, cache: HFCache) -> None:
+    """Every model the stage loads supports its attention kernel in the transformers installed here
+    (transformers refuses, e.g., sdpa for Gemma-2 from 5.21 on only when the stage loads the model:
+    core/families.py attention_refusal), and one that shares sequences (sequence_parallel) by the
+    kernel it runs where the stage runs."""
+    on_gpu, version = bool(spec.cluster.gpus_per_node), installed_transformers()
+    for model, which in loaded_models(spec, stage, root).items():
+        shape = shape_of(model, cache)
+        if shape is None:
+            continue
+        refusal = attention_refusal(stage.attention, shape.model_type, version)
+        if refusal:
+            raise InvalidInput(f"{where}.attention: model {model}{which}: {refusal}")
+        kernel = attention_kernel(stage.attention, shape.model_type, on_gpu, transformers_version=version)
+        if stage.sequence_parallel > 1 and kernel not in sequence_parallel.SHARDABLE_ATTENTION:
+            raise InvalidInput(f"{where}.sequence_parallel: model {model}{which} runs {kernel} attention "
+                               f"{'on GPUs' if on_gpu else 'on CPU'} (the fastest its family supports there), "
+                               "which cannot share sequences: sequence_parallel needs sdpa or flash_attention_2")
 
 
 def check_tiles(stage, where: str, stack_is_here: bool) -> None:

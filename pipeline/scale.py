@@ -31,7 +31,7 @@ from core.config import BUILTIN_PREFIX, PipelineSpec
 from core.errors import InvalidInput
 from core.runfolder import DESCRIPTION_FILE
 from core.runfolder import scale_model_folder
-from core.shapes import BUILTIN_SHAPES, to_config_json
+from core.shapes import builtin_config
 from pipeline.hfcache import HFCache
 from pipeline.preflight import model_folder
 
@@ -77,8 +77,8 @@ def describe(model: str, cache: HFCache, head_dim: int, where: str) -> dict:
             config = json.loads((folder / "config.json").read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise InvalidInput(f"{where}: {folder / 'config.json'} is not readable JSON ({err})") from None
-    elif model.lower() in {k.lower() for k in BUILTIN_SHAPES}:
-        config = to_config_json(next(v for k, v in BUILTIN_SHAPES.items() if k.lower() == model.lower()))
+    elif builtin_config(model) is not None:
+        config = builtin_config(model)
     else:
         raise InvalidInput(
             f"{where}: a scale model keeps {model}'s architecture, but its config.json is not on this machine "
@@ -102,8 +102,9 @@ def narrowed(config: dict, head_dim: int, where: str) -> dict:
     hidden = heads * head_dim
     out = {k: v for k, v in config.items() if k not in ("quantization_config", "_name_or_path")}
     out["hidden_size"] = hidden
-    if config.get("intermediate_size"):
-        out["intermediate_size"] = max(1, round(int(config["intermediate_size"]) * hidden / real_hidden))
+    for width in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if config.get(width):
+            out[width] = max(1, round(int(config[width]) * hidden / real_hidden))
     if "head_dim" in config:
         out["head_dim"] = head_dim
     return out

@@ -1,5 +1,6 @@
 """What `python -m pipeline calibrate` measures on a node: matmul rates at the pipeline's shapes,
-GPU memory and host<->GPU copy bandwidth, one process's CPU Adam rate, NCCL collective bandwidth.
+GPU memory and host<->GPU copy bandwidth, one process's CPU Adam rate and host work of a whole
+offloaded optimizer step, NCCL collective bandwidth.
 
 pipeline/calibrate.py decides what to measure (a Request) and calls `measure` here, in its own
 process or in a Slurm job; `measure` returns the calibration file's content as
@@ -83,9 +84,12 @@ def measure(request) -> dict:
             notes.append("one GPU visible: no collective to measure (collective is null)")
     else:
         notes.append(f"no CUDA GPU visible on {socket.gethostname()}: GPU rates cannot be measured without a GPU, "
-                     "so matmul, memory, host copy and collective are null; only the CPU Adam rate was measured")
+                     "so matmul, memory, host copy and collective are null; only the CPU's rates (CPU Adam, the offloaded "
+                     "optimizer step) were measured")
     cpu_adam = timed("cpu_adam", cpu_adam_rate, per_process, sizes.cpu_adam_params, sizes.cpu_adam_steps,
                      sizes.cpu_adam_budget_s, notes)
+    offload_step = timed("offload_step", offload_step_rate, request.offload, per_process, sizes.offload_steps,
+                         on_gpu, h2d, notes)
     return {
         "version": calibration.VERSION,
         "node": socket.gethostname(),
@@ -101,6 +105,7 @@ def measure(request) -> dict:
         "gpu_to_host_gbs": d2h,
         "cpu_adam": cpu_adam,
         "collective": collective,
+        "offload_step": offload_step,
         "settings": asdict(sizes),
         "seconds": seconds,
         "notes": notes,
@@ -234,6 +239,98 @@ def cpu_adam_rate(threads: int, params: int, steps: int, budget_s: float, notes:
     finally:
         torch.set_num_threads(previous)
     return {"params_per_s": _figures(params / seconds), "optimizer": name, "threads": threads, "params": params}
+
+
+# Host bytes per parameter of an offloaded step (fp32 master, m, v and gradient, the staging copy, the
+# weights): a slice that needs more than half the free memory is not measured.
+OFFLOAD_HOST_BYTES_PER_PARAM = 24
+OFFLOAD_SEQUENCE = 64  # tokens of the one micro batch whose gradients each timed step applies
+
+
+def offload_step_rate(offload, threads: int, steps: int, on_gpu: bool, h2d_gbs: Optional[float],
+                      notes: list) -> Optional[dict]:
+    """DeepSpeed's own offloaded optimizer step, as a stage with optimizer_offload configures it
+    (engine.deepspeed_config, engine.initialize), over `offload`'s slice (pipeline/calibrate.py
+    OffloadSlice) in one process on `threads` threads: its parameters per second of the step's host
+    work, the median of `steps` steps after a warm-up one; on a GPU the upload of the new weights
+    (at the measured host->GPU rate) is taken out, as the plan counts it apart. None, noted, where
+    the slice cannot be measured."""
+    if offload is None:
+        notes.append("the offloaded optimizer step was not measured: the config.json of the file's model is not "
+                     "on this machine; the plan keeps the records' host rate")
+        return None
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if offload.params * OFFLOAD_HOST_BYTES_PER_PARAM > free // 2:
+        notes.append(f"the offloaded optimizer step was not measured: {offload.layers} layer(s) of {offload.model} "
+                     f"need {offload.params * OFFLOAD_HOST_BYTES_PER_PARAM / GiB:.0f} GiB of host memory, "
+                     f"{free / GiB:.0f} GiB is free")
+        return None
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        step_s = _offloaded_step_seconds(offload, steps, on_gpu)
+    finally:
+        torch.set_num_threads(previous)
+    bytes_per_weight = 4 if offload.precision == "fp32" else 2
+    copies_s = offload.params * bytes_per_weight / (h2d_gbs * 1e9) if on_gpu and h2d_gbs else 0.0
+    return {"params_per_s": _figures(offload.params / max(step_s - copies_s, 1e-9)), "model": offload.model,
+            "layers": offload.layers, "params": offload.params, "zero_stage": offload.zero_stage, "threads": threads,
+            "step_s": _figures(step_s), "copies_s": round(copies_s, 6)}
+
+
+def _offloaded_step_seconds(offload, steps: int, on_gpu: bool) -> float:
+    """The median ds.step() of the slice, one process of its own process group."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from core.config import SFTStage
+    from stages import compat, engine
+
+    single = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
+              "WORLD_SIZE": "1", "LOCAL_SIZE": "1"}
+    saved = {name: os.environ.get(name) for name in single}
+    os.environ.update(single)
+    ds = None
+    try:
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+        config = dict(offload.config)
+        built = AutoConfig.for_model(config.pop("model_type"), **config)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(built).to(getattr(torch, DTYPES[offload.precision]))
+        stage = SFTStage.model_validate({
+            "name": "calibrate", "kind": "sft", "model": offload.model, "data": {"path": "builtin:digits"},
+            "precision": offload.precision, "zero_stage": offload.zero_stage, "optimizer_offload": True,
+            "micro_batch_size": 1, "max_len": OFFLOAD_SEQUENCE})
+        ds_config = engine.deepspeed_config(stage, 1, built.hidden_size, on_gpu, offload.params)
+        ds = engine.initialize(model, stage, ds_config, total_steps=steps + 1)
+        ids = torch.randint(0, built.vocab_size, (1, OFFLOAD_SEQUENCE), device=ds.device)
+        seconds = []
+        for _ in range(steps + 1):  # the first allocates Adam's m and v
+            ds.backward(ds(input_ids=ids, labels=ids).loss)
+            if on_gpu:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            ds.step()
+            if on_gpu:
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds[1:])
+    finally:
+        if ds is not None and hasattr(ds, "destroy"):
+            ds.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if not on_gpu:
+            compat.remove_cpu_comm_buffer()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _cpu_optimizer(weights, notes: list):

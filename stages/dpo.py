@@ -44,7 +44,7 @@ def run(task, ctx) -> dict:
         per_sequence = batch.per_sequence(models.next_token_logprobs(forward, batch, stage.logits_tile))
         return per_sequence[0::2], per_sequence[1::2], batch
 
-    attention = models.attention_implementation(stage.attention, ctx.on_gpu)
+    attention = models.attention_implementation(stage.attention, ctx.on_gpu, model_path)
     splits = {name: data.TokenRows(rows, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=2)
               for name, rows in tokens.items()}
 

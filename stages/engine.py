@@ -30,7 +30,7 @@ from core import batching
 from core import metrics as records
 from core.batching import accumulation_steps
 from core.checkpoints import newest_intact
-from core.deepspeed_settings import bucket_elements, offloads_optimizer, persistence_threshold
+from core.deepspeed_settings import bucket_elements, offloads_optimizer, persistence_threshold, reduce_bucket_elements
 from core.errors import Diverged, InvalidInput
 from core.failure import saving
 from core.runfolder import temporary
@@ -46,8 +46,9 @@ def gradient_accumulation(stage, world_size: int) -> int:
     return accumulation_steps(stage.global_batch_size, stage.micro_batch_size, stage.data_parallel(world_size))
 
 
-def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool) -> dict:
-    """The DeepSpeed config for a stage spec; every number traceable to a spec field.
+def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool, trained: Optional[int] = None) -> dict:
+    """The DeepSpeed config for a stage spec; every number traceable to a spec field. `trained`: the
+    parameters the stage trains, when known (its gradient buckets are no larger: LoRA).
 
     DeepSpeed sees every process as data-parallel, sequence-sharing ones too (their gradients
     are averaged like any other's: stages/sequence_parallel.py), so its batch size counts every
@@ -57,7 +58,7 @@ def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool) -> 
     if stage.zero_stage >= 1:
         bucket = bucket_elements(on_gpu)
         zero.update(
-            reduce_bucket_size=bucket,
+            reduce_bucket_size=reduce_bucket_elements(on_gpu, trained),
             allgather_bucket_size=bucket,
             overlap_comm=on_gpu,
             contiguous_gradients=True,

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from core import tiny
+from core import families, tiny
 from core.config import BUILTIN_PREFIX
 from core.errors import InvalidInput
 from stages import compat, loaded_weights, watchdog
@@ -65,12 +65,18 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def attention_implementation(requested: str, on_gpu: bool) -> str:
-    if requested != "auto":
-        return requested
-    if on_gpu and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+def attention_implementation(requested: str, on_gpu: bool, path: str) -> str:
+    """The attention kernel the model at `path` runs, by the rule the planner uses (core/families.py
+    attention_kernel): auto is the fastest its family supports here; an explicit kernel its family
+    refuses is refused (validate says so before anything starts; a container's stage says it here)."""
+    import transformers
+
+    model_type = transformers.AutoConfig.from_pretrained(path).model_type
+    refusal = families.attention_refusal(requested, model_type, transformers.__version__)
+    if refusal:
+        raise InvalidInput(f"attention: model {path}: {refusal}")
+    return families.attention_kernel(requested, model_type, on_gpu, importlib.util.find_spec("flash_attn") is not None,
+                                     transformers.__version__)
 
 
 def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool, adds_head: Optional[str] = None,
@@ -82,7 +88,7 @@ def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool,
     folder was saved as another class."""
     if stage.zero_stage == 3:
         _live_ds_configs.append(compat.hf_deepspeed_config(ds_config))
-    attention = attention_implementation(stage.attention, on_gpu)
+    attention = attention_implementation(stage.attention, on_gpu, path)
     log.info("loading %s (%s)", path, auto_class.__name__)
     try:
         model, report = compat.from_pretrained(auto_class, path, DTYPES[stage.precision], attention, stage.max_len,
@@ -192,6 +198,11 @@ def prepare_for_training(model, stage, task_type: str, modules_to_save=None):
     if stage.gradient_checkpointing:
         compat.enable_checkpointing(model)
         model.config.use_cache = False
+        if stage.checkpoint_offload:
+            from stages import checkpoint_offload
+
+            layers = checkpoint_offload.enable(model)
+            log.info("checkpoint_offload: the checkpointed inputs of %d module(s) wait in host memory", layers)
     if stage.lora:
         from peft import LoraConfig, get_peft_model
 

@@ -32,7 +32,7 @@ def run(task, ctx) -> dict:
     # ---- model
     ds_config = ctx.deepspeed_config(stage, model_path)
     model = models.load_reward_model(model_path, stage, ds_config, ctx.on_gpu, tokenizer.pad_token_id)
-    attention = models.attention_implementation(stage.attention, ctx.on_gpu)
+    attention = models.attention_implementation(stage.attention, ctx.on_gpu, model_path)
     train_set = data.TokenRows(train_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=2)
     eval_set = data.TokenRows(eval_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=2)
     steps_per_epoch, total_steps = engine.step_counts(len(train_tokens), train_set.rows_per_step, stage)

@@ -55,10 +55,11 @@ class StageContext:
         return _hidden_size(model_path)
 
     def deepspeed_config(self, stage, model_path: str) -> dict:
-        """DeepSpeed config of the model this stage trains."""
+        """DeepSpeed config of the model this stage trains (gradient buckets of what it trains)."""
         from stages import engine
 
-        return engine.deepspeed_config(stage, self.world_size, self.hidden_size(model_path), self.on_gpu)
+        return engine.deepspeed_config(stage, self.world_size, self.hidden_size(model_path), self.on_gpu,
+                                       trained_params(stage, model_path))
 
     def frozen_model_config(self, stage, model_path: str, offload: bool) -> dict:
         """DeepSpeed config of a model this stage only consults (reference, reward model)."""
@@ -73,6 +74,31 @@ def _hidden_size(model_path: str) -> int:
     from transformers import AutoConfig
 
     return getattr(AutoConfig.from_pretrained(model_path), "hidden_size", 4096)
+
+
+def trained_params(stage, model_path: str) -> Optional[int]:
+    """Parameters the stage trains of the model at `model_path`, as the planner counts them
+    (core/shapes.py); None for a model the planner cannot count."""
+    shape = _shape(model_path)
+    if shape is None:
+        return None
+    lora = stage.lora
+    head = kinds.get(stage.kind).trained_head
+    return sum(shape.trained_tensors(head, lora.rank if lora else None, tuple(lora.target_modules) if lora else ()))
+
+
+@functools.lru_cache(maxsize=None)
+def _shape(model_path: str):
+    """The model's shape (core/shapes.py) from its config.json, read once per path; None for a family
+    the planner cannot count."""
+    from transformers import AutoConfig
+
+    from core.shapes import from_config_json
+
+    try:
+        return from_config_json(AutoConfig.from_pretrained(model_path).to_dict(), model_path)
+    except ValueError:
+        return None
 
 
 class StageJob(Checkpointable):

@@ -60,6 +60,12 @@ def test_calibrate_on_a_cpu_writes_the_cpu_adam_rate_and_null_gpu_fields_saying_
     assert result.processes_per_node == 2
     assert result.cpu_adam.threads == result.cores_per_process == max(1, len(os.sched_getaffinity(0)) // 2)
     assert result.cpu_adam.params == calibrate.QUICK.cpu_adam_params
+    # DeepSpeed's own offloaded step on tiny.yaml's model (its 2 layers: fewer than QUICK's parameters)
+    step = result.offload_step
+    assert (step.model, step.layers, step.zero_stage, step.threads) == ("builtin:tiny-llama", 2, 2, result.cpu_adam.threads)
+    assert step.params == calibrate.offload_slice(config_module.load_pipeline("tiny"), calibrate.QUICK).params
+    assert step.params_per_s == pytest.approx(step.params / step.step_s, rel=0.01) and step.copies_s == 0
+    assert "offloaded optimizer step (DeepSpeed, ZeRO-2, 2 layers of builtin:tiny-llama)" in done.stdout
     assert result.gpu is None and result.matmul == ()
     assert None is result.memory_bandwidth_gbs is result.host_to_gpu_gbs is result.gpu_to_host_gbs is result.collective
     assert any("cannot be measured without a GPU" in note for note in result.notes)
@@ -282,6 +288,24 @@ def test_the_plan_takes_the_nodes_rates_from_its_calibration_file_and_says_so(tm
     # the copies: the slower of the measured directions, 50 GB/s
     assert measured.work["host_copies_s"] == pytest.approx(built_in.work["host_copies_s"] * 55.2 / 50.0)
     assert "calibrated on gpu07, 2026-11-26" in plan.format_plan(plan.plan_pipeline(spec))
+
+
+def test_the_calibrated_offloaded_step_replaces_the_records_host_rate_and_the_plan_says_so(tmp_path):
+    from pipeline import plan
+
+    spec = _h100_pipeline(tmp_path)
+    built_in = plan.plan_pipeline(spec)[0].time
+    step = {"params_per_s": 2.0e8, "model": "codellama/CodeLlama-34b-hf", "layers": 1, "params": 696279040,
+            "zero_stage": 3, "threads": 16, "step_s": 3.55, "copies_s": 0.03}
+    calibration.save(calibration.from_json(a_calibration(offload_step=step), "test"), calibration.default_path(spec))
+    measured = plan.plan_pipeline(spec)[0].time
+    host = measured.offload_s - measured.work["host_copies_s"]
+    assert host == pytest.approx(measured.work["host_adam_params"] / 2.0e8)
+    # the records' 1.33e9 per process (16 cores) against the node's 2e8: the host term 6.6x as long
+    assert host == pytest.approx(6.64 * (built_in.offload_s - built_in.work["host_copies_s"]), rel=0.01)
+    line = next(line for line in measured.sources if line.startswith("host Adam"))
+    assert line == ("host Adam 0.2e9 params/s per process (calibrated: gpu07, 2026-11-26: DeepSpeed's offloaded "
+                    "step on 1 layer of codellama/CodeLlama-34b-hf, ZeRO-3, 16 cores)")
 
 
 @pytest.mark.parametrize("content, problem", [

@@ -156,7 +156,7 @@ def test_qwen2_has_qkv_biases_and_tied_defaults_follow_transformers():
     qwen = shapes.from_config_json({**LLAMA2_7B_CONFIG, "model_type": "qwen2"})
     assert qwen.qkv_bias and qwen.n_params - shapes.from_config_json(LLAMA2_7B_CONFIG).n_params == 32 * 3 * 4096
     gpt = shapes.from_config_json({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257})
-    assert gpt.tied_embeddings and not gpt.is_llama_like
+    assert gpt.tied_embeddings and not gpt.is_counted
 
 
 def test_a_local_folder_is_read_first(tmp_path):
@@ -543,7 +543,7 @@ def test_a_fitting_stage_gets_no_suggestions():
 
 def test_when_nothing_fits_the_closest_changes_are_offered():
     p = plan.plan_stage(stage(zero_stage=3, gradient_checkpointing=True, max_len=4096),
-                        shapes.BUILTIN_SHAPES["meta-llama/Llama-2-70b-hf"], node(gpu="rtx3090", gpus=2))
+                        shapes.BUILTIN_SHAPES["meta-llama/Llama-2-70b-hf"], node(gpu="rtx3090", gpus=1))
     assert p.fits is False and p.suggestions
     assert not any(s.estimate.fits for s in p.suggestions)
     assert "closest" in plan.format_plan([p])
@@ -573,7 +573,7 @@ def test_rm_8192_without_checkpointing_or_with_eager_attention_does_not_fit():
 def test_rm_zero2_keeps_the_whole_bf16_base_and_only_fits_at_4096():
     assert rm_4090(zero_stage=2).fits is False  # 15 GB of bf16 weights + 8192-token activations
     short = rm_4090(zero_stage=2, max_len=4096)
-    assert abs(short.memory.gpu_headroom) < 1.5 * GiB  # right at the 24 GB limit: fits only just
+    assert 0 < short.memory.gpu_headroom < 3 * GiB  # 21.3 of 23.6 GiB: fits, with little to spare
 
 
 def test_rm_4096_zero2_is_more_than_twice_as_fast_per_row():

@@ -175,12 +175,12 @@ def _run_config(config: dict, model_dir: str, world: int, rank: int) -> dict:
 
     import torch
 
-    from stages import engine, models
+    from stages import engine, models, runner
 
     models._live_ds_configs.clear()  # a ZeRO-3 config's HfDeepSpeedConfig must not shape the next model
     gc.collect()  # the previous configuration's engine (cheap: the imported world is frozen)
     stage = stage_spec(config, model_dir)
-    ds_config = engine.deepspeed_config(stage, world, MODEL["hidden_size"], on_gpu=False)
+    ds_config = engine.deepspeed_config(stage, world, MODEL["hidden_size"], False, runner.trained_params(stage, model_dir))
     if config["kind"] == "rm":
         model = models.load_reward_model(model_dir, stage, ds_config, on_gpu=False, pad_token_id=0)
     else:
@@ -340,5 +340,105 @@ def errors_table(measured: dict) -> list[tuple[str, str, float, float, float]]:
     return rows
 
 
+# --------------------------------------------------------------------------- gradient buckets of what trains
+
+BUCKET_CONFIGS = [{"kind": kind, "precision": "bf16", "zero_stage": zero, "optimizer_offload": False, "lora": LORA}
+                  for kind, zero in (("sft", 2), ("rm", 2), ("sft", 3))]
+
+
+def _bucket_bytes(optimizer) -> int:
+    return sum(t.numel() * t.element_size() for bucket in optimizer.ipg_buckets.values() for t in bucket.buffer)
+
+
+def bucket_worker(model_dir: str, out_dir: str) -> None:
+    """Each BUCKET_CONFIGS stage configured as the runner configures it (stages/runner.py
+    trained_params into engine.deepspeed_config); the bytes of the gradient buckets DeepSpeed
+    allocates: ZeRO-3 at initialisation, ZeRO-2 when the backward sets them up (released after it)."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages import engine, models, runner
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(model_dir)
+    dist.barrier()
+    found = []
+    for config in BUCKET_CONFIGS:
+        models._live_ds_configs.clear()
+        stage = stage_spec(config, model_dir)
+        ds_config = engine.deepspeed_config(stage, world, MODEL["hidden_size"], False,
+                                            runner.trained_params(stage, model_dir))
+        if config["kind"] == "rm":
+            model = models.load_reward_model(model_dir, stage, ds_config, on_gpu=False, pad_token_id=0)
+        else:
+            model = models.load_causal_lm(model_dir, stage, ds_config, on_gpu=False)
+        ds = engine.initialize(model, stage, ds_config, total_steps=10)
+        allocated = [_bucket_bytes(ds.optimizer)]
+        if config["zero_stage"] < 3:
+            setup = ds.optimizer.setup_buckets
+
+            def recording_setup(setup=setup):
+                setup()
+                allocated.append(_bucket_bytes(ds.optimizer))
+
+            ds.optimizer.setup_buckets = recording_setup
+        ids = torch.randint(1, MODEL["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(rank))
+        out = ds(input_ids=ids, attention_mask=torch.ones_like(ids)) if config["kind"] == "rm" else ds(
+            input_ids=ids, labels=ids)
+        ds.backward(out.logits.float().sum() if config["kind"] == "rm" else out.loss)
+        ds.step()
+        found.append({"config": config, "bucket_bytes": max(allocated),
+                      "reduce_bucket_size": ds_config["zero_optimization"]["reduce_bucket_size"]})
+        if hasattr(ds, "destroy"):
+            ds.destroy()
+    Path(out_dir, f"buckets{rank}.json").write_text(json.dumps(found))
+    dist.barrier()
+    dist.destroy_process_group()
+    from stages import compat
+
+    compat.remove_cpu_comm_buffer()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def test_lora_gradient_buckets_are_the_size_of_what_trains(tmp_path):
+    """DeepSpeed allocates its gradient buckets whole, whatever fills them: a LoRA stage's are its
+    adapters' size, not the 5e5 elements (5e8 on GPUs) a full model's get, and the plan says so."""
+    from importlib.metadata import version
+
+    if not version("deepspeed").startswith(DEEPSPEED_MODELLED):
+        pytest.skip(f"the planner models DeepSpeed {DEEPSPEED_MODELLED}x allocations; this is {version('deepspeed')}")
+    from core.deepspeed_settings import CPU_BUCKET_ELEMENTS
+    from core.shapes import resolve_shape
+    from pipeline import plan
+    from pipeline.plan.memory import trainable_tensors
+    from stages.distributed import free_port
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+               "--master_port", str(free_port()), __file__, "--buckets", str(tmp_path / "model"), str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    shape = resolve_shape(str(tmp_path / "model"))
+    for found in json.loads((tmp_path / "buckets0.json").read_text()):
+        stage = stage_spec(found["config"], str(tmp_path / "model"))
+        knobs = plan.Knobs.from_stage(stage)
+        hw = plan.Hardware(gpu=None, gpus_per_node=0, processes_per_node=WORLD, gpu_memory_bytes=None,
+                           host_memory_bytes=None)
+        memory = plan.estimate_memory(*plan.stage_models(knobs, shape), knobs, hw)
+        planned = sum(i.bytes for i in memory.items if "gradient bucket" in i.name)
+        trained = sum(trainable_tensors(plan.stage_models(knobs, shape)[0][0], knobs)[0])
+        assert found["reduce_bucket_size"] == trained < CPU_BUCKET_ELEMENTS, found
+        assert found["bucket_bytes"] == planned == 2 * trained, (found, planned)
+
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
     worker(*sys.argv[2:5])
+elif __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--buckets":
+    bucket_worker(*sys.argv[2:4])

@@ -227,7 +227,7 @@ def fit(found: list[Record]) -> dict:
         t, knobs = estimate.time, estimate.knobs
         rates = rates_for(knobs, _hardware(record), *stage_models(knobs, _case(record)[1]))
         work = {**t.work, "zero_stage": knobs.zero_stage, "cores": record.cores}
-        kernel = attention_kernel(knobs.attention, True)
+        kernel = attention_kernel(knobs.attention, True, _case(record)[1])
         matmul = (planned(record, measured[record.gpu]).time.compute_terms["matmul"] if record.gpu in measured
                   else t.compute_terms["matmul"])
         known = matmul + t.work["host_copies_s"] + t.exposed_communication_s

@@ -5,11 +5,17 @@ max_len); h hidden, i MLP width, q/kv widths, V vocabulary, b bytes per value of
 the training precision.
 
 - activations per token per layer: two RMSNorms 2*(4h + 2bh) (HF keeps an fp32
-  copy), attention b*(2q + 2kv) (q, k, v, output) + fp32 log-sum-exp, MLP 4bi,
-  LoRA b*r per adapted layer; eager attention adds the heads x width scores of its
+  copy), attention b*(2q + 2kv) (q, k, v, output) + fp32 log-sum-exp, MLP 4bi
+  (a mixture of experts: i is the width of the k experts a token goes through and the
+  shared ones, plus the router's fp32 logits and probabilities 8E and the token's k
+  copies sent to its experts bkh), LoRA b*r per adapted layer; eager attention adds the heads x width scores of its
   line (fp32 softmax + its cast). Without checkpointing every layer keeps them;
   with it each layer keeps its input (b*h) and one layer is recomputed at a time.
-  One more layer's worth is counted for the activation gradients.
+  A layer's backward holds besides (backward_bytes) the gradients of its output and of the
+  residual stream (2bh) and, at its fuller moment, the gradients of the MLP product's two
+  factors (2bi: the down projection has freed its input), or in the attention's backward, once
+  the MLP and second norm have freed theirs, the gradients of q, k, v and the output and the
+  fused kernels' fp32 accumulator of q's gradient (4q).
 - attention mask, one per micro batch and model pass, kept through the backward
   (stages/compat.py PackedSequences): packed lines for sdpa and eager get an
   additive (lines, 1, width, width) mask in the model dtype, built from a bool
@@ -33,7 +39,9 @@ the training precision.
   its own positions); attention runs over the whole lines for 1/N of the heads (the same
   bytes per position), with the whole lines' mask. The layer being computed holds its q, k,
   v and output twice while they are exchanged (sequence shards and head shards): one more
-  b*(2q + 2kv) per position, a buffer.
+  b*(2q + 2kv) per position while the attention runs (backward_bytes).
+- checkpoint_offload: the checkpointed layer inputs wait in pinned host memory (every layer's,
+  per process), the device holds the two in flight (stages/checkpoint_offload.py).
 - DPO runs the reference forward after the policy's and before its backward
   (stages/dpo.py), so the policy's stored activations and logits are held while
   the reference runs (and its mask too, without checkpointing).
@@ -50,16 +58,45 @@ MASKED_KERNELS = ("sdpa", "eager")
 Pass = tuple[str, str, float]  # (item name, category, bytes)
 
 
+def _norm_bytes(shape: ModelShape, knobs: Knobs) -> float:
+    """What an RMSNorm keeps per token: HF's fp32 copy of its input and two tensors in the model dtype."""
+    return 4 * shape.hidden + 2 * knobs.weight_bytes * shape.hidden
+
+
+def _mlp_bytes(shape: ModelShape, knobs: Knobs) -> float:
+    """What a layer's MLP keeps per token: its gate, up, their activation and product (a tiled MLP
+    its input alone), and a mixture of experts' routing."""
+    h, b = shape.hidden, knobs.weight_bytes
+    mlp = b * h if knobs.mlp_tiles else 4 * b * shape.mlp_width
+    if shape.is_moe:  # the router's fp32 logits and probabilities, each token's copies sent to its experts
+        mlp += 8 * shape.experts + b * h * shape.experts_per_token
+    return mlp
+
+
 def layer_activation_bytes(shape: ModelShape, knobs: Knobs, kernel: str, width: int) -> float:
     """Bytes one decoder layer keeps per token for the backward pass; `width`: the
     attention line a token attends within (eager materialises its scores)."""
-    h, b = shape.hidden, knobs.weight_bytes
-    norms = 2 * (4 * h + 2 * b * h)
-    attention = b * (2 * shape.q_width + 2 * shape.kv_width) + 4 * shape.heads
-    mlp = b * h if knobs.mlp_tiles else 4 * b * shape.intermediate  # tiled: the MLP keeps only its input
+    b = knobs.weight_bytes
+    attention = b * shape.attention_io_width + 4 * shape.heads
     lora = b * knobs.lora_rank * len(knobs.lora_targets) if knobs.lora_rank else 0
     scores = shape.heads * width * (4 + (b if b < 4 else 0)) if kernel == "eager" else 0.0
-    return norms + attention + mlp + lora + scores
+    return 2 * _norm_bytes(shape, knobs) + attention + _mlp_bytes(shape, knobs) + lora + scores
+
+
+def backward_bytes(shape: ModelShape, knobs: Knobs, kernel: str, width: int) -> float:
+    """Bytes per token a layer's backward holds beside what the layer kept, at its fuller moment.
+    Throughout: the gradients of the layer's output and of the residual stream (2bh). In the MLP's
+    backward (untiled), the gradients of its product's two factors once the down projection has
+    freed its input (2bi). In the attention's, once the MLP and the second norm have freed what
+    they kept: the gradients of the output and of q, k, v, and the fused kernels' fp32 accumulator
+    of q's gradient (eager: the scores' gradient), and with shared sequences the copies of q, k, v
+    and the output the exchanges make (they exist while the attention runs, not the MLP)."""
+    b = knobs.weight_bytes
+    mlp = 0.0 if knobs.mlp_tiles else 2 * b * shape.mlp_width  # a tile's own gradients: mlp_tile
+    attention = b * shape.attention_io_width * (2 if knobs.sequence_parallel > 1 else 1)
+    attention += shape.heads * width * 4 if kernel == "eager" else 4 * shape.q_width
+    freed = _mlp_bytes(shape, knobs) + _norm_bytes(shape, knobs)
+    return 2 * b * shape.hidden + max(mlp, attention - freed)
 
 
 def whole_tokens(knobs: Knobs, tokens: int) -> int:
@@ -119,13 +156,26 @@ def mlp_tile(role: str, shape: ModelShape, knobs: Knobs, tokens: int, trained: b
     positions = mlp_tile_positions(knobs, tokens)
     what = "intermediates + their gradients" if trained else "intermediates"
     return [(f"{role} MLP {what} of one tile of {positions:,} positions (mlp_tiles {knobs.mlp_tiles})",
-             "activations", positions * (8 if trained else 4) * knobs.weight_bytes * shape.intermediate)]
+             "activations", positions * (8 if trained else 4) * knobs.weight_bytes * shape.mlp_width)]
+
+
+def checkpointed_inputs(shape: ModelShape, knobs: Knobs, tokens: int) -> float:
+    """Bytes of every layer's checkpointed input of `tokens` positions (on the host with checkpoint_offload)."""
+    return tokens * shape.layers * knobs.weight_bytes * shape.hidden
+
+
+def device_inputs(shape: ModelShape, knobs: Knobs, tokens: int) -> float:
+    """The checkpointed inputs on the device: all of them, or with checkpoint_offload the two in
+    flight (the one a copy is bringing back, the one the backward recomputes)."""
+    layers = min(2, shape.layers) if knobs.checkpoint_offload else shape.layers
+    return tokens * layers * knobs.weight_bytes * shape.hidden
 
 
 def _stored(shape: ModelShape, knobs: Knobs, tokens: int, layer: float) -> float:
-    """Activations a trained model's forward keeps for its backward (checkpointing: each layer's input)."""
+    """Activations a trained model's forward keeps for its backward on the device (checkpointing:
+    each layer's input)."""
     if knobs.gradient_checkpointing:
-        return tokens * shape.layers * knobs.weight_bytes * shape.hidden
+        return device_inputs(shape, knobs, tokens)
     return tokens * shape.layers * layer
 
 
@@ -139,19 +189,18 @@ def trained_pass(use: ModelUse, knobs: Knobs, workload: Workload, kernel: str) -
     layer = layer_activation_bytes(shape, knobs, kernel, line_width(knobs, workload, kernel, tokens))
     mask = (f"{role} attention mask ({kernel})", "activations", attention_mask_bytes(knobs, workload, kernel, tokens))
     if knobs.gradient_checkpointing:
-        inputs = tokens * shape.layers * b * shape.hidden
-        at_loss = [(f"{role} activations (checkpointed: layer inputs)", "activations", inputs)]
-        in_layers = [(f"{role} activations (checkpointed: layer inputs + one layer recomputed)", "activations",
+        inputs = device_inputs(shape, knobs, tokens)
+        which = "2 layer inputs in flight, the rest on the host" if knobs.checkpoint_offload else "layer inputs"
+        at_loss = [(f"{role} activations (checkpointed: {which})", "activations", inputs)]
+        in_layers = [(f"{role} activations (checkpointed: {which} + one layer recomputed)", "activations",
                       inputs + tokens * layer)]
     else:
         stored = (f"{role} activations ({shape.layers} layers)", "activations", tokens * shape.layers * layer)
         at_loss, in_layers = [stored], [stored]
-    in_layers.append((f"{role} activation gradients (one layer)", "activations",
-                      tokens * (layer + 4 * shape.hidden + 2 * b * shape.hidden)))
+    exchanged = " and all-to-all copies" if knobs.sequence_parallel > 1 else ""
+    in_layers.append((f"{role} activation gradients (one layer's backward{exchanged})", "activations",
+                      tokens * backward_bytes(shape, knobs, kernel, line_width(knobs, workload, kernel, tokens))))
     in_layers += mlp_tile(role, shape, knobs, tokens, trained=True)
-    if knobs.sequence_parallel > 1:
-        in_layers.append((f"{role} all-to-all copies of one layer's q, k, v and output", "buffers",
-                          tokens * b * (2 * shape.q_width + 2 * shape.kv_width)))
     if use.head == "lm":
         at_loss.append((f"{role} logits + their gradient ({knobs.precision}), fp32 log-prob chunks{tiled(knobs)}",
                         "logits", logits_bytes(shape, logit_positions(knobs, tokens), b, trained=True)))

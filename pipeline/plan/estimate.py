@@ -48,7 +48,7 @@ def estimate_stage(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional
     models, workload = stage_models(knobs, shape, ppo)
     batches = None
     if workload.rows_per_rollout is None:
-        flat = attention_kernel(knobs.attention, hw.on_gpu).startswith("flash_attention")
+        flat = attention_kernel(knobs.attention, hw.on_gpu, shape).startswith("flash_attention")
         batches = simulate(knobs, knobs.nodes * hw.processes_per_node, workload.sequences_per_row, flat, lengths)
     return Estimate(knobs, estimate_memory(models, workload, knobs, hw),
                     estimate_time(models, workload, knobs, hw, rows, batches), batches)

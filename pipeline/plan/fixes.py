@@ -67,6 +67,9 @@ def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tu
     out: list[tuple[str, dict, str, bool]] = []
     if not knobs.gradient_checkpointing:
         out.append(("checkpointing", {"gradient_checkpointing": True}, "gradient_checkpointing: true", False))
+    elif not knobs.checkpoint_offload:
+        out.append(("checkpointing", {"checkpoint_offload": True},
+                    "checkpoint_offload: true (the checkpointed layer inputs in host memory; the same loss)", False))
     if knobs.attention == "eager":
         out.append(("attention", {"attention": "flash_attention_2"}, "attention: flash_attention_2", False))
     for stage in (2, 3):
@@ -213,7 +216,10 @@ def settings_relaxed(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Option
         options.append(({"optimizer_offload": False, "reference": "live"},
                          f"no offload at all (ZeRO-{knobs.zero_stage} alone)"))
     if knobs.gradient_checkpointing:
-        options.append(({"gradient_checkpointing": False}, "gradient_checkpointing: false"))
+        options.append(({"gradient_checkpointing": False, "checkpoint_offload": False},
+                        "gradient_checkpointing: false"))
+    if knobs.checkpoint_offload:
+        options.append(({"checkpoint_offload": False}, "checkpoint_offload: false (the layer inputs on the GPU)"))
     if knobs.zero_stage == 3:
         options.append(({"zero_stage": 2}, "zero_stage: 2"))
     if knobs.lora_rank:

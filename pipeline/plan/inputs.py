@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from core import hardware, kinds
+from core import families, hardware, kinds
 from core.batching import data_parallel, token_budget  # torch-free: as the stages batch
 from core.deepspeed_settings import offloads_optimizer
 from core.kinds import StageKind
@@ -36,6 +36,7 @@ class Knobs:
     zero_stage: int = 2
     optimizer_offload: bool = False
     gradient_checkpointing: bool = False
+    checkpoint_offload: bool = False  # checkpointed layer inputs in pinned host memory (stages/checkpoint_offload.py)
     attention: str = "auto"
     lora_rank: Optional[int] = None
     lora_targets: tuple = ()
@@ -66,6 +67,7 @@ class Knobs:
             zero_stage=stage.zero_stage,
             optimizer_offload=bool(stage.optimizer_offload),
             gradient_checkpointing=bool(stage.gradient_checkpointing),
+            checkpoint_offload=bool(stage.checkpoint_offload),
             attention=stage.attention,
             lora_rank=lora.rank if lora else None,
             lora_targets=tuple(lora.target_modules) if lora else (),
@@ -121,12 +123,12 @@ def reference_placement(stage) -> Optional[str]:
     return stage.reference if stage.needs_reference else None
 
 
-def attention_kernel(attention: str, on_gpu: bool) -> str:
-    """The attention a stage runs: auto is flash_attention_2 on GPUs (the images install
-    it) and sdpa on CPU, as stages/models.py attention_implementation decides."""
-    if attention == "auto":
-        return "flash_attention_2" if on_gpu else "sdpa"
-    return attention
+def attention_kernel(attention: str, on_gpu: bool, shape: ModelShape) -> str:
+    """The attention a stage runs the model of `shape` with: auto is the fastest its family supports
+    (flash_attention_2 on GPUs, where the images install it; else sdpa, else eager), as the stage
+    decides (core/families.py attention_kernel)."""
+    return families.attention_kernel(attention, shape.model_type, on_gpu,
+                                     transformers_version=families.installed_transformers())
 
 
 def masked_line_width(tokens: int, max_len: int) -> int:

@@ -25,7 +25,7 @@
   precision (stages/models.py casts peft's fp32 adapters, which ZeRO-3 would
   otherwise keep in fp32).
 - buffers: ZeRO-1/2 gradient buckets during backward (reduce_bucket_size elements,
-  two with overlap_comm), and on GPUs a second gradient partition kept on the reduction
+  two with overlap_comm; no more than the model trains: LoRA's are its adapters' size), and on GPUs a second gradient partition kept on the reduction
   stream; ZeRO-3 one persistent bucket, the gathered weights of
   the layer being computed plus the prefetched next one, and that layer's full
   gradients before they are reduce-scattered.
@@ -35,14 +35,15 @@
   peak minus torch's reserved peak on the GPU records).
 - workspace: what the caching allocator reserves beyond what is allocated (_fragmentation).
 - host RAM: 3 GiB per GPU process (Python, torch, CUDA and NCCL libraries), the
-  offloaded states, an offloaded reference model, and at start-up the model
+  offloaded states, the checkpointed layer inputs with checkpoint_offload (pinned; pipeline/plan/
+  activations.py), an offloaded reference model, and at start-up the model
   being loaded (whole per process unless ZeRO-3 shards it while loading).
 - frozen models (DPO reference; PPO reference and reward model), as
   stages/models.py FrozenModel holds them: live = bf16 weights sharded like the
   policy under ZeRO-3, whole otherwise; offload = in host RAM (ZeRO-3 parameter
   offload: a 1/W shard per process; otherwise a whole copy per process, moved
   onto the GPU for each forward); precompute = nothing while training.
-- PPO generation: the KV cache (2 x layers x kv width x b per token) and, under
+- PPO generation: the KV cache (layers x (k + v width) x b per token) and, under
   ZeRO-3, the whole actor gathered for the rollout (stages/ppo.py does that).
 
 Phases: memory is the sum of what is always resident plus the largest phase (a trained model's
@@ -63,10 +64,11 @@ from core.deepspeed_settings import (
     SUB_GROUP_SIZE,
     bucket_elements,
     persistence_threshold,
+    reduce_bucket_elements,
 )
 from core.shapes import ModelShape
 from pipeline.plan import rollout_engine
-from pipeline.plan.activations import frozen_forward, held_while_reference_runs, trained_pass
+from pipeline.plan.activations import checkpointed_inputs, frozen_forward, held_while_reference_runs, trained_pass
 from pipeline.plan.inputs import GiB, Hardware, Knobs, ModelUse, Workload, attention_kernel
 
 # nvidia-smi's peak minus torch's reserved peak on the records (H100 and H200, CUDA 13): 1.3-1.7 GiB.
@@ -158,12 +160,8 @@ def trainable_tensors(use: ModelUse, knobs: Knobs) -> tuple[list[int], list[int]
     base = use.shape.parameter_tensors(use.head)
     if not use.trained:
         return [], base
-    if knobs.lora_rank:
-        adapters = use.shape.lora_tensors(knobs.lora_rank, knobs.lora_targets)
-        if use.head == "scalar":
-            adapters = adapters + [use.shape.hidden]  # peft trains the score head in full (modules_to_save)
-        return adapters, base
-    return base, []
+    trained = use.shape.trained_tensors(use.head, knobs.lora_rank, knobs.lora_targets)
+    return (trained, base) if knobs.lora_rank else (trained, [])
 
 
 def largest_sub_group(partitions: list[int]) -> int:
@@ -202,9 +200,8 @@ class _Ledger:
     def device(self) -> str:
         return "gpu" if self.on_gpu else "host"
 
-    @property
-    def kernel(self) -> str:
-        return attention_kernel(self.knobs.attention, self.on_gpu)
+    def kernel(self, shape: ModelShape) -> str:
+        return attention_kernel(self.knobs.attention, self.on_gpu, shape)
 
     @property
     def shard_note(self) -> str:
@@ -271,10 +268,10 @@ def _frozen_model(ledger: _Ledger, use: ModelUse) -> None:
         else:
             add(f"{role} weights offloaded ({prec}, whole copy per process)", "weights", "host", "always", total)
             add(f"{role} weights moved in for its forward", "weights", device, fwd_phase, total)
-    passes = frozen_forward(use, knobs, ledger.workload, ledger.kernel)
+    passes = frozen_forward(use, knobs, ledger.workload, ledger.kernel(shape))
     if not knobs.stage_kind.rollouts:  # it runs between the policy's forward and backward on the same rows
         policy = ModelUse("policy", shape, "lm")
-        passes += held_while_reference_runs(policy, knobs, ledger.workload, ledger.kernel)
+        passes += held_while_reference_runs(policy, knobs, ledger.workload, ledger.kernel(shape))
     for name, category, amount in passes:
         add(name, category, device, fwd_phase, amount)
 
@@ -345,21 +342,21 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
                     "workspace", device, "always", b * per_rank)
         add(f"{role} fp32 master + Adam m, v ({'host, ' if off else ''}{shard_note})", "optimizer", where,
             "always", 12 * per_rank)
-    # communication buffers
-    bucket = bucket_elements(ledger.on_gpu)
+    # communication buffers: gradient buckets of what trains (stages/engine.py sizes them so), and
+    # ZeRO-3's gathers and prefetches of every weight
+    bucket, gradient_bucket = bucket_elements(ledger.on_gpu), reduce_bucket_elements(ledger.on_gpu, n_trained)
     if z == 3:
-        add(f"{role} gradient bucket", "buffers", device, "always", bucket * b)
+        add(f"{role} gradient bucket", "buffers", device, "always", gradient_bucket * b)
         gathered = _gathered_params(shape, use.head, bucket) * b
         add(f"{role} gathered layers", "buffers", device, loss_phase(role), gathered)
         add(f"{role} gathered layers", "buffers", device, layers_phase(role), gathered)
-        dims = shape.linear_dims()
-        trained_layer = (knobs.lora_rank * sum(a + o for a, o in (dims[t] for t in knobs.lora_targets if t in dims))
+        trained_layer = (shape.lora_layer_params(knobs.lora_rank, knobs.lora_targets)
                          if knobs.lora_rank else shape.layer_params)
         add(f"{role} one layer's full gradients", "buffers", device, layers_phase(role), trained_layer * b)
     elif z in (1, 2):
         # Allocated at the first gradient's hook, after the loss's backward freed the logits, and
         # released when the backward ends; overlap_comm double-buffers on GPUs (stages/engine.py).
-        buckets = bucket * b * (2 if ledger.on_gpu else 1)
+        buckets = gradient_bucket * b * (2 if ledger.on_gpu else 1)
         add(f"{role} gradient buckets", "buffers", device, layers_phase(role), buckets)
         if ledger.on_gpu and not off and not knobs.lora_rank:
             add(f"{role} the gradient bucket pair's freed blocks, cached apart from the step's tensors", "workspace",
@@ -375,11 +372,17 @@ def layers_phase(role: str) -> str:
 
 
 def _trained_model_passes(ledger: _Ledger, use: ModelUse) -> None:
-    """What a trained model's forward and backward hold at their two largest moments."""
-    at_loss, in_layers = trained_pass(use, ledger.knobs, ledger.workload, ledger.kernel)
+    """What a trained model's forward and backward hold at their two largest moments (and, with
+    checkpoint_offload, in host memory through them)."""
+    knobs = ledger.knobs
+    at_loss, in_layers = trained_pass(use, knobs, ledger.workload, ledger.kernel(use.shape))
     for phase, items in ((loss_phase(use.role), at_loss), (layers_phase(use.role), in_layers)):
         for name, category, amount in items:
             ledger.add(name, category, ledger.device, phase, amount)
+    if knobs.checkpoint_offload:
+        inputs = checkpointed_inputs(use.shape, knobs, ledger.workload.train_tokens(knobs))
+        ledger.add(f"{use.role} checkpointed layer inputs (pinned host memory, checkpoint_offload)", "activations",
+                   "host", layers_phase(use.role), inputs)
 
 
 def _generation(ledger: _Ledger, models: list[ModelUse], hw: Hardware) -> None:
@@ -394,7 +397,7 @@ def _generation(ledger: _Ledger, models: list[ModelUse], hw: Hardware) -> None:
     gen, s, b, device = ledger.workload.generation, actor.shape, ledger.knobs.weight_bytes, ledger.device
     length = gen.prompt_len + gen.new_tokens
     ledger.add("KV cache for generation", "activations", device, "generation",
-               2 * s.layers * s.kv_width * b * gen.batch * length)
+               s.layers * (s.kv_width + s.v_width) * b * gen.batch * length)
     ledger.add("generation logits", "logits", device, "generation", gen.batch * s.vocab * 4)
     if ledger.knobs.zero_stage == 3:  # stages/ppo.py gathers the whole actor once per rollout, not per token
         ledger.add("actor weights gathered whole for generation", "weights", device, "generation", s.n_params * b)
@@ -490,9 +493,8 @@ def _fragmentation(ledger: _Ledger, models: list[ModelUse]) -> None:
         new_segments = sum(i.bytes for i in ledger.items if i.phase == step and i.category == "gradients")
     if knobs.zero_stage == 3 and knobs.offloads:
         trained = [use for use in models if use.trained]
-        layers = sum(use.shape.layers * (use.shape.layer_params if not knobs.lora_rank else
-                                         use.shape.lora_params(knobs.lora_rank, knobs.lora_targets) // use.shape.layers)
-                     for use in trained)
+        layers = sum(use.shape.decoder_params if not knobs.lora_rank else
+                     use.shape.lora_params(knobs.lora_rank, knobs.lora_targets) for use in trained)
         copy = _ceil_div(layers, ledger.world) * knobs.weight_bytes
         ledger.add("ZeRO-3 with offload: the trained layers' weight partitions, copied in by the step", "workspace",
                    "gpu", step, copy)

@@ -73,8 +73,9 @@ def plan_stage(stage, shape: ModelShape, hw: Hardware, rows: Optional[int] = Non
     models, _ = stage_models(knobs, shape, ppo)
     estimate = estimate_stage(knobs, shape, hw, rows, ppo, lengths)
     warnings: list[str] = []
-    if not shape.is_llama_like:
-        warnings.append(f"model_type '{shape.model_type}' is estimated as a Llama-style decoder; sizes may differ")
+    if not shape.is_counted:
+        warnings.append(f"model_type '{shape.model_type}' is estimated, not counted: planned with the Llama layout "
+                        f"(core/families.py has no transformers class of it to check against); sizes may differ")
     if shape.max_positions and knobs.max_len > shape.max_positions:
         warnings.append(f"max_len {knobs.max_len} exceeds the model's max_position_embeddings {shape.max_positions}")
     if knobs.optimizer_offload and not knobs.offloads:

@@ -61,8 +61,8 @@ STEP_BYTES_PER_PARAM = {0: 224.0, 1: 344.0, 2: 344.0}
 # The host's share of an offloaded optimizer step, per core of the process: one process on 16
 # cores stepped ~1.3e9 parameters/s besides the PCIe copies (the 34B slice, H200 machine). It is
 # everything the host does per parameter (DeepSpeedCPUAdam, the fp32 gradient and staging
-# copies, norms), not the optimizer alone: `calibrate` times DeepSpeedCPUAdam alone (3.1e8 per
-# core on the 2026-11-26 H100's machine), which is therefore not put in its place.
+# copies, norms), not the optimizer alone (3.1e8 per core on the 2026-11-26 H100's machine):
+# `calibrate` times DeepSpeed's whole offloaded step on a slice of the file's model, which replaces it.
 HOST_ADAM_PARAMS_PER_S_PER_CORE = 8.3e7
 # peft's adapters (dropout, the two thin matmuls, scaling, the add) move about this many bytes
 # per token, layer pass and adapted in + out feature: LoRA SFT stepped no faster than the full
@@ -192,12 +192,17 @@ def _calibrated(rates: Rates, calibration, precision: str, shape: Optional[Model
     if calibration.host_to_gpu_gbs and calibration.gpu_to_host_gbs:
         slower = min(calibration.host_to_gpu_gbs, calibration.gpu_to_host_gbs)
         measured["host_link_bytes_per_s"] = Rate(slower * 1e9, "calibrated", where)
-    if calibration.cpu_adam:
-        # Not a like-for-like replacement: the records' host rate is everything the host does per
-        # parameter in an offloaded step (DeepSpeedCPUAdam, the fp32 gradient and bf16 staging
-        # copies, the norms), fitted to the 34B slices; calibrate times DeepSpeedCPUAdam alone
-        # (3.8x the fitted rate on the 2026-11-26 H100's machine), and no records' machine timed
-        # it alone to make a ratio of. Kept out of the plan, shown beside the rate it would replace.
+    if calibration.offload_step:
+        # Like for like: the host's work in DeepSpeed's own offloaded step (the norms, DeepSpeedCPUAdam,
+        # the fp32 gradient and staging copies), one process on its share of the node's cores.
+        step = calibration.offload_step
+        measured["host_adam_params_per_s"] = Rate(
+            step.params_per_s, "calibrated", f"{where}: DeepSpeed's offloaded step on {step.layers} layer"
+            f"{'s' if step.layers > 1 else ''} of {step.model}, ZeRO-{step.zero_stage}, {step.threads} cores")
+    elif calibration.cpu_adam:
+        # A file without the offloaded step (written before calibrate measured it): DeepSpeedCPUAdam
+        # alone is not the records' host rate (everything the host does per parameter in an offloaded
+        # step, fitted to the 34B slices; it was 3.8x that on the 2026-11-26 H100's machine). Shown, not used.
         adam = calibration.cpu_adam
         host = rates.host_adam_params_per_s
         note = (f"{host.note}; calibrated {adam.optimizer} alone {adam.params_per_s / 1e9:.3g}e9 params/s "

@@ -84,7 +84,8 @@ def format_plan(plans: list[StagePlan]) -> str:
         lora = f", LoRA r={k.lora_rank}" if k.lora_rank else ""
         ref = f", reference {k.reference or 'none (kl_coef 0)'}" if k.stage_kind.frozen_reference else ""
         out.append(f"   {k.precision}, ZeRO-{k.zero_stage}{' + optimizer offload' if k.offloads else ''}"
-                   f"{', gradient checkpointing' if k.gradient_checkpointing else ''}, attention {k.attention}{lora}"
+                   f"{', gradient checkpointing' if k.gradient_checkpointing else ''}"
+                   f"{' (inputs offloaded to the host)' if k.checkpoint_offload else ''}, attention {k.attention}{lora}"
                    f"{ref}, max_len {k.max_len}, micro batch {k.micro_batch_size}")
         out.append(f"   trained parameters {count_text(plan.trained_params)} of {count_text(plan.total_params)} held")
         if plan.estimate.batches is not None:

@@ -10,9 +10,10 @@ default), so a term that is wrong can be found and measured on its own:
   in lockstep), over the micro batches pipeline/plan/batches.py simulates from the data's
   sampled lengths (PPO: every sequence max_len long):
     matmuls     2 FLOPs per matmul parameter per position of the batch tensor (padding
-                included), x1 forward, x2 backward (LoRA: x1, the frozen weights need no
+                included; of a mixture of experts' layer, the router and the k experts
+                each token goes through), x1 forward, x2 backward (LoRA: x1, the frozen weights need no
                 gradient), x1 more for gradient checkpointing's recompute; at the matmul rate
-    attention   4 x layers x q_width per query-key pair the kernel computes (whole lines under
+    attention   2 x layers x (q + output width) per query-key pair the kernel computes (whole lines under
                 sdpa/eager masks, each sequence's own with flash), same pass multiples; at the
                 kernel's share of the datasheet peak
     tiled MLP   (mlp_tiles) the MLP's matmuls once more in the backward, where it reruns each
@@ -27,7 +28,8 @@ default), so a term that is wrong can be found and measured on its own:
   process steps, at GPU memory bandwidth.
 - optimizer offload: the host's Adam on each process's partition at the process's rate (its
   share of the node's cores), and the PCIe copies (gradients down each micro batch, weights up
-  each step).
+  each step). checkpoint_offload: every layer's checkpointed input down in the forward and up for
+  its recompute, each micro batch, on the compute stream (exposed).
 - communication (ring: (W-1)/W of the bytes per GPU) over the GPU links or the inter-node
   network, hidden behind at most half the compute.
 - sequence parallel (N > 1, stages/sequence_parallel.py): each process computes 1/N of its
@@ -70,8 +72,6 @@ COMM_OVERLAP = 0.5
 # Passes a trained layer makes per micro batch, in units of one forward: the backward launches
 # about twice the forward's kernels.
 BACKWARD_PASSES = 2
-# The MLP's linear layers (core/shapes.py linear_dims), which a tiled MLP reruns in the backward.
-MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -84,6 +84,7 @@ class GPUWork:
     layer_passes: float = 0.0
     lora_elements: float = 0.0  # positions x layer passes x the adapted layers' in + out features
     exchanged_bytes: float = 0.0  # sequence parallel: what Ulysses' all-to-alls send from this process
+    checkpoint_bytes: float = 0.0  # checkpoint_offload: the layer inputs copied to the host and back
 
     def add(self, other: "GPUWork", times: float = 1.0) -> None:
         for name in self.__dataclass_fields__:
@@ -174,10 +175,14 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
         return None
     gpu, b = hw.gpu, knobs.weight_bytes
     rates = rates_for(knobs, hw, models, workload)
-    kernel = attention_kernel(knobs.attention, hw.on_gpu)
+    trained = next((use for use in models if use.trained), models[0])
+    kernel = attention_kernel(knobs.attention, hw.on_gpu, trained.shape)
     world = knobs.nodes * hw.processes_per_node
     peak = rates.peak_flops
     notes: list[str] = []
+    if any(use.shape.is_moe for use in models):
+        notes.append("mixture of experts: each token's experts and the router are timed at the dense matmul rate "
+                     "(no GPU record has run experts: their smaller products and the tokens' dispatch are not timed)")
     if knobs.precision == "bf16" and gpu.bf16_tflops is None:
         notes.append(f"{gpu.name} has no bf16 tensor cores: bf16 runs at its fp32 rate; use precision fp16")
     ring = (world - 1) / world if world > 1 else 0.0
@@ -226,7 +231,7 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
                      f"({_seconds(exchange_s)} per step, over the "
                      f"{'inter-node network' if across else 'GPU links'}) are counted as exposed communication, "
                      f"not overlapped with compute")
-    copies_s = offload_bytes / rates.host_link_bytes_per_s.value
+    copies_s = (offload_bytes + work.busiest.checkpoint_bytes) / rates.host_link_bytes_per_s.value
     offload_s = copies_s + host_adam_params / rates.host_adam_params_per_s.value
     unit_s = compute_s + optimizer_s + exposed + offload_s
     if rollout:
@@ -301,9 +306,7 @@ def pass_work(shape: ModelShape, head: str, positions: float, attended: float, *
     # A tiled head (logits_tile) runs again in the backward: its matmul and the loss's read of the logits.
     tiled = bool(knobs.logits_tile) and head == "lm"
     # A tiled MLP (mlp_tiles) runs its forward again in the backward, tile by tile.
-    dims = shape.linear_dims()
-    mlp_again = (2 * shape.layers * positions * sum(a * o for a, o in (dims[m] for m in MLP_LINEARS))
-                 if knobs.mlp_tiles else 0.0)
+    mlp_again = 2 * positions * shape.mlp_active_params if knobs.mlp_tiles else 0.0
     work = GPUWork(
         matmul_flops=matmul * (1 + recompute + (1 if lora else 2)) + (2 * shape.hidden * shape.vocab * positions
                                                                       if tiled else 0.0) + mlp_again,
@@ -311,10 +314,12 @@ def pass_work(shape: ModelShape, head: str, positions: float, attended: float, *
         logits=(3 if tiled else 2) * logits,
         layer_passes=layer_passes,
         exchanged_bytes=exchanged * (1 + recompute + 1),  # the backward exchanges the gradients back
+        # checkpoint_offload: every layer's input down in the forward and up again for its recompute
+        checkpoint_bytes=2 * shape.layers * positions * shape.hidden * knobs.weight_bytes if knobs.checkpoint_offload
+        else 0.0,
     )
     if lora:
-        adapted = sum(a + o for a, o in (dims[t] for t in knobs.lora_targets if t in dims))
-        work.lora_elements = positions * layer_passes * adapted
+        work.lora_elements = positions * (1 + recompute + BACKWARD_PASSES) * shape.lora_features(knobs.lora_targets)
         work.matmul_flops += 4 * sum(shape.lora_tensors(knobs.lora_rank, knobs.lora_targets)) * positions
     return work
 
@@ -326,8 +331,7 @@ def exchange_bytes(shape: ModelShape, positions: float, knobs: Knobs) -> float:
     n = knobs.sequence_parallel
     if n == 1:
         return 0.0
-    widths = 2 * shape.q_width + 2 * shape.kv_width  # q, k, v and the output
-    return shape.layers * positions * widths * knobs.weight_bytes * (n - 1) / n
+    return shape.layers * positions * shape.attention_io_width * knobs.weight_bytes * (n - 1) / n
 
 
 def _step_work(models: list[ModelUse], knobs: Knobs, batches: Batches, rates: rate_table.Rates,
