@@ -77,7 +77,7 @@ SECRET_NAME = re.compile(r"TOKEN|API_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.
 UNNAMED_RECORD_EXECUTOR = "slurm"
 
 
-def schedulers_rules(field: str, value: Any) -> Any:
+def checked_by_schedulers(field: str, value: Any) -> Any:
     """`value` of the cluster section's `field` (a stage's `time` too), checked by every scheduler
     that reads it (schedulers/: Slurm's time syntax, the sbatch options it sets itself), whichever
     executor the file names: `run --executor` may pick another."""
@@ -175,7 +175,7 @@ class ClusterSpec(Strict):
     @field_validator("time", "sbatch")
     @classmethod
     def _check_for_schedulers(cls, value, info):
-        return schedulers_rules(info.field_name, value)
+        return checked_by_schedulers(info.field_name, value)
 
     @field_validator("env")
     @classmethod
@@ -461,7 +461,7 @@ class TrainingKnobs(Strict):
     @field_validator("time")
     @classmethod
     def _check_time(cls, value: Optional[str]) -> Optional[str]:
-        return value if value is None else schedulers_rules("time", value)
+        return value if value is None else checked_by_schedulers("time", value)
 
 
 class StageDefaults(TrainingKnobs):

@@ -145,9 +145,10 @@ def test_the_checks_keep_a_schedulers_halves_in_their_layers(tmp_path):
     (tmp_path / "pipeline" / "launch.py").write_text("from schedulers.x import submit\n")
     for module in ("runner", "engine"):
         (tmp_path / "stages" / f"{module}.py").write_text("")
-    assert violations(tmp_path) == ["pipeline/launch.py:1 imports schedulers.x.submit",
-                                    "schedulers/x/node.py:1 imports core", "schedulers/x/node.py:1 imports core.failure",
-                                    "schedulers/x/submit.py:3 imports stages", "schedulers/x/submit.py:3 imports stages.engine"]
+    assert violations(tmp_path) == [
+        "pipeline/launch.py:1 imports schedulers.x.submit",
+        "schedulers/x/node.py:1 imports core", "schedulers/x/node.py:1 imports core.failure",
+        "schedulers/x/submit.py:3 imports stages", "schedulers/x/submit.py:3 imports stages.engine"]
     assert package_cycles(tmp_path) == [("core", "schedulers"), ("pipeline", EXECUTORS)]
 
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Callable, ClassVar, Optional
 
 from core import failure, runfolder
-from core.failure import Failure
 from core.config import PipelineSpec
 from core.errors import PipelineError
+from core.failure import Failure
 from core.task import StageTask
 from pipeline import plan, state
 from pipeline.graph import PlannedStage

@@ -84,8 +84,8 @@ class LocalExecutor(Executor):
                       f"{state.resume_point(task)}")
             return self.with_log(state.StageStatus(state=state.FAILED, detail=detail, **base), record)
         if record.state == state.FAILED:
-            return self.with_log(state.StageStatus(state=state.FAILED, detail=record.detail + state.interruptions(task),
-                                                   **base), record)
+            detail = record.detail + state.interruptions(task)
+            return self.with_log(state.StageStatus(state=state.FAILED, detail=detail, **base), record)
         return state.StageStatus(state=record.state, detail=f"{record.detail}; {state.resume_point(task)}", **base)
 
     def stop_run(self, running: state.Holder, pipeline: str) -> int:
