@@ -15,7 +15,7 @@ import logging
 import os
 import platform
 import socket
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Optional
 
@@ -25,14 +25,8 @@ log = logging.getLogger("stages")
 
 
 @dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str
-    master_port: int
-    source: str
+class DistEnv(schedulers.Layout):
+    source: str  # what started this process: its scheduler's node half (e.g. submitit), torchrun, or none (single)
 
     @property
     def is_main(self) -> bool:
@@ -68,8 +62,7 @@ def detect() -> DistEnv:
     )
     # DeepSpeed's CPU path asks numactl for the local topology unless told the size.
     os.environ.setdefault("LOCAL_SIZE", str(layout.local_world_size))
-    return DistEnv(layout.rank, layout.world_size, layout.local_rank, layout.local_world_size, layout.master_addr,
-                   layout.master_port, source)
+    return DistEnv(**asdict(layout), source=source)
 
 
 def free_port() -> int:

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import ast
 import io
-import shutil
 import tokenize
 from pathlib import Path
 
 import schedulers
 from core import config
 from pipeline import executors
-from tests.conftest import REPO
+from tests.conftest import PACKAGES, REPO, copy_of_the_code
 
-# Every package of the project (each folder with an __init__.py at the top): pipeline, stages, ...
-SCANNED = tuple(sorted(p.parent.name for p in REPO.glob("*/__init__.py") if p.parent.name != "tests"))
 # The schema (cluster.executor's default and documentation) and the schedulers' packages: the only
 # places that may name one.
 SCHEMA = Path(config.__file__).resolve().relative_to(REPO).as_posix()
@@ -30,10 +27,10 @@ NAMES = schedulers.names()
 
 def executor_questions(root: Path) -> list[str]:
     """`path:line: what` for each executor name in a string and each comparison with an
-    `executor` attribute, in the modules of the packages under root (SCANNED) but the schema and
+    `executor` attribute, in the modules of the packages under root (PACKAGES) but the schema and
     the executor modules."""
     found = []
-    for package in SCANNED:
+    for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
             relative = path.relative_to(root).as_posix()
             if relative == SCHEMA or relative.startswith(EXECUTOR_MODULES):
@@ -58,15 +55,14 @@ def _string_value(literal: str):
 
 
 def test_only_the_executor_modules_and_the_schema_name_an_executor():
-    assert {"pipeline", "stages"} <= set(SCANNED)
+    assert {"pipeline", "schedulers", "stages"} <= set(PACKAGES)
     found = executor_questions(REPO)
     assert not found, ("code outside schedulers/ and the schema asks which executor it is; ask the "
                        "executor (pipeline/executors/base.py) instead:\n  " + "\n  ".join(found))
 
 
 def test_the_scan_finds_a_planted_question(tmp_path):
-    for package in SCANNED:
-        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__", "configs"))
+    copy_of_the_code(tmp_path)
     assert executor_questions(tmp_path) == []
     planted = tmp_path / "pipeline" / "launch.py"
     planted.write_text(planted.read_text() + "\n\ndef planted(spec):\n"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -20,9 +19,17 @@ import schedulers
 from core import failure, timeline
 from core.runfolder import StageFolder
 from schedulers.base import Scheduler
-from tests.conftest import REPO, plugins_importable, read_result, run_cli, tiny_pipeline, write_pipeline
+from tests.conftest import (
+    PACKAGES,
+    REPO,
+    copy_of_the_code,
+    plugins_importable,
+    read_result,
+    run_cli,
+    tiny_pipeline,
+    write_pipeline,
+)
 
-PACKAGES = ("core", "pipeline", "schedulers", "stages")
 # What only one scheduler's package may name, and which: Slurm's variables and its task launcher,
 # submitit's variables and its requeue signal (both shipped schedulers run their jobs through it).
 OWNED = {
@@ -52,8 +59,7 @@ def test_only_a_schedulers_package_names_its_variables_signals_and_commands():
 
 
 def test_the_scan_finds_a_planted_name(tmp_path):
-    for package in PACKAGES:
-        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__", "configs"))
+    copy_of_the_code(tmp_path)
     assert named_outside_their_scheduler(tmp_path) == []
     planted = tmp_path / "stages" / "runner.py"
     lines = len(planted.read_text().splitlines())
