@@ -58,8 +58,7 @@ def get(name: str) -> Scheduler:
 
 
 def names() -> list[str]:
-    _load_shipped()
-    return list(_DECLARED)
+    return [scheduler.name for scheduler in declared()]
 
 
 def declared() -> list[Scheduler]:
