@@ -87,7 +87,7 @@ fi
 # Build. Every path in %files has to exist, or the build fails late.
 requirements="containers/requirements-$image.txt"
 missing=()
-for path in pyproject.toml core pipeline stages "$requirements" "$def"; do
+for path in pyproject.toml core pipeline schedulers stages "$requirements" "$def"; do
     [ -e "$path" ] || missing+=("$path")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+import schedulers
 from core import kinds, rollout_engine
 from core.batching import accumulation_steps, data_parallel, rows_per_step
 from core.sequence_parallel import SHARDABLE_ATTENTION
@@ -67,70 +68,34 @@ class Strict(BaseModel):
 # --------------------------------------------------------------------------- cluster
 
 
-SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+(?::\d+){0,2})$")
-
-
-def slurm_time_to_minutes(value: str) -> int:
-    """Slurm's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (rounded up to minutes)."""
-    match = SLURM_TIME.match(str(value).strip())
-    if not match:
-        raise ValueError(f"'{value}' is not a Slurm time (e.g. 90, 4:00:00, 2-00:00:00)")
-    days = int(match.group(1) or 0)
-    parts = [int(p) for p in match.group(2).split(":")]
-    if match.group(1) is not None:  # D-H, D-H:M, D-H:M:S
-        hours, minutes, seconds = (parts + [0, 0])[:3]
-    else:  # M, M:S, H:M:S
-        hours, minutes, seconds = {1: [0, parts[0], 0], 2: [0, *parts], 3: parts}[len(parts)]
-    total = days * 24 * 60 + hours * 60 + minutes + (1 if seconds else 0)
-    if total <= 0:
-        raise ValueError(f"'{value}' is no time at all")
-    return total
-
-
-SBATCH_SET_BY_PIPELINE = {
-    "partition": "use cluster.partition",
-    "account": "use cluster.account",
-    "qos": "use cluster.qos",
-    "constraint": "use cluster.constraint",
-    "time": "use cluster.time or the stage's time",
-    "nodes": "use the stage's nodes",
-    "ntasks-per-node": "use cluster.tasks_per_node or cluster.gpus_per_node",
-    "gpus-per-node": "use cluster.gpus_per_node",
-    "cpus-per-task": "use cluster.cpus_per_task",
-    "mem": "use cluster.mem",
-    "signal": "use cluster.requeue_signal_s",
-    "dependency": "each stage waits for the stages it starts from",
-    "kill-on-invalid-dep": "a stage whose upstream failed is always cancelled",
-    "job-name": "jobs are named <pipeline>.<stage>",
-    "ntasks": "use cluster.tasks_per_node or cluster.gpus_per_node",
-    "requeue": "stage jobs are always requeueable: they resume from their newest checkpoint",
-    "no-requeue": "stage jobs are always requeueable: they resume from their newest checkpoint",
-    "array": "each stage is one job",
-    "output": "logs go to runs/<pipeline>/<stage>/logs/",
-    "error": "logs go to runs/<pipeline>/<stage>/logs/",
-    "open-mode": "logs are appended to, so a requeued job keeps its earlier lines",
-}
-
-
 # Environment variables that hold credentials (HF_TOKEN, WANDB_API_KEY, ...): read from the
 # environment only, never written into a file the pipeline makes.
 SECRET_NAME = re.compile(r"TOKEN|API_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 
 
-# Where the stages run, as the pipeline file names it: one module each under pipeline/executors/,
-# which alone knows what a name means (pipeline/executors/__init__.py maps each to its class).
-ExecutorName = Literal["local", "slurm"]
 # The executor of a pipeline.json record that names none: records were all Slurm jobs before local runs were recorded.
-UNNAMED_RECORD_EXECUTOR: ExecutorName = "slurm"
+UNNAMED_RECORD_EXECUTOR = "slurm"
+
+
+def checked_by_schedulers(field: str, value: Any) -> Any:
+    """`value` of the cluster section's `field` (a stage's `time` too), checked by every scheduler
+    that reads it (schedulers/: Slurm's time syntax, the sbatch options it sets itself), whichever
+    executor the file names: `run --executor` may pick another."""
+    for scheduler in schedulers.declared():
+        rule = scheduler.cluster_rules.get(field)
+        if rule is not None:
+            rule(value)
+    return value
 
 
 class ClusterSpec(Strict):
     """Where and how the stages run."""
 
-    executor: ExecutorName = Field(
+    executor: str = Field(
         "local",
         description="'local' runs each stage on this machine (as submitit local jobs); "
-        "'slurm' submits each stage as a Slurm job.",
+        "'slurm' submits each stage as a Slurm job; a scheduler a plug-in declares runs them its way "
+        "(schedulers/).",
     )
     partition: Optional[str] = Field(None, description="Slurm partition (sbatch --partition).")
     account: Optional[str] = Field(None, description="Slurm account (sbatch --account).")
@@ -197,11 +162,20 @@ class ClusterSpec(Strict):
         "else ~/.cache/huggingface.",
     )
 
-    @field_validator("time")
+    @field_validator("executor")
     @classmethod
-    def _check_time(cls, value: str) -> str:
-        slurm_time_to_minutes(value)
+    def _known_executor(cls, value: str) -> str:
+        """One of the schedulers (schedulers/: the shipped ones, and those plug-ins declare)."""
+        try:
+            schedulers.get(value)
+        except KeyError as err:
+            raise ValueError(err.args[0]) from None
         return value
+
+    @field_validator("time", "sbatch")
+    @classmethod
+    def _check_for_schedulers(cls, value, info):
+        return checked_by_schedulers(info.field_name, value)
 
     @field_validator("env")
     @classmethod
@@ -212,16 +186,6 @@ class ClusterSpec(Strict):
                     f"'{key}' looks like a secret, and cluster.env is written into every job's batch script: "
                     f"export {key} in your shell instead (stage jobs inherit the environment they are submitted from)"
                 )
-        return value
-
-    @field_validator("sbatch")
-    @classmethod
-    def _check_sbatch(cls, value: dict) -> dict:
-        for key in value:
-            if not re.match(r"^[a-z][a-z0-9-]*$", key):
-                raise ValueError(f"'{key}' is not an sbatch long option name (e.g. exclusive, reservation)")
-            if key in SBATCH_SET_BY_PIPELINE:
-                raise ValueError(f"'{key}' is set by the pipeline itself; {SBATCH_SET_BY_PIPELINE[key]}")
         return value
 
     @property
@@ -497,9 +461,7 @@ class TrainingKnobs(Strict):
     @field_validator("time")
     @classmethod
     def _check_time(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None:
-            slurm_time_to_minutes(value)
-        return value
+        return value if value is None else checked_by_schedulers("time", value)
 
 
 class StageDefaults(TrainingKnobs):

@@ -5,10 +5,11 @@ Every process (rank) of a stage job has a failure record in the stage folder
 cause can still be written when the disk is full; it is removed when the rank
 succeeds. A rank that raises writes what went wrong there (`record_exception`);
 locally, a rank that dies without a word (a signal, an exit code) is recorded by
-the process that watches it (stages/supervise.py); on Slurm, srun's own lines
-about dead tasks say it (`srun_deaths`). `run` and `status` print `explain`'s
-message: a cause beats the other ranks' lost connections. The full traceback
-stays in the rank's log.
+the process that watches it (stages/supervise.py); on Slurm, the scheduler's
+own lines about dead tasks say it (its executor's `deaths`). `run` and `status` print
+`explain`'s message: a cause beats the other ranks' lost connections. The full
+traceback stays in the rank's log. Who a process is (its rank, its job) its
+scheduler says (schedulers/).
 
 Torch-free: `status` reads the records on a login node; stages write them.
 """
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+import schedulers
 from core.checkpoints import newest_intact
 from core.errors import Diverged, InvalidInput
 from core.runfolder import StageFolder, remove, temporary
@@ -369,15 +371,18 @@ def _probe(folder: Path, size: int = 1 << 20) -> Optional[int]:
 
 
 def task_rank() -> int:
-    """This process's rank from its launcher's variables (before torch.distributed is up)."""
-    for name in ("SUBMITIT_LOCAL_GLOBALID", "SLURM_PROCID", "RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
+    """This process's rank (before torch.distributed is up): its scheduler's word, else a
+    launcher's (torchrun's RANK), else 0."""
+    runtime = schedulers.runtime()
+    if runtime is not None:
+        return runtime.rank()
+    return int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
 
 
 def task_job_id() -> Optional[str]:
-    return os.environ.get("SUBMITIT_LOCAL_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    """The id of the scheduler's job this process is a task of; None outside one."""
+    runtime = schedulers.runtime()
+    return runtime.job_id() if runtime is not None else None
 
 
 def reserve(folder: StageFolder, rank: int) -> None:
@@ -496,41 +501,3 @@ def explain(stage: str, failures: list[Failure]) -> Optional[str]:
     if first.kind == INVALID_INPUT:
         return f"stage {stage}: {first.message}"
     return f"stage {stage} failed: {summary(failures)}" + (f"\n  log: {first.log}" if first.log else "")
-
-
-_SRUN_TASK_END = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+?)\s*$", re.MULTILINE)
-
-
-def srun_deaths(text: str) -> list[Failure]:
-    """Records for the tasks srun says died (its 'srun: error: HOST: task N: ...' lines in the
-    batch script's stderr): what a Slurm stage cannot write for itself when it is killed."""
-    failures = []
-    for host, tasks, what in _SRUN_TASK_END.findall(text):
-        what = what.removesuffix(" (core dumped)")
-        exited = re.fullmatch(r"Exited with exit code (\d+)", what)
-        if what == "Out Of Memory":
-            kind, message = HOST_OUT_OF_MEMORY, (
-                f"Slurm ended it: the job used more host memory than it asked for. {PLAN_HINT} in host RAM; "
-                "ask for more (cluster.mem) or run fewer processes per node")
-        elif exited:
-            kind, message = PROCESS_DIED, f"the process exited with code {exited.group(1)}"
-        else:
-            kind, message = PROCESS_DIED, f"the process was killed: {what} ({_signal_named(what)})"
-        for rank in _ranks(tasks):
-            failures.append(Failure(rank=rank, host=host, kind=kind, message=message))
-    return failures
-
-
-def _signal_named(description: str) -> str:
-    for sig in signal.Signals:
-        if signal.strsignal(sig) == description:
-            return sig.name
-    return "a signal"
-
-
-def _ranks(tasks: str) -> list[int]:
-    ranks = []
-    for part in tasks.split(","):
-        low, _, high = part.partition("-")
-        ranks += list(range(int(low), int(high or low) + 1))
-    return ranks

@@ -12,9 +12,9 @@ back checked (core/rewards.py `checked`). A call that has not answered in time h
 Python stack written to the stage's log (its faulthandler, on SIGUSR1), then the child is
 killed; the next call starts a new one.
 
-The child ignores the signals meant for the stage (Ctrl-C, Slurm's SIGTERM and SIGUSR2: the
-stage decides when to stop, and may need a score to finish the step it saves at), and dies
-with the process that started it. Torch-free.
+The child ignores the signals meant for the stage (Ctrl-C, SIGTERM and its scheduler's requeue
+signal: the stage decides when to stop, and may need a score to finish the step it saves at), and
+dies with the process that started it. Torch-free.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Optional
+
+import schedulers
 
 STACK_WAIT_S = 0.5  # for the child to write its stack before it is killed
 CODE_ROOT = str(Path(__file__).resolve().parent.parent)  # where `core` is imported from, in the child too
@@ -65,8 +67,10 @@ class FunctionProcess:
         self.close()  # a child that ended
         ours, theirs = Pipe()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [CODE_ROOT, os.environ.get("PYTHONPATH")]))}
+        ignored = ",".join(str(int(sig)) for sig in stage_signals())
         self.child = subprocess.Popen(
-            [sys.executable, "-m", "core.reward_process", str(theirs.fileno()), str(os.getpid()), self.reference],
+            [sys.executable, "-m", "core.reward_process", str(theirs.fileno()), str(os.getpid()), ignored,
+             self.reference],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env,
             start_new_session=True)  # a terminal's Ctrl-C is the stage's to act on, not the child's
         theirs.close()
@@ -121,6 +125,12 @@ class FunctionProcess:
         self.child = self.connection = None
 
 
+def stage_signals() -> tuple[int, ...]:
+    """The signals the stage acts on: Ctrl-C, SIGTERM, and its scheduler's requeue signal."""
+    runtime = schedulers.runtime()
+    return (signal.SIGINT, signal.SIGTERM) + ((runtime.requeue_signal,) if runtime is not None else ())
+
+
 def _ending(code: int) -> str:
     if code < 0:
         try:
@@ -134,11 +144,12 @@ def _ending(code: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """python -m core.reward_process FD PARENT_PID path.py:function: serve calls on the pipe FD."""
-    connection, parent, reference = Connection(int(argv[0])), int(argv[1]), argv[2]
+    """python -m core.reward_process FD PARENT_PID SIGNALS path.py:function: serve calls on the pipe
+    FD, ignoring SIGNALS (comma-separated numbers)."""
+    connection, parent, reference = Connection(int(argv[0])), int(argv[1]), argv[3]
     _die_with(parent)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
+    for sig in argv[2].split(","):
+        signal.signal(int(sig), signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from core import rewards
 

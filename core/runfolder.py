@@ -2,7 +2,7 @@
 and nowhere else.
 
     runs/<pipeline>/
-      pipeline.json                 the chain's Slurm jobs and their states (pipeline/state.py)
+      pipeline.json                 the chain's jobs and their states (pipeline/state.py)
       report.html                   plots and tables of the whole chain (pipeline/report.py)
       .pipeline.lock                held by the `run` that is running or submitting (pipeline/state.py)
       .input-digests.json           content digests of the files stages read (pipeline/identity.py)
@@ -26,15 +26,15 @@ and nowhere else.
                                     a while, and since when (stages/watchdog.py), for `status`
         tensorboard/                TensorBoard event files (rank 0)
         wandb/                      the W&B run's files, when tracking.wandb is set
-        logs/                       the job's stdout/stderr, one file per process (submitit's files: before
-                                    the job starts, only its submission)
+        logs/                       the job's stdout/stderr, one file per process, named by its scheduler
+                                    (schedulers/); before the job starts, only its submission
         failures/rank-<N>.json      why process N failed (core/failure.py); blank while it runs
         reference_logps.pt          DPO's precomputed reference log-probs
       <stage>.superseded-<time>/    a stage folder with outputs whose spec changed, moved aside (never deleted)
     runs/calibration/               beside the run folders, shared by every pipeline of that runs_dir
       <gpu>.json                    what `calibrate` measured on a node with that catalogue GPU; cpu.json
                                     without a GPU (core/calibration.py)
-      logs/                         the Slurm calibration job's submitit files and logs
+      logs/                         the calibration job's files and logs, where it runs as a job
     <name>.tmp                      a file or folder being written, renamed to <name> once complete
 
 Torch-free: the login node reads it to submit and to show status.
@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+import schedulers
 
 STATE_FILE = "pipeline.json"
 LOCK_FILE = ".pipeline.lock"
@@ -120,7 +122,7 @@ def calibration_file(runs_dir: Path, name: str) -> Path:
 
 
 def calibration_logs(runs_dir: Path) -> Path:
-    """The Slurm calibration job's submitit folder (its pickled call, result and logs)."""
+    """The calibration job's folder, where it runs as a job (its pickled call, result and logs)."""
     return calibration_folder(runs_dir) / "logs"
 
 
@@ -260,11 +262,9 @@ class StageFolder:
                    for p in self.path.iterdir())
 
     def job_started(self) -> bool:
-        """Whether a job of this stage ever started: submitit names a started task's files
-        <job>_<task>_log.out / _log.err / _result.pkl; before that logs/ holds only the job's
-        submission (<job>_submitted.pkl, <job>_submission.sh, .submission_file_*.sh)."""
-        started = ("_log.out", "_log.err", "_result.pkl")
-        return self.logs.is_dir() and any(p.name.endswith(started) for p in self.logs.iterdir())
+        """Whether a job of this stage ever started: its scheduler tells a started task's files in
+        logs/ from those its submission wrote (schedulers/)."""
+        return schedulers.job_started(self.logs)
 
     def superseded(self) -> Path:
         """A free name to move this folder aside to: <stage>.superseded-<time>[-n]."""

@@ -1,6 +1,6 @@
 """What a stage job is handed: its task (the validated stage spec and where things are), and
 the environment the run's own process names itself in. Built by pipeline/graph.py on the submit
-host, pickled by submitit, read by stages/runner.py on the node. No YAML, no torch."""
+host, handed to its scheduler (schedulers/), read by stages/runner.py on the node. No YAML, no torch."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class StageTask(BaseModel):
     spec_hash: str
     wandb: Optional[WandbSpec] = None  # the pipeline's tracking.wandb: how not what the stage trains
     max_retries: int = 2  # cluster.max_retries: requeues after a hang (stages/watchdog.py) or a node failure
-    time_limit_min: Optional[int] = None  # the Slurm job's time limit; None on the local executor
+    time_limit_min: Optional[int] = None  # the job's time limit where its executor sets one (Slurm); else None
 
     @property
     def name(self) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Optional, Sequence
 
+import schedulers
 from core import metrics as records
 from core.failure import task_job_id
 from core.runfolder import StageFolder, temporary
@@ -33,8 +34,9 @@ LAUNCHED = "launched"
 # asks its stage to stop, which it does with SIGINT: the stage's lines name the signal received.
 STOP_ASKED = "stop asked"
 # Events a stage's rank 0 records besides "started": the loop saved at a signal (signal, step,
-# reason), a resume (step), a hang (phase, step: stages/watchdog.py), a requeue asked for by submitit's
-# USR2 handler (reason; stages/runner.py: after a save at the signal or a hang it adds nothing).
+# reason), a resume (step), a hang (phase, step: stages/watchdog.py), a requeue asked for by the
+# scheduler's handler of its requeue signal (reason; stages/runner.py: after a save at the signal or a
+# hang it adds nothing).
 STARTED, SAVED_AT_SIGNAL, RESUMED, HANG, REQUEUE = "started", "saved at signal", "resumed", "hang", "requeue"
 # Why an attempt of a stage's job ended and the job started again.
 TIME_LIMIT, PREEMPTED, HUNG, UNEXPLAINED = "time limit", "preempted", "hang", "ended without a word (node failure?)"
@@ -42,14 +44,15 @@ STOPPED = "stopped"  # SIGINT: a user's Ctrl-C, or a local `run` stopping (stage
 
 
 def restart_count() -> int:
-    """How many times Slurm has started this job before (0 outside Slurm), the same in every rank."""
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    """How many times the scheduler has started this job before (0 outside a scheduler's job), the
+    same in every rank."""
+    runtime = schedulers.runtime()
+    return runtime.restart_count() if runtime is not None else 0
 
 
 def record_start(folder: StageFolder) -> None:
     """Rank 0 of a stage job says it started (one line per attempt)."""
-    record(folder, STARTED, host=socket.gethostname(), job_id=task_job_id(),
-           slurm_job_id=os.environ.get("SLURM_JOB_ID"), slurm_restart_count=restart_count())
+    record(folder, STARTED, host=socket.gethostname(), job_id=task_job_id(), restart_count=restart_count())
 
 
 def record(folder: StageFolder, event: str, **fields) -> None:
@@ -76,14 +79,16 @@ def stop_signal(folder: StageFolder) -> str:
     return name
 
 
-def signal_reason(signal_name: str, elapsed_s: float, time_limit_min: Optional[float]) -> str:
-    """Why Slurm signalled a job `elapsed_s` into its attempt. SIGTERM is preemption (or scancel).
-    USR2 comes both ahead of the time limit (--signal) and on preemption where the site sends
-    it: judged as submitit does for its own requeue count (cluster.max_requeues), a time limit
-    once the attempt has run 80% of its limit or is within 10 minutes of it. SIGINT is a stop."""
+def signal_reason(signal_name: str, elapsed_s: float, time_limit_min: Optional[float],
+                  requeue_signal: Optional[str]) -> str:
+    """Why the scheduler signalled a job `elapsed_s` into its attempt. SIGTERM is preemption (or a
+    cancel). Its `requeue_signal` comes both ahead of the time limit (Slurm's --signal) and on
+    preemption where the site sends it: judged as submitit does for its own requeue count
+    (cluster.max_requeues), a time limit once the attempt has run 80% of its limit or is within 10
+    minutes of it. SIGINT is a stop."""
     if signal_name == "SIGINT":
         return STOPPED
-    if signal_name != "SIGUSR2" or not time_limit_min:
+    if signal_name != requeue_signal or not time_limit_min:
         return PREEMPTED
     limit_s = 60.0 * time_limit_min
     return TIME_LIMIT if elapsed_s >= min(0.8 * limit_s, limit_s - 600) else PREEMPTED
@@ -95,7 +100,7 @@ class Attempt:
 
     job_id: Optional[str]
     started: float
-    restart: int = 0  # Slurm's restart count of this start
+    restart: int = 0  # the scheduler's restart count of this start
     resumed_from: Optional[int] = None  # the step resumed from; None: from the start
     ended: Optional[str] = None  # TIME_LIMIT, PREEMPTED, STOPPED, HUNG or UNEXPLAINED; None: the newest, or the job's last
     signal: Optional[str] = None
@@ -126,7 +131,8 @@ def attempts(folder: StageFolder) -> list[Attempt]:
                 found = []  # a new submission: its history starts here
             if found and found[-1].ended is None:
                 found[-1].ended = UNEXPLAINED
-            found.append(Attempt(job, float(event["time"]), int(event.get("slurm_restart_count", 0) or 0)))
+            restart = event.get("restart_count", event.get("slurm_restart_count"))  # the older name
+            found.append(Attempt(job, float(event["time"]), int(restart or 0)))
         elif not found:
             continue
         elif kind == RESUMED:

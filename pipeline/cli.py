@@ -207,7 +207,7 @@ def cmd_calibrate(args) -> int:
     if args.scale_model:
         raise InvalidInput("calibrate measures the node at the real models' shapes: leave out --scale-model")
     spec = load(args)
-    where = executors.executor_for(next((name for name in executors.EXECUTORS if getattr(args, name)),
+    where = executors.executor_for(next((name for name in executors.executors() if getattr(args, name, False)),
                                         spec.cluster.executor))
     out = Path(args.out) if args.out else None
     result, path = calibrate.calibrate(spec, where, quick=args.quick, require_gpu=args.require_gpu, out=out,
@@ -217,7 +217,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_run_stage(args) -> int:
-    """One stage in this process, as one task of a job (slurm/stage.sbatch runs it under srun)."""
+    """One stage in this process, as one task of a job (e.g. slurm/stage.sbatch's tasks)."""
     spec = load(args)
     tasks = {t.name: t for t in graph.build_tasks(spec)}
     if args.stage not in tasks:
@@ -253,7 +253,7 @@ COMMANDS = {
     "clean": (cmd_clean, "remove the superseded outputs `run` moved aside (status lists them)"),
     "prepare": (cmd_prepare, "download the models and datasets named by hub id into the shared cache"),
     "calibrate": (cmd_calibrate, "measure a node's matmul, memory, copy, CPU Adam and collective rates for `plan`"),
-    "run-stage": (cmd_run_stage, "run one stage in this process (one task per GPU, e.g. under srun)"),
+    "run-stage": (cmd_run_stage, "run one stage in this process (one task per GPU, e.g. of slurm/stage.sbatch)"),
 }
 
 
@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"with --scale-model: the head dimension (hidden size = heads x D; default "
                        f"{scale.DEFAULT_HEAD_DIM})")
         p.set_defaults(func=func)
-    commands["run"].add_argument("--executor", choices=executors.NAMES, help="override cluster.executor")
+    commands["run"].add_argument("--executor", help="override cluster.executor (local, slurm, or a plug-in's)")
     commands["run"].add_argument("--force", action="store_true", help="run even where the plan says a stage does not fit")
     commands["run"].add_argument("--rerun", action="append", default=[], metavar="STAGE",
                                  help="run STAGE (and what starts from it) again from scratch even if finished; "
@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        help="write the calibration file here (default: "
                                        "<runs_dir>/calibration/<GPU>.json, cpu.json without a GPU)")
     where = commands["calibrate"].add_mutually_exclusive_group()
-    for name, executor in executors.EXECUTORS.items():
+    for name, executor in executors.executors().items():
         where.add_argument(f"--{name}", action="store_true", help=executor.calibrate_help)
     commands["calibrate"].add_argument("--quick", action="store_true",
                                        help="smaller copies and CPU Adam, fewer repeats: under a minute, noisier")

@@ -1,5 +1,5 @@
 """`python -m pipeline run`, one story for every executor: check, plan, lock, then run
-the chain here or submit it, as submitit jobs.
+the chain here or submit it, as jobs of its scheduler (schedulers/).
 
 First what needs no executor (the stage names `--rerun` gives); then the executor's own
 checks before the run folder is locked, in its own order (pipeline/executors/: the plan,

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-from pydantic import BaseModel, ValidationError
+from pydantic import AliasChoices, BaseModel, Field, ValidationError
 
 from core import metrics, runfolder, timeline
 from core.checkpoints import newest_intact
-from core.config import UNNAMED_RECORD_EXECUTOR, ExecutorName
+from core.config import UNNAMED_RECORD_EXECUTOR
 from core.errors import InvalidInput, PipelineError
 from core.task import StageTask
 from pipeline import graph
@@ -38,10 +38,12 @@ PENDING, RUNNING, NOT_FINISHED, NOT_STARTED = "pending", "running", "not finishe
 
 class StageRecord(BaseModel):
     job_id: str  # the job, as its executor names it (a Slurm job id; a local job's pid on the run's host)
-    executor: ExecutorName = UNNAMED_RECORD_EXECUTOR  # which executor ran it (pipeline/executors/)
+    executor: str = UNNAMED_RECORD_EXECUTOR  # which scheduler ran it (schedulers/)
     host: str = ""  # where a local job ran
     state: str  # what `status` last called it: pending, running, finished, failed, cancelled
-    slurm_state: str = ""  # Slurm's JobState when last seen
+    # The scheduler's own word for the job's state when last seen (Slurm's JobState); records written
+    # before other schedulers came named it slurm_state.
+    job_state: str = Field("", validation_alias=AliasChoices("job_state", "slurm_state"))
     detail: str = ""  # what `status` last said about it
     attempts: int = 1  # how many times `run` submitted this spec of the stage
     spec_hash: str
@@ -85,7 +87,7 @@ class Holder(BaseModel):
     host: str
     started: str
     config: str
-    doing: str  # "running it locally" | "submitting it to Slurm"
+    doing: str  # what its executor does with the chain, e.g. "running it locally", "submitting it to Slurm"
 
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host}, since {self.started}, {self.doing} (pipeline file {self.config})"
@@ -206,11 +208,11 @@ class StageStatus:
     detail: str
     run_dir: str
     job_id: Optional[str] = None
-    slurm_state: str = ""
+    job_state: str = ""  # the scheduler's own word for it (Slurm's JobState)
     restarts: int = 0
     log: Optional[str] = None
     log_tail: list[str] = field(default_factory=list)
-    source: str = "folder"  # where the state came from: folder, slurm (or accounting), record
+    source: str = "folder"  # where the state came from: folder, record, or the scheduler's name (e.g. slurm)
     progress: Optional[dict] = None  # a running stage's last step, total_steps, eta_s and its time (metrics.jsonl)
 
     @property
@@ -224,7 +226,7 @@ def refresh(run_state: RunState, statuses: list[StageStatus]) -> None:
         record = run_state.stages.get(status.name)
         if record is not None and status.job_id == record.job_id and status.source != "record":
             record.state = status.state
-            record.slurm_state = status.slurm_state or record.slurm_state
+            record.job_state = status.job_state or record.job_state
             record.detail = status.detail
 
 
@@ -283,7 +285,7 @@ def result_summary(task: StageTask) -> str:
 
 
 def interruptions(task: StageTask) -> str:
-    """The stage job's requeues, why and where it resumed, e.g. "; requeued 1x: time limit
-    (SIGUSR2) at step 12, resumed from step 12"; "" if none."""
+    """The stage job's requeues, why and where it resumed, e.g. "; requeued 1x: preempted
+    (SIGTERM) at step 12, resumed from step 12"; "" if none."""
     said = timeline.interruptions(task.folder)
     return f"; {said}" if said else ""

@@ -1,11 +1,10 @@
 """Who am I in the job: rank, world size and master address, from wherever they come.
 
-Four ways a stage is started, each with its own variables:
-- a submitit job (Slurm or local): submitit's JobEnvironment knows the tasks and
-  nodes; the master is the job's first host (one task per GPU, no torchrun);
+Three ways a stage is started, each with its own variables:
+- a task of a scheduler's job (schedulers/: a submitit job locally or on Slurm, a task of
+  slurm/stage.sbatch, a plug-in's): its scheduler's node half knows the tasks and nodes (one
+  task per GPU, no torchrun);
 - torchrun / deepspeed launcher: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR are set;
-- a task of a plain `srun` (slurm/stage.sbatch): SLURM_PROCID, SLURM_NTASKS,
-  SLURM_LOCALID; the master is the job's first host, the port follows the job id;
 - a plain single process: we set the variables for a world of one, since
   DeepSpeed otherwise goes looking for MPI.
 """
@@ -15,24 +14,19 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import re
 import socket
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Optional
+
+import schedulers
 
 log = logging.getLogger("stages")
 
 
 @dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str
-    master_port: int
-    source: str
+class DistEnv(schedulers.Layout):
+    source: str  # what started this process: its scheduler's node half (e.g. submitit), torchrun, or none (single)
 
     @property
     def is_main(self) -> bool:
@@ -41,15 +35,13 @@ class DistEnv:
 
 def detect() -> DistEnv:
     """Read (and export, for torch's env:// rendezvous) the distributed layout."""
-    if _in_submitit_job():
-        from submitit.helpers import TorchDistributedEnvironment
-
-        env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        source = "submitit"
-        layout = (env.rank, env.world_size, env.local_rank, env.local_world_size, env.master_addr, env.master_port)
+    runtime = schedulers.runtime()
+    layout = runtime.layout() if runtime is not None else None
+    if layout is not None:
+        source = runtime.via
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         source = "torchrun"
-        layout = (
+        layout = schedulers.Layout(
             int(os.environ["RANK"]),
             int(os.environ["WORLD_SIZE"]),
             int(os.environ.get("LOCAL_RANK", 0)),
@@ -57,44 +49,20 @@ def detect() -> DistEnv:
             os.environ.get("MASTER_ADDR", "127.0.0.1"),
             int(os.environ.get("MASTER_PORT", 29500)),
         )
-    elif "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ:
-        source = "srun"
-        world = int(os.environ["SLURM_NTASKS"])
-        layout = (
-            int(os.environ["SLURM_PROCID"]),
-            world,
-            int(os.environ.get("SLURM_LOCALID", 0)),
-            world // int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", 1))),
-            os.environ.get("MASTER_ADDR") or first_host(os.environ["SLURM_JOB_NODELIST"]),
-            int(os.environ.get("MASTER_PORT", 20000 + int(os.environ["SLURM_JOB_ID"]) % 40000)),
-        )
     else:
         source = "single"
-        layout = (0, 1, 0, 1, "127.0.0.1", free_port())
-    rank, world, local_rank, local_world, addr, port = layout
+        layout = schedulers.Layout(0, 1, 0, 1, "127.0.0.1", free_port())
     os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(local_rank),
-        LOCAL_WORLD_SIZE=str(local_world),
-        MASTER_ADDR=addr,
-        MASTER_PORT=str(port),
+        RANK=str(layout.rank),
+        WORLD_SIZE=str(layout.world_size),
+        LOCAL_RANK=str(layout.local_rank),
+        LOCAL_WORLD_SIZE=str(layout.local_world_size),
+        MASTER_ADDR=layout.master_addr,
+        MASTER_PORT=str(layout.master_port),
     )
     # DeepSpeed's CPU path asks numactl for the local topology unless told the size.
-    os.environ.setdefault("LOCAL_SIZE", str(local_world))
-    return DistEnv(rank, world, local_rank, local_world, addr, port, source)
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: gpu[003-004,007],cpu1 -> gpu003."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]\-,]+))?", nodelist)
-    if match is None:
-        raise ValueError(f"cannot read the Slurm node list '{nodelist}'")
-    return match.group(1) + (match.group(2) or "")
-
-
-def _in_submitit_job() -> bool:
-    return "SUBMITIT_EXECUTOR" in os.environ or "SUBMITIT_LOCAL_JOB_ID" in os.environ
+    os.environ.setdefault("LOCAL_SIZE", str(layout.local_world_size))
+    return DistEnv(**asdict(layout), source=source)
 
 
 def free_port() -> int:

@@ -1,23 +1,23 @@
-"""Save on the signal: a stage that Slurm is about to stop saves at the next optimizer step.
+"""Save on the signal: a stage that its scheduler is about to stop saves at the next optimizer step.
 
-submitit installs its own USR2 handler in every task before the stage starts: on rank 0
-it calls StageJob.checkpoint, requeues the job (`scontrol requeue`; locally, exit code
-144) and exits; on the other ranks it only logs. SIGTERM it only logs. Alone that loses
-every step since the last periodic checkpoint, since no rank can save while the others
-are mid-step.
+A scheduler's wrapper of each task installs its own handler on the scheduler's requeue signal
+(schedulers/: submitit's USR2, locally and on Slurm) before the stage starts: on rank 0 it calls
+StageJob.requeueing, requeues the job (`scontrol requeue`; locally, exit code 144) and exits; on
+the other ranks it only logs. SIGTERM it only logs. Alone that loses every step since the last
+periodic checkpoint, since no rank can save while the others are mid-step.
 
-While the training loop runs, `Signals` takes over USR2 and SIGTERM in every rank: the
-handler only notes the signal. Once per optimizer step the loop asks `requested()`, a
+While the training loop runs, `Signals` takes over the requeue signal and SIGTERM in every rank:
+the handler only notes the signal. Once per optimizer step the loop asks `requested()`, a
 one-number all-reduce (MAX) of every rank's note, so a signal that reached any rank is
 known to all at the same step; they all save that step's checkpoint and then `requeue`:
-rank 0 hands the signal to submitit's own handler (requeue and exit), the others exit.
+rank 0 hands the signal to the scheduler's own handler (requeue and exit), the others exit.
 Resume is therefore only ever at an optimizer-step boundary, never inside gradient
 accumulation. SIGINT is a user's stop (Ctrl-C, or a local `run` stopping:
-pipeline/executors/local.py): the same save at the step, then every rank exits with
+schedulers/local/submit.py): the same save at the step, then every rank exits with
 STOPPED_EXIT_CODE instead of requeueing, and the next `run` resumes from that step. A local
 `run` stops its stage with SIGINT whatever it got itself; the stage's lines name what it got
 (SIGTERM from `kill`: core/timeline.py `stop_signal`).
-Outside the loop (loading, the final evaluation, export) submitit's handlers are in
+Outside the loop (loading, the final evaluation, export) the scheduler's handlers are in
 place as before: the job requeues at once (or, at SIGINT, stops) and resumes from the
 newest checkpoint.
 """
@@ -35,12 +35,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+import schedulers
 from core import timeline
 from stages.supervise import STOPPED_EXIT_CODE
 
 log = logging.getLogger("stages")
 
-CAUGHT = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 STOP = "SIGINT"  # the one caught signal that stops the stage instead of requeueing it
 CHECK_BUDGET = 0.01  # the check may cost at most this share of a step ...
 MOST_STEPS_BETWEEN_CHECKS = 16  # ... but a signal waits at most this many steps to be seen
@@ -54,12 +54,27 @@ def steps_between_checks(check_s: float, step_s: float) -> int:
     return max(1, min(MOST_STEPS_BETWEEN_CHECKS, math.ceil(check_s / (CHECK_BUDGET * step_s))))
 
 
+def requeue_signal() -> Optional[signal.Signals]:
+    """What this process's scheduler sends a job that is to save, requeue and resume
+    (schedulers/); None outside a scheduler's job."""
+    runtime = schedulers.runtime()
+    return runtime.requeue_signal if runtime is not None else None
+
+
+def caught(requeue: Optional[signal.Signals]) -> tuple[signal.Signals, ...]:
+    """The signals the training loop notes: the requeue signal, SIGTERM and SIGINT."""
+    return ((requeue,) if requeue is not None else ()) + (signal.SIGTERM, signal.SIGINT)
+
+
 class Signals:
-    """USR2/SIGTERM/SIGINT noted (not acted on) while the training loop runs; a context manager."""
+    """The requeue signal, SIGTERM and SIGINT noted (not acted on) while the training loop runs;
+    a context manager."""
 
     def __init__(self, ctx):
         self.device, self.rank, self.folder = ctx.device, ctx.rank, ctx.folder
         self.time_limit_min = ctx.task.time_limit_min
+        self.requeue_signal = requeue_signal()
+        self.caught = caught(self.requeue_signal)
         self.received: Optional[int] = None  # the signal this rank got, if any
         self.received_at: Optional[float] = None
         self.previous: dict = {}
@@ -67,19 +82,19 @@ class Signals:
         self.every = 1  # steps between checks: the same on every rank (from all-reduced timings)
 
     def start(self) -> "Signals":
-        for sig in CAUGHT:
+        for sig in self.caught:
             self.previous[sig] = signal.signal(sig, self._note)
         return self
 
     def stop(self) -> None:
-        """Back to submitit's handlers; one that arrived after the loop's last check acts now
+        """Back to the scheduler's handlers; one that arrived after the loop's last check acts now
         (the job resumes from its newest checkpoint)."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         if self.received == signal.SIGINT:
             self._stop_after(None)
-        if self.received is not None:
-            _call(self.previous.get(signal.SIGUSR2), signal.SIGUSR2)
+        if self.received is not None and self.requeue_signal is not None:
+            _call(self.previous.get(self.requeue_signal), self.requeue_signal)
 
     def __enter__(self) -> "Signals":
         return self.start()
@@ -90,11 +105,6 @@ class Signals:
         else:
             for sig, handler in self.previous.items():
                 signal.signal(sig, handler)
-
-    @property
-    def submitit_handler(self):
-        """The USR2 handler that was in place before (submitit's: requeue on rank 0)."""
-        return self.previous.get(signal.SIGUSR2)
 
     def _note(self, signum, frame) -> None:
         if self.received is None:
@@ -145,7 +155,7 @@ class Signals:
         if self.rank == 0:
             timeline.record(self.folder, timeline.SAVED_AT_SIGNAL, signal=self.said(name), step=step,
                             reason=timeline.signal_reason(name, timeline.attempt_seconds(self.folder),
-                                                          self.time_limit_min))
+                                                          self.time_limit_min, self.requeue_signal_name))
         if name == STOP:
             self._stop_after(step)
         self.requeue(self.rank, step)
@@ -161,24 +171,29 @@ class Signals:
                         self.said(STOP))
         _leave(STOPPED_EXIT_CODE)
 
+    @property
+    def requeue_signal_name(self) -> Optional[str]:
+        return self.requeue_signal.name if self.requeue_signal is not None else None
+
     def requeue(self, rank: int, step: int) -> None:
-        """After the checkpoint: rank 0 requeues through submitit and exits; the others exit."""
+        """After the checkpoint: rank 0 requeues through its scheduler and exits; the others exit."""
         since = f"{time.time() - self.received_at:.1f} s after the signal" if self.received_at else "on another rank's signal"
         log.warning("checkpoint at step %d saved %s: requeueing", step, since)
         sys.stdout.flush()
         sys.stderr.flush()
         if rank == 0:
-            requeue_through(self.previous.get(signal.SIGUSR2))
+            requeue_through(self.previous.get(self.requeue_signal), self.requeue_signal)
         _leave(0)
 
 
-def requeue_through(handler) -> None:
-    """Rank 0 hands the job to submitit's USR2 handler, which requeues it (`scontrol requeue`;
-    locally, exit code 144) and exits; leaves at once with that exit code. Never returns (no
-    handler: not a submitit job, exit 1). The hang watchdog requeues through it too."""
+def requeue_through(handler, requeue_signal: Optional[signal.Signals]) -> None:
+    """Rank 0 hands the job to its scheduler's handler of `requeue_signal`, which requeues it
+    (`scontrol requeue`; locally, exit code 144) and exits; leaves at once with that exit code.
+    Never returns (no handler: not a scheduler's job, exit 1). The hang watchdog requeues
+    through it too."""
     try:
-        _call(handler, signal.SIGUSR2)
-    except SystemExit as done:  # submitit's own exit after requeueing
+        _call(handler, requeue_signal)
+    except SystemExit as done:  # the scheduler's own exit after requeueing
         _leave((done.code if isinstance(done.code, int) else 1) & 0xFF)
     _leave(1)
 
@@ -190,7 +205,7 @@ def _call(handler, signum) -> None:
 
 def _leave(code: int) -> None:
     """Exit now, without the interpreter's teardown (DeepSpeed's threads can abort it and
-    change the exit code: 144 tells submitit's local executor to requeue)."""
+    change the exit code, which may be the scheduler's requeue code)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

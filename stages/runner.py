@@ -1,8 +1,8 @@
 """The entry point of a stage job: set up the process, run stages/<kind>.py, write result.json.
 
-`StageJob` is what the pipeline pickles and submits (submitit, locally or on
-Slurm). Importing this module must stay cheap and torch-free: the login node
-imports it to submit.
+`StageJob` is what the pipeline hands its scheduler to run (schedulers/: locally, on Slurm, ...).
+Who this process is in the job (rank, job id, restarts, its log) its scheduler's node half says.
+Importing this module must stay cheap and torch-free: the login node imports it to submit.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from submitit.helpers import Checkpointable, DelayedSubmission
-
+import schedulers
 from core import failure, kinds, measured, timeline
 from core.checkpoints import newest_intact
 from core.failure import saving
@@ -101,9 +100,9 @@ def _shape(model_path: str):
         return None
 
 
-class StageJob(Checkpointable):
-    """One stage as a submitit job. On preemption or time-out submitit calls
-    `checkpoint`, which requeues the same job: it resumes from its last checkpoint."""
+class StageJob:
+    """One stage as a job: every task of the job calls it. At its scheduler's requeue signal the
+    scheduler starts the same job again, which resumes from the stage's newest checkpoint."""
 
     def __init__(self, task: StageTask):
         self.task = task
@@ -111,20 +110,20 @@ class StageJob(Checkpointable):
     def __call__(self) -> dict:
         return run_stage(self.task)
 
-    def checkpoint(self, *args, **kwargs) -> DelayedSubmission:
-        """Called on rank 0 by submitit's USR2 handler, before it requeues the job.
+    def requeueing(self, signal_name: str) -> None:
+        """Said on rank 0 by the scheduler's handler of its requeue signal `signal_name`, as it
+        requeues the job.
 
         No save here: during training the loop has already saved at the signal's step
         (stages/preemption.py) before handing the signal on; outside it (loading, the
         final evaluation, export) the requeued job resumes from the newest complete
         checkpoint, which the atomic `latest` file names."""
         folder = self.task.folder
-        timeline.record(folder, timeline.REQUEUE, signal="SIGUSR2", reason=timeline.signal_reason(
-            "SIGUSR2", timeline.attempt_seconds(folder), self.task.time_limit_min))
+        timeline.record(folder, timeline.REQUEUE, signal=signal_name, reason=timeline.signal_reason(
+            signal_name, timeline.attempt_seconds(folder), self.task.time_limit_min, signal_name))
         latest = newest_intact(folder).tag
         start = f"checkpoint {latest}" if latest else "the start (no checkpoint yet)"
         log.warning("stage %s: requeueing; the job will resume from %s", self.task.name, start)
-        return DelayedSubmission(StageJob(self.task))
 
 
 def run_stage(task: StageTask) -> dict:
@@ -134,7 +133,7 @@ def run_stage(task: StageTask) -> dict:
     the cause, the place, what to do) and re-raises, so the job fails with the full
     traceback in this rank's log; `run` and `status` print the record instead."""
     rank = failure.task_rank()
-    log_path = _submitit_path("stderr")
+    log_path = _task_log(task.folder)
     try:
         failure.reserve(task.folder, rank)
         result = _run_stage(task)
@@ -144,11 +143,11 @@ def run_stage(task: StageTask) -> dict:
         except Exception as unrecorded:  # noqa: BLE001 -- the log still has the traceback
             print(f"could not record the failure in {task.folder.failure_record(rank)}: {unrecorded}",
                   file=sys.stderr, flush=True)
-        if log_path is not None:  # a submitit job, which exits 1 after this error anyway
-            _exit_hard_at_interpreter_exit(1)
+        if log_path is not None:  # a scheduler's job, which exits 1 after this error anyway
+            _exit_hard_at_interpreter_exit(task.folder, 1)
         raise
     failure.release(task.folder, rank)
-    _exit_hard_at_interpreter_exit(0)
+    _exit_hard_at_interpreter_exit(task.folder, 0)
     return result
 
 
@@ -157,7 +156,7 @@ class TooManyRestarts(RuntimeError):
 
 
 def _refuse_after_too_many_silent_endings(task: StageTask) -> None:
-    """Slurm requeues a job whose node failed; each such start counts against cluster.max_retries,
+    """A scheduler requeues a job whose node failed; each such start counts against cluster.max_retries,
     like a hang. Every rank decides alike, before any collective of the stage (they count earlier
     starts only, whether or not rank 0 has recorded this one yet)."""
     silent = timeline.unexplained_endings(task.folder, failure.task_job_id(), timeline.restart_count())
@@ -170,9 +169,9 @@ def _refuse_after_too_many_silent_endings(task: StageTask) -> None:
 
 
 def _note_sigterm(folder: StageFolder) -> None:
-    """Outside the training loop (loading, evaluation, export) a SIGTERM cannot be saved at: Slurm
-    preempts the job, kills it and requeues it. Noting it keeps that start from counting as a silent
-    ending (a node failure) against cluster.max_retries. submitit's own handler runs after."""
+    """Outside the training loop (loading, evaluation, export) a SIGTERM cannot be saved at: the
+    scheduler preempts the job, kills it and requeues it. Noting it keeps that start from counting as a
+    silent ending (a node failure) against cluster.max_retries. The scheduler's own handler runs after."""
     previous = signal.getsignal(signal.SIGTERM)
 
     def note(signum, frame):
@@ -215,8 +214,8 @@ def _run_stage(task: StageTask) -> dict:
     _refuse_after_too_many_silent_endings(task)
     from stages import watchdog
 
-    # From here every phase is watched (loading, evaluation, ...); rank 0 requeues a hang through submitit's handler.
-    watchdog.start(ctx, task.stage, task.max_retries, signal.getsignal(signal.SIGUSR2))
+    # From here every phase is watched (loading, evaluation, ...); rank 0 requeues a hang through the scheduler.
+    watchdog.start(ctx, task.stage, task.max_retries, schedulers.runtime())
     _materialize_builtins(task, ctx)
     # Every rank says where it is (each task has its own log): multi-node problems show here.
     print(
@@ -278,7 +277,7 @@ def _end_with_the_run(folder: StageFolder, rank: int) -> None:
                 with contextlib.suppress(OSError):
                     failure.write(folder, failure.Failure(
                         rank=rank, host=socket.gethostname(), kind=failure.STOPPED, message=message,
-                        log=str(_submitit_path("stderr") or "") or None, job_id=failure.task_job_id(), time=time.time()))
+                        log=str(_task_log(folder) or "") or None, job_id=failure.task_job_id(), time=time.time()))
                 sys.stdout.flush()
                 os._exit(1)
             except (PermissionError, ValueError):
@@ -311,22 +310,24 @@ def _materialize_builtins(task: StageTask, ctx: StageContext) -> None:
     dist.barrier()
 
 
-def _exit_hard_at_interpreter_exit(code: int) -> None:
+def _exit_hard_at_interpreter_exit(folder: StageFolder, code: int) -> None:
     """Once the stage has succeeded (0) or recorded its failure (1), leave with os._exit(code)
-    when everything is flushed, after removing what submitit may have left half-written.
+    when everything is flushed, after removing what the scheduler's wrapper of this task may have
+    left half-written.
 
     DeepSpeed's ZeRO-3 leaves C++ threads behind that sometimes abort the
     interpreter's own teardown ("terminate called without an active exception"),
     turning a finished stage into a failed job, or keeping a failed rank alive while
-    the others wait for it. submitit has written the job's result (or error) before the
-    interpreter exits, so nothing is lost by skipping teardown; if that write failed (a
-    full disk), its `.save_tmp` would make the next attempt's write fail too.
+    the others wait for it. The wrapper (submitit's) has written the job's result (or error)
+    before the interpreter exits, so nothing is lost by skipping teardown; if that write failed
+    (a full disk), its temporary file would make the next attempt's write fail too.
     """
-    leftover = _submitit_path("result_pickle")
+    runtime = schedulers.runtime()
+    leftovers = runtime.leftovers(folder.logs) if runtime is not None else []
 
     def hard_exit():
-        if leftover is not None:
-            remove(Path(f"{leftover}.save_tmp"))  # submitit's temporary name
+        for leftover in leftovers:
+            remove(leftover)
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()
@@ -335,14 +336,11 @@ def _exit_hard_at_interpreter_exit(code: int) -> None:
     atexit.register(hard_exit)
 
 
-def _submitit_path(name: str) -> Optional[Path]:
-    """This task's submitit file `name` (stderr, result_pickle), when it runs as a submitit job."""
-    try:
-        from submitit import JobEnvironment
-
-        return Path(getattr(JobEnvironment().paths, name))
-    except Exception:  # noqa: BLE001 -- not a submitit job (e.g. run-stage under srun)
-        return None
+def _task_log(folder: StageFolder) -> Optional[Path]:
+    """This task's stderr log, when its scheduler names it (a hand-written batch script names
+    its own)."""
+    runtime = schedulers.runtime()
+    return None if runtime is None else runtime.task_log(folder.logs, runtime.job_id(), runtime.rank())
 
 
 def _configure_logging(rank: int) -> None:

@@ -22,7 +22,7 @@ phases around it are not judged; its time is not counted to them.
 Each rank runs a thread that watches its own phases. A phase past its limit makes the rank write
 every thread's Python stack to its log (faulthandler) and say where, e.g. "hang in evaluation >
 generation at step 40: rank 1's generation has run 610 s, more than 600 s (...)". Rank 0 then
-requeues the job through submitit (it resumes from its newest checkpoint) unless the stage has
+requeues the job through its scheduler (it resumes from its newest checkpoint) unless the stage has
 already hung `cluster.max_retries` times, then it fails with a `Hang` record. The other ranks,
 stuck behind the same collective, give rank 0 time to act (a requeue ends them), then record
 the hang themselves and leave.
@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import logging
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -49,6 +49,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
+import schedulers
 from core import failure, timeline
 
 HANG_WARMUP = 5  # runs of a phase before its own history judges it
@@ -89,11 +90,11 @@ class phase(contextlib.ContextDecorator):
             _active.leave()
 
 
-def start(ctx, stage, max_retries: int, requeue_handler) -> "Watchdog":
-    """This process's watchdog, from now until it ends; `requeue_handler`: submitit's USR2
-    handler (rank 0 requeues with it)."""
+def start(ctx, stage, max_retries: int, runtime: Optional[schedulers.Runtime]) -> "Watchdog":
+    """This process's watchdog, from now until it ends; `runtime`: who it is in its scheduler's
+    job (schedulers/), whose handler of the requeue signal, in place now, rank 0 requeues with."""
     global _active
-    _active = Watchdog(ctx, stage, max_retries, requeue_handler)
+    _active = Watchdog(ctx, stage, max_retries, runtime)
     threading.Thread(target=_active.watch, name="hang-watchdog", daemon=True).start()
     return _active
 
@@ -127,10 +128,12 @@ class Open:
 class Watchdog:
     """Times the phases of this rank; `watch` (a thread) acts on one that runs far too long."""
 
-    def __init__(self, ctx, stage, max_retries: int, requeue_handler):
+    def __init__(self, ctx, stage, max_retries: int, runtime: Optional[schedulers.Runtime]):
         self.rank, self.folder = ctx.rank, ctx.folder
         self.factor, self.min_s, self.first_s = stage.hang_factor, stage.hang_min_s, stage.hang_first_s
-        self.max_retries, self.requeue_handler = max_retries, requeue_handler
+        self.max_retries, self.runtime = max_retries, runtime
+        self.requeue_signal = runtime.requeue_signal if runtime is not None else None
+        self.requeue_handler = signal.getsignal(self.requeue_signal) if self.requeue_signal is not None else None
         self.history: dict[tuple[str, ...], deque[float]] = {}  # each run's longest time without progress
         self.open: list[Open] = []  # innermost last; the thread reads a copy
         self.noted: Optional[Open] = None  # the phase phase.json names (rank 0)
@@ -221,12 +224,12 @@ class Watchdog:
             print(f"hang in {inner.where()}: {failing}", file=sys.stderr, flush=True)
             _fail(self.folder, self.rank, f"{said}. {failing[0].upper()}{failing[1:]}; {stacks}{_advice(why)}")
         print(f"hang in {inner.where()}: requeueing ({hangs + 1} of cluster.max_retries {self.max_retries})", flush=True)
-        # submitit's handler would call this a preemption ("this job is preempted"): the lines above say what it is.
-        logging.getLogger("submitit").disabled = True
+        if self.runtime is not None:
+            self.runtime.hush_requeue()  # the lines above say what it is: not a preemption
         from stages import preemption
 
         try:
-            preemption.requeue_through(self.requeue_handler)
+            preemption.requeue_through(self.requeue_handler, self.requeue_signal)
         except Exception as err:  # noqa: BLE001 -- e.g. scontrol refused: the job must still end, saying why
             _fail(self.folder, self.rank, f"{said}; requeueing failed ({type(err).__name__}: {err}). {stacks}")
 

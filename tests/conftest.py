@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +16,14 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+# The project's packages (each folder with an __init__.py at the top): core, pipeline, schedulers, stages.
+PACKAGES = tuple(sorted(p.parent.name for p in REPO.glob("*/__init__.py") if p.parent.name != "tests"))
+
+
+def copy_of_the_code(root: Path) -> None:
+    """The project's packages copied under `root`: where a scan's test plants what it must find."""
+    for package in PACKAGES:
+        shutil.copytree(REPO / package, root / package, ignore=shutil.ignore_patterns("__pycache__", "configs"))
 
 
 def tiny_pipeline(name="t", stages=None, **overrides) -> dict:

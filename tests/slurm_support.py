@@ -106,7 +106,7 @@ def job_ids(workdir: Path, pipeline="t") -> dict[str, str]:
 
 
 def scontrol_job(job_id: str) -> dict[str, str]:
-    from pipeline.executors.slurm_jobs import parse_scontrol_line
+    from schedulers.slurm.jobs import parse_scontrol_line
 
     out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, check=True)
     return parse_scontrol_line(out.stdout.strip())

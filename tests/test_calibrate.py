@@ -14,7 +14,7 @@ import torch
 from core import calibration, config as config_module
 from core.errors import InvalidInput
 from pipeline import calibrate, cli
-from pipeline.executors import slurm
+from schedulers.slurm import submit as slurm
 from stages import calibrate as measuring
 from tests.conftest import REPO, run_cli
 from tests.test_slurm_sbatch import login_node  # noqa: F401 -- a fixture: sbatch and srun on PATH, in a workdir

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from core.config import CONFIGS_DIR, load_pipeline, slurm_time_to_minutes
+from core.config import CONFIGS_DIR, load_pipeline
 from core.errors import InvalidInput
+from schedulers.slurm import time_to_minutes
 from tests.conftest import run_cli, tiny_pipeline, write_pipeline
 
 
@@ -166,7 +167,7 @@ def test_unknown_stage_kind_lists_the_kinds(tmp_path):
     ("90", 90), ("4:00:00", 240), ("2-00:00:00", 2880), ("1-12", 2160), ("10:30", 11), ("1-2:30", 1590),
 ])
 def test_slurm_time_formats(text, minutes):
-    assert slurm_time_to_minutes(text) == minutes
+    assert time_to_minutes(text) == minutes
 
 
 def test_bad_slurm_time_is_rejected(tmp_path):

@@ -1,5 +1,5 @@
-"""The executor seam (pipeline/executors/): only the executor modules and the schema know
-the executors by name; everything else asks the executor it is given.
+"""The executor seam (pipeline/executors/): only the schedulers' packages (schedulers/) and
+the schema know the executors by name; everything else asks the executor it is given.
 
 The scan reads every module of the project's packages for a string that is an executor's
 name ("local", "slurm") and for a comparison with an `executor` attribute
@@ -10,36 +10,34 @@ from __future__ import annotations
 
 import ast
 import io
-import shutil
 import tokenize
 from pathlib import Path
 
-import pytest
-
+import schedulers
 from core import config
 from pipeline import executors
-from tests.conftest import REPO
+from tests.conftest import PACKAGES, REPO, copy_of_the_code
 
-# Every package of the project (each folder with an __init__.py at the top): pipeline, stages, ...
-SCANNED = tuple(sorted(p.parent.name for p in REPO.glob("*/__init__.py") if p.parent.name != "tests"))
-# The schema (cluster.executor's Literal) and the executor modules: the only places that may name one.
+# The schema (cluster.executor's default and documentation) and the schedulers' packages: the only
+# places that may name one.
 SCHEMA = Path(config.__file__).resolve().relative_to(REPO).as_posix()
-EXECUTOR_MODULES = Path(executors.__file__).resolve().parent.relative_to(REPO).as_posix() + "/"
+EXECUTOR_MODULES = Path(schedulers.__file__).resolve().parent.relative_to(REPO).as_posix() + "/"
+NAMES = schedulers.names()
 
 
 def executor_questions(root: Path) -> list[str]:
     """`path:line: what` for each executor name in a string and each comparison with an
-    `executor` attribute, in the modules of the packages under root (SCANNED) but the schema and
+    `executor` attribute, in the modules of the packages under root (PACKAGES) but the schema and
     the executor modules."""
     found = []
-    for package in SCANNED:
+    for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
             relative = path.relative_to(root).as_posix()
             if relative == SCHEMA or relative.startswith(EXECUTOR_MODULES):
                 continue
             source = path.read_text()
             for token in tokenize.generate_tokens(io.StringIO(source).readline):
-                if token.type == tokenize.STRING and _string_value(token.string) in executors.NAMES:
+                if token.type == tokenize.STRING and _string_value(token.string) in NAMES:
                     found.append(f"{relative}:{token.start[0]}: the string {token.string}")
             for node in ast.walk(ast.parse(source)):
                 if isinstance(node, ast.Compare) and any(
@@ -57,15 +55,14 @@ def _string_value(literal: str):
 
 
 def test_only_the_executor_modules_and_the_schema_name_an_executor():
-    assert {"pipeline", "stages"} <= set(SCANNED)
+    assert {"pipeline", "schedulers", "stages"} <= set(PACKAGES)
     found = executor_questions(REPO)
-    assert not found, ("code outside pipeline/executors/ and the schema asks which executor it is; ask the "
+    assert not found, ("code outside schedulers/ and the schema asks which executor it is; ask the "
                        "executor (pipeline/executors/base.py) instead:\n  " + "\n  ".join(found))
 
 
 def test_the_scan_finds_a_planted_question(tmp_path):
-    for package in SCANNED:
-        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__", "configs"))
+    copy_of_the_code(tmp_path)
     assert executor_questions(tmp_path) == []
     planted = tmp_path / "pipeline" / "launch.py"
     planted.write_text(planted.read_text() + "\n\ndef planted(spec):\n"
@@ -75,17 +72,11 @@ def test_the_scan_finds_a_planted_question(tmp_path):
                                             f"pipeline/launch.py:{lines}: a comparison with .executor"]
 
 
-def test_every_name_of_the_schema_has_one_executor_of_that_name():
-    assert sorted(executors.EXECUTORS) == sorted(executors.NAMES)
-    for name in executors.NAMES:
+def test_every_scheduler_has_one_executor_of_its_name():
+    assert NAMES[:2] == ["local", "slurm"]  # the shipped ones, found in schedulers/
+    found = executors.executors()
+    assert list(found) == NAMES
+    for name in NAMES:
         assert executors.executor_for(name).name == name
-    doings = [cls.doing for cls in executors.EXECUTORS.values()]
+    doings = [cls.doing for cls in found.values()]
     assert len(set(doings)) == len(doings)  # `cancel` finds the executor of the `run` holding a folder by it
-
-
-def test_the_training_loop_catches_every_executors_requeue_signal():
-    pytest.importorskip("torch")
-    from stages import preemption
-
-    for cls in executors.EXECUTORS.values():
-        assert cls.requeue_signal in preemption.CAUGHT, cls.name

@@ -156,7 +156,7 @@ def test_bad_input_found_inside_a_stage_is_reported_as_bad_input_exit_2(tmp_path
 
     from core import config
     from pipeline import graph
-    from pipeline.executors import local
+    from schedulers.local import submit as local
 
     spec = config.PipelineSpec.model_validate({**tiny_pipeline(), "runs_dir": str(tmp_path / "runs")})
     task = graph.build_tasks(spec)[0]
@@ -173,13 +173,15 @@ def test_bad_input_found_inside_a_stage_is_reported_as_bad_input_exit_2(tmp_path
 
 
 def test_srun_lines_name_the_tasks_that_died_on_slurm():
+    from schedulers.slurm.jobs import srun_deaths
+
     # srun's own words (src/srun: "%s: %s %s: %s%s" with strsignal, or "Exited with exit code %d").
     log = ("Traceback (most recent call last):\n"
            "srun: error: gpu07: task 3: Killed\n"
            "srun: error: gpu02: tasks 0-1: Exited with exit code 1\n"
            "srun: error: gpu09: task 5: Out Of Memory\n"
            "srun: error: gpu04: task 2: Segmentation fault (core dumped)\n")
-    died = {d.rank: d for d in failure.srun_deaths(log)}
+    died = {d.rank: d for d in srun_deaths(log)}
     assert sorted(died) == [0, 1, 2, 3, 5]
     assert died[3].host == "gpu07" and "killed: Killed (SIGKILL)" in died[3].message
     assert died[0].message == died[1].message == "the process exited with code 1"

@@ -24,7 +24,7 @@ def test_a_stage_task_that_asked_for_gpus_and_finds_none_fails_instead_of_traini
 def local_executor_for(workdir, cluster: dict):
     from core.config import load_pipeline
     from pipeline import graph
-    from pipeline.executors import local
+    from schedulers.local import submit as local
 
     spec = load_pipeline(str(write_pipeline(workdir, tiny_pipeline(cluster=cluster))))
     return local.local_executor(spec, graph.build_tasks(spec)[0])

@@ -276,7 +276,7 @@ def test_report_and_status_agree_on_each_stage_after_a_cancel_a_kill_and_before_
 
     from core.config import load_pipeline
     from pipeline import state
-    from pipeline.executors.local import LocalExecutor
+    from schedulers.local.submit import LocalExecutor
     from pipeline.graph import build_tasks
 
     sft = {"kind": "sft", "model": "builtin:tiny-llama", "data": {"path": "builtin:digits"}, "max_steps": 40}

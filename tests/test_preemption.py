@@ -58,9 +58,10 @@ def one_process_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def test_a_signal_is_noted_in_the_loop_and_handed_to_the_previous_handler_after(one_process_group):
+def test_a_signal_is_noted_in_the_loop_and_handed_to_the_previous_handler_after(one_process_group, monkeypatch):
     from stages import preemption
 
+    monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "1")  # a task of a local job: its scheduler requeues at USR2
     seen = []
     before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
     try:
@@ -235,14 +236,17 @@ def test_a_sigterm_outside_the_loop_is_noted_as_a_preemption_then_handed_on(tmp_
     assert timeline.unexplained_endings(folder, "7", 1) == 0  # not a node failure
 
 
-def test_usr2_is_a_time_limit_only_near_the_limit():
+def test_the_requeue_signal_is_a_time_limit_only_near_the_limit():
     from core.timeline import PREEMPTED, TIME_LIMIT, signal_reason
 
     # 60 min limit: a time limit from 48 min (80%); 20 min: from 10 min (10 minutes before).
-    assert signal_reason("SIGUSR2", 47 * 60, 60) == PREEMPTED and signal_reason("SIGUSR2", 48 * 60, 60) == TIME_LIMIT
-    assert signal_reason("SIGUSR2", 9 * 60, 20) == PREEMPTED and signal_reason("SIGUSR2", 10 * 60, 20) == TIME_LIMIT
-    assert signal_reason("SIGTERM", 59 * 60, 60) == PREEMPTED  # Slurm's preemption signal
-    assert signal_reason("SIGUSR2", 10**6, None) == PREEMPTED  # a local job has no limit
+    def reason(name, elapsed_s, limit_min):
+        return signal_reason(name, elapsed_s, limit_min, requeue_signal="SIGUSR2")
+
+    assert reason("SIGUSR2", 47 * 60, 60) == PREEMPTED and reason("SIGUSR2", 48 * 60, 60) == TIME_LIMIT
+    assert reason("SIGUSR2", 9 * 60, 20) == PREEMPTED and reason("SIGUSR2", 10 * 60, 20) == TIME_LIMIT
+    assert reason("SIGTERM", 59 * 60, 60) == PREEMPTED  # Slurm's preemption signal
+    assert reason("SIGUSR2", 10**6, None) == PREEMPTED  # a local job has no limit
 
 
 def test_the_stage_names_the_signal_its_local_run_got_not_the_sigint_it_was_stopped_with(tmp_path):

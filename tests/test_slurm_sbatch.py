@@ -19,7 +19,7 @@ import pytest
 
 from core import config as config_module
 from pipeline import graph
-from pipeline.executors import slurm
+from schedulers.slurm import submit as slurm
 from tests.conftest import REPO, run_cli, tiny_pipeline, write_pipeline
 
 GOLDEN = REPO / "tests" / "golden" / "dpo-2n8g-container.sbatch"

@@ -44,7 +44,7 @@ def slurm_world(workdir, monkeypatch):
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "spec.json").write_text(json.dumps({"spec_hash": task.spec_hash}))
     record = state.RunState(pipeline="t", config=str(config), stages={"sft": state.StageRecord(
-        job_id="12", state=state.RUNNING, slurm_state="RUNNING", spec_hash=task.spec_hash,
+        job_id="12", state=state.RUNNING, job_state="RUNNING", spec_hash=task.spec_hash,
         submitted_at=state.now(), logs=str(run_dir / "logs"))})
     state.save(workdir / "runs" / "t", record)
     command("sbatch", "exit 1")
@@ -79,7 +79,7 @@ def test_status_falls_back_to_accounting_when_scontrol_forgot_the_job(slurm_worl
     write_failure_log(slurm_world)
     code, stage = status_of(slurm_world)
     assert code == 1
-    assert (stage["state"], stage["slurm_state"], stage["source"]) == ("failed", "OUT_OF_MEMORY", "slurm")
+    assert (stage["state"], stage["job_state"], stage["source"]) == ("failed", "OUT_OF_MEMORY", "slurm")
     assert stage["log"] == str(slurm_world["run_dir"] / "logs" / "12_0_log.err")
     assert stage["log_tail"][-1] == "ValueError: 3 training rows are too few"
 

@@ -1,37 +1,44 @@
-"""Where the stages run: one module per executor, and the one place that maps a name to one.
+"""Where the stages run: the one place that maps a name to an executor.
 
-base.py says what an executor answers; local.py runs the chain on this machine,
-slurm.py submits it to Slurm (slurm_jobs.py asks Slurm about its jobs).
-`executor_for` turns the pipeline file's cluster.executor, or a pipeline.json
-record's executor, into an executor; `holding` finds the executor of the `run`
-that holds a run folder; the functions below go over a run's records, each asking
-the executor of its record. Nothing outside this package asks which executor it
-is. A new scheduler is a module with an Executor subclass, its name in
-config.ExecutorName and its class in EXECUTORS.
+An executor is the submit half of a scheduler (schedulers/: local/ runs the chain on this
+machine, slurm/ submits it to Slurm; a plug-in may declare more); base.py says what one
+answers. `executor_for` turns the pipeline file's cluster.executor, or a pipeline.json
+record's executor, into an executor; `holding` finds the executor of the `run` that holds
+a run folder; the functions below go over a run's records, each asking the executor of its
+record. Nothing outside the schedulers' packages asks which executor it is.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, get_args
+from typing import Optional
 
-from core.config import ExecutorName
+import schedulers
 from core.errors import InvalidInput
 from core.task import StageTask, is_finished
 from pipeline import state
 from pipeline.executors.base import Executor
-from pipeline.executors.local import LocalExecutor
-from pipeline.executors.slurm import SlurmExecutor
 
-# Every executor, by its name; in the order `calibrate` lists their flags (--slurm, --local).
-EXECUTORS: dict[str, type[Executor]] = {cls.name: cls for cls in (SlurmExecutor, LocalExecutor)}
-NAMES: tuple[str, ...] = get_args(ExecutorName)  # the schema's, in its order (`run --executor`'s choices)
+
+def executor_class(name: str) -> type[Executor]:
+    """The executor of scheduler `name`: its submit half, imported now."""
+    try:
+        module, _, attribute = schedulers.get(name).executor.partition(":")
+    except KeyError as err:
+        raise InvalidInput(err.args[0]) from None
+    return getattr(importlib.import_module(module), attribute)
+
+
+def executors() -> dict[str, type[Executor]]:
+    """Every executor known now, by its name; the shipped ones first (`calibrate` lists their flags)."""
+    return {name: executor_class(name) for name in schedulers.names()}
 
 
 def executor_for(name: str) -> Executor:
     """The executor the schema's (or a record's) name stands for."""
-    return EXECUTORS[name]()
+    return executor_class(name)()
 
 
 def holding(running: Optional[state.Holder]) -> Optional[Executor]:
@@ -39,7 +46,7 @@ def holding(running: Optional[state.Holder]) -> Optional[Executor]:
     None when no `run` holds it (or one that has not said yet)."""
     if running is None:
         return None
-    return next((cls() for cls in EXECUTORS.values() if cls.doing == running.doing), None)
+    return next((cls() for cls in executors().values() if cls.doing == running.doing), None)
 
 
 @dataclass(frozen=True)

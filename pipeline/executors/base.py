@@ -1,9 +1,10 @@
 """What an executor is, and the pieces every executor shares.
 
-An executor is where a pipeline's stages run: this machine (local.py) or a Slurm
-cluster (slurm.py), each one module. pipeline/executors/__init__.py maps the
-pipeline file's `cluster.executor` (and a pipeline.json record's `executor`) to one;
-nothing else asks which one it is: it asks the executor what it needs to know.
+An executor is the submit half of a scheduler (schedulers/): where a pipeline's stages
+run, e.g. this machine (schedulers/local/) or a Slurm cluster (schedulers/slurm/).
+pipeline/executors/__init__.py maps the pipeline file's `cluster.executor` (and a
+pipeline.json record's `executor`) to one; nothing else asks which one it is: it asks
+the executor what it needs to know.
 
 - Facts the checks need: does `run` fetch the hub's models before the stages run
   (`fetches_before_run`), do the stages run with this python (`runs_this_python`),
@@ -13,15 +14,14 @@ nothing else asks which one it is: it asks the executor what it needs to know.
 - State: what the scheduler knows of recorded jobs now (`look`) and a stage's status
   from it (`stage_status`); live check: `is_live`; cancel: `stop_run` (a `run` that
   holds the folder), `cancel` and `wait_until_ended` (live jobs).
-- The requeue signal: what the scheduler sends a job that is to save, requeue and
-  resume (stages/preemption.py catches it).
+- Its jobs' tasks: `runtime`, the scheduler's node half, names their log files; what
+  the scheduler says of a task that died without a word (`deaths`).
 """
 
 from __future__ import annotations
 
 import json
 import shlex
-import signal
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Callable, ClassVar, Optional
@@ -29,9 +29,11 @@ from typing import Callable, ClassVar, Optional
 from core import failure, runfolder
 from core.config import PipelineSpec
 from core.errors import PipelineError
+from core.failure import Failure
 from core.task import StageTask
 from pipeline import plan, state
 from pipeline.graph import PlannedStage
+from schedulers import Runtime
 
 LOG_TAIL_LINES = 15
 
@@ -48,8 +50,7 @@ class Executor(ABC):
     fetches_before_run: ClassVar[bool] = False
     # A job is given the GPUs the cluster section asks for: one that finds none ran on the wrong nodes.
     grants_asked_gpus: ClassVar[bool] = False
-    # What the scheduler sends a job that is to save a checkpoint, requeue and resume: submitit's USR2.
-    requeue_signal: ClassVar[signal.Signals] = signal.SIGUSR2
+    runtime: ClassVar[type[Runtime]]  # a task of its jobs, as the scheduler's node half sees it: its log files
 
     def runs_this_python(self, spec: PipelineSpec) -> bool:
         """The stages run with this python (so what they import can be checked here)."""
@@ -117,6 +118,37 @@ class Executor(ABC):
     def measure_node(self, spec: PipelineSpec, measure: Callable, asked, echo) -> dict:
         """`calibrate`: `measure(asked)` on a node where the stages would run; what it returns."""
 
+    def deaths(self, record: state.StageRecord) -> list[Failure]:
+        """What the scheduler says of the job's tasks that died without recording why (none here)."""
+        return []
+
+    def with_log(self, status: state.StageStatus, record: state.StageRecord) -> state.StageStatus:
+        """Say why the job failed: the cause its ranks recorded (core/failure.py), or the
+        scheduler's word on a task that died without one (`deaths`), and that rank's log. Without
+        either, point at the first log that holds a traceback (else rank 0's) and show its last lines."""
+        logs = Path(record.logs)
+        records = failure.read(runfolder.StageFolder(Path(status.run_dir)), record.job_id)
+        if all(r.secondary for r in records):
+            recorded = {r.rank for r in records}
+            records += [d for d in self.deaths(record) if d.rank not in recorded]
+        cause = failure.summary(records)
+        if cause is not None:
+            if cause not in status.detail:  # a local run's record already says it
+                status.detail = f"{status.detail}: {cause}" if status.detail else cause
+            first = failure.explaining(records)
+            status.log = first.log or _text(self.runtime.task_log(logs, record.job_id, first.rank))
+            return status
+        chosen = self.runtime.task_log(logs, record.job_id, 0)
+        for path in self.runtime.task_logs(logs, record.job_id):
+            if "Traceback" in path.read_text(errors="replace"):
+                chosen = path
+                break
+        status.log = _text(chosen)
+        if chosen is not None and chosen.is_file():
+            lines = [line for line in chosen.read_text(errors="replace").splitlines() if line.strip()]
+            status.log_tail = lines[-LOG_TAIL_LINES:]
+        return status
+
 
 # --------------------------------------------------------------------------- shared pieces
 
@@ -167,39 +199,5 @@ def exports(env: dict) -> list[str]:
     return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
 
 
-def with_log(status: state.StageStatus, record: state.StageRecord) -> state.StageStatus:
-    """Say why the job failed: the cause its ranks recorded (core/failure.py), or srun's
-    word on a task that died without one, and that rank's log. Without either, point at the
-    first log that holds a traceback (else rank 0's) and show its last lines."""
-    logs = Path(record.logs)
-    batch_err = logs / f"{record.job_id}_0_log.err"  # the batch script's stderr: srun writes there too
-    records = failure.read(runfolder.StageFolder(Path(status.run_dir)), record.job_id)
-    if all(r.secondary for r in records) and batch_err.is_file():
-        recorded = {r.rank for r in records}
-        died = failure.srun_deaths(batch_err.read_text(errors="replace"))
-        records += [d for d in died if d.rank not in recorded]
-    cause = failure.summary(records)
-    if cause is not None:
-        if cause not in status.detail:  # a local run's record already says it
-            status.detail = f"{status.detail}: {cause}" if status.detail else cause
-        first = failure.explaining(records)
-        status.log = first.log or str(logs / f"{record.job_id}_{first.rank}_log.err")
-        return status
-    candidates = sorted(logs.glob(f"{record.job_id}_*_log.err"), key=lambda p: _task_index(p, record.job_id))
-    chosen = batch_err
-    for path in candidates:
-        if "Traceback" in path.read_text(errors="replace"):
-            chosen = path
-            break
-    status.log = str(chosen)
-    if chosen.is_file():
-        lines = [line for line in chosen.read_text(errors="replace").splitlines() if line.strip()]
-        status.log_tail = lines[-LOG_TAIL_LINES:]
-    return status
-
-
-def _task_index(path: Path, job_id: str) -> int:
-    try:
-        return int(path.name[len(job_id) + 1:].split("_")[0])
-    except ValueError:
-        return 1 << 30
+def _text(path: Optional[Path]) -> Optional[str]:
+    return None if path is None else str(path)

@@ -1,4 +1,4 @@
-"""The Slurm executor: the whole chain submitted at once, one job per stage.
+"""The Slurm scheduler's executor: the whole chain submitted at once, one job per stage.
 
 Each downstream job has `afterok` on its upstream jobs and `--kill-on-invalid-dep=yes`;
 then `run` returns, and nothing stays alive on the login node. A job's tasks (one per
@@ -7,7 +7,7 @@ GPU) run `PYTHON -m submitit.core._submit`, where PYTHON is this python, or
 USR2 `cluster.requeue_signal_s` before the time limit (and on preemption); submitit
 then requeues the job, which resumes from the stage's newest complete checkpoint.
 `run` fetches the hub's models and datasets into the shared cache first: the jobs
-read it offline. What Slurm knows of a job (scontrol, then sacct) is slurm_jobs.py's.
+read it offline. What Slurm knows of a job (scontrol, then sacct) is jobs.py's.
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ from typing import Optional
 
 from core import runfolder
 from core.checkpoints import newest_intact
-from core.config import PipelineSpec, slurm_time_to_minutes
+from core.config import PipelineSpec
 from core.errors import InvalidInput, PipelineError
+from core.failure import Failure
 from core.rows import is_row_file
 from core.task import StageTask
 from pipeline import plan, prepare, state
-from pipeline.executors import slurm_jobs
-from pipeline.executors.base import Executor, announce, check_fits, exports, run_state_of, with_log
+from pipeline.executors.base import Executor, announce, check_fits, exports, run_state_of
 from pipeline.graph import PlannedStage
 from pipeline.hfcache import hf_cache
+from schedulers.slurm import jobs as slurm_jobs
+from schedulers.slurm import time_to_minutes
+from schedulers.slurm.node import SlurmSubmititTask
+from schedulers.submitit_tasks import SubmititJob
 
 # The calibration job's time limit: the measurements take a few minutes (CPU Adam's first JIT
 # build ~1 minute of it); a shorter cluster.time wins.
@@ -43,12 +47,13 @@ class SlurmExecutor(Executor):
                       "cluster.executor is slurm)")
     fetches_before_run = True
     grants_asked_gpus = True
+    runtime = SlurmSubmititTask
 
     def runs_this_python(self, spec: PipelineSpec) -> bool:
         return not spec.container
 
     def time_limit_min(self, spec: PipelineSpec, stage) -> Optional[int]:
-        return slurm_time_to_minutes(stage.time or spec.cluster.time)
+        return time_to_minutes(stage.time or spec.cluster.time)
 
     def check_before_run(self, spec, force, refuse_live, echo) -> Optional[list]:
         check_ready(spec)
@@ -80,11 +85,16 @@ class SlurmExecutor(Executor):
         return slurm_jobs.job_info(job_ids) if job_ids else {}
 
     def stage_status(self, task, record, seen: Optional[slurm_jobs.JobInfo], run_state, running):
-        return _job_status(task, record, seen, run_state)
+        return _job_status(self, task, record, seen, run_state)
 
     def note_finished(self, status: state.StageStatus, seen: Optional[slurm_jobs.JobInfo]) -> None:
         if seen is not None:
-            status.slurm_state, status.restarts, status.source = seen.state, seen.restarts, "slurm"
+            status.job_state, status.restarts, status.source = seen.state, seen.restarts, self.name
+
+    def deaths(self, record: state.StageRecord) -> list[Failure]:
+        """The tasks srun says died, in the batch script's stderr (rank 0's log: srun writes there too)."""
+        batch_err = self.runtime.task_log(Path(record.logs), record.job_id, 0)
+        return slurm_jobs.srun_deaths(batch_err.read_text(errors="replace")) if batch_err.is_file() else []
 
     def cancel(self, job_ids: list[str]) -> None:
         slurm_jobs.cancel(job_ids)
@@ -140,7 +150,7 @@ def submit_chain(executor: SlurmExecutor, spec: PipelineSpec, planned: list[Plan
             continue
         after = [submitted[up] for up in task.stage.upstream if up in submitted]
         try:
-            job = slurm_executor(spec, task, after).submit(StageJob(task))
+            job = slurm_executor(spec, task, after).submit(SubmititJob(StageJob(task)))
         except Exception as err:  # noqa: BLE001 -- sbatch's refusal, reported to the user
             slurm_jobs.cancel(list(submitted.values()))
             for name in submitted:
@@ -170,21 +180,21 @@ def submit_chain(executor: SlurmExecutor, spec: PipelineSpec, planned: list[Plan
     return run_state
 
 
-def _job_status(task: StageTask, record: state.StageRecord, info: Optional[slurm_jobs.JobInfo],
-                run_state: state.RunState) -> state.StageStatus:
+def _job_status(executor: SlurmExecutor, task: StageTask, record: state.StageRecord,
+                info: Optional[slurm_jobs.JobInfo], run_state: state.RunState) -> state.StageStatus:
     """An unfinished stage's status from what Slurm knows of its job, else from its record."""
     base = dict(name=task.name, run_dir=task.run_dir, job_id=record.job_id)
     older = "" if record.spec_hash == task.spec_hash else " (an older spec of this stage)"
     if info is None:
         # Slurm (and accounting, if any) no longer knows the job, and it left no result.
         if record.state in (state.FAILED, state.CANCELLED):
-            ended, detail = record.state, f"{record.detail or record.slurm_state} (as last seen)"
+            ended, detail = record.state, f"{record.detail or record.job_state} (as last seen)"
         else:
             ended, detail = state.FAILED, f"the job ended without writing result.json (last seen {record.state})"
-        status = state.StageStatus(state=ended, detail=detail + older, slurm_state=record.slurm_state,
+        status = state.StageStatus(state=ended, detail=detail + older, job_state=record.job_state,
                                    source="record", **base)
-        return with_log(status, record) if ended == state.FAILED else status
-    base.update(slurm_state=info.state, restarts=info.restarts, source="slurm")
+        return executor.with_log(status, record) if ended == state.FAILED else status
+    base.update(job_state=info.state, restarts=info.restarts, source=executor.name)
     requeued = state.interruptions(task) or (f", requeued {info.restarts}x" if info.restarts else "")
     if info.waiting:
         if info.reason == "Dependency":
@@ -215,7 +225,7 @@ def _job_status(task: StageTask, record: state.StageRecord, info: Optional[slurm
     else:
         detail = f"{info.state}" + (f", exit code {info.exit_code}" if info.exit_code else "")
         detail += f" ({info.reason})" if info.reason and info.reason != "NonZeroExitCode" else ""
-    return with_log(state.StageStatus(state=state.FAILED, detail=detail + requeued + older, **base), record)
+    return executor.with_log(state.StageStatus(state=state.FAILED, detail=detail + requeued + older, **base), record)
 
 
 # --------------------------------------------------------------------------- what is submitted
@@ -245,7 +255,7 @@ def slurm_parameters(spec: PipelineSpec, task: StageTask, after: list[str]) -> d
     params = cluster_parameters(spec)
     params.update({
         "job_name": f"{spec.name}.{task.name}",
-        "time": slurm_time_to_minutes(stage.time or cluster.time),
+        "time": time_to_minutes(stage.time or cluster.time),
         "nodes": stage.nodes,
         "ntasks_per_node": task.processes_per_node,
         "signal_delay_s": plan.signal_lead(spec, stage),
@@ -280,7 +290,7 @@ def calibration_parameters(spec: PipelineSpec) -> dict:
     cluster = spec.cluster
     params = cluster_parameters(spec)
     params.update(job_name=f"{spec.name}.calibrate", nodes=1, ntasks_per_node=1,
-                  time=min(CALIBRATION_TIME_MIN, slurm_time_to_minutes(cluster.time)))
+                  time=min(CALIBRATION_TIME_MIN, time_to_minutes(cluster.time)))
     if cluster.cpus_per_task is not None:
         params["cpus_per_task"] = cluster.cpus_per_task * cluster.processes_per_node
     return params

@@ -1,12 +1,13 @@
-"""The local executor: the chain on this machine, one stage job at a time.
+"""The local scheduler's executor: the chain on this machine, one stage job at a time.
 
-Each stage is a submitit LocalExecutor job (one process per task), its rank-0 log
-streamed to the console, the next stage submitted when the previous one succeeded.
-The `run` holds the run folder's lock the whole time, records each stage in
-pipeline.json for `status`, and takes its stage processes down with it when it is
-interrupted (the stage saves at the signal first, as on Slurm: `_Stops`) or killed. cluster.time does not apply: a local stage has no time limit.
-A task that is to save and requeue exits 144 (stages/supervise.py), and submitit
-starts it again.
+Each stage is a submitit LocalExecutor job (one process per task, each under
+stages/supervise.py), its rank-0 log streamed to the console, the next stage submitted
+when the previous one succeeded. The `run` holds the run folder's lock the whole time,
+records each stage in pipeline.json for `status`, and takes its stage processes down
+with it when it is interrupted (the stage saves at the signal first, as on Slurm:
+`_Stops`) or killed. cluster.time does not apply: a local stage has no time limit.
+A task that is to save and requeue exits with node.py's REQUEUE_EXIT_CODE, and
+submitit starts it again.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from core.config import PipelineSpec
 from core.errors import Interrupted, InvalidInput, InvalidStageInput, PipelineError, StageFailed
 from core.task import StageTask, is_finished
 from pipeline import state
-from pipeline.executors.base import Executor, announce, check_fits, exports, run_state_of, with_log
+from pipeline.executors.base import Executor, announce, check_fits, exports, run_state_of
 from pipeline.graph import PlannedStage
 from pipeline.hfcache import hf_cache
+from schedulers.local.node import LocalTask
+from schedulers.submitit_tasks import SubmititJob
 
 POLL_S = 0.5
 # A local stage runs until it ends (submitit's LocalExecutor needs some limit: a year).
@@ -44,6 +47,7 @@ class LocalExecutor(Executor):
     name = "local"
     doing = "running it locally"
     calibrate_help = "measure this machine, whatever cluster.executor says"
+    runtime = LocalTask
 
     def check_validate(self, spec: PipelineSpec) -> None:
         check_gpus(spec)
@@ -78,10 +82,10 @@ class LocalExecutor(Executor):
         if record.state == state.RUNNING:  # the run that ran it is gone without saying how the stage ended
             detail = (f"the local `run` on {record.host} ended while the stage ran (killed?); "
                       f"{state.resume_point(task)}")
-            return with_log(state.StageStatus(state=state.FAILED, detail=detail, **base), record)
+            return self.with_log(state.StageStatus(state=state.FAILED, detail=detail, **base), record)
         if record.state == state.FAILED:
-            return with_log(state.StageStatus(state=state.FAILED, detail=record.detail + state.interruptions(task),
-                                              **base), record)
+            detail = record.detail + state.interruptions(task)
+            return self.with_log(state.StageStatus(state=state.FAILED, detail=detail, **base), record)
         return state.StageStatus(state=record.state, detail=f"{record.detail}; {state.resume_point(task)}", **base)
 
     def stop_run(self, running: state.Holder, pipeline: str) -> int:
@@ -116,7 +120,7 @@ def run_local(executor: LocalExecutor, spec: PipelineSpec, planned: list[Planned
             task = announce(executor, spec, item, echo)
             if task is None:
                 continue
-            job = local_executor(spec, task).submit(StageJob(task))
+            job = local_executor(spec, task).submit(SubmititJob(StageJob(task)))
             record = _record_local(run_state, pipeline_dir, task, job)
             verb = "resuming" if item.action == "resume" else "running"
             echo(f"[{task.name}] {verb} {task.stage.kind} as local job {job.job_id} "

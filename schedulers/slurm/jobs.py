@@ -1,4 +1,5 @@
-"""Asking Slurm about jobs and cancelling them, without depending on accounting.
+"""What Slurm says of its jobs: their state (scontrol, sacct), cancelling them, and srun's lines
+about tasks that died.
 
 `scontrol show job` knows a job from submission until MinJobAge seconds after
 it ended (300 s by default); `sacct` knows it afterwards, but only where the
@@ -9,11 +10,14 @@ scontrol, then sacct, and callers fall back to the run folder after that
 
 from __future__ import annotations
 
+import re
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
 
 from core.errors import PipelineError
+from core.failure import HOST_OUT_OF_MEMORY, PLAN_HINT, PROCESS_DIED, Failure
 
 # Job states in which a job may still run, or is running, or is cleaning up.
 LIVE_STATES = frozenset({
@@ -137,3 +141,44 @@ def _run(command: list[str], check: bool = False) -> subprocess.CompletedProcess
     if check and result.returncode != 0:
         raise SlurmUnavailable(f"{' '.join(command)} failed: {result.stderr.strip()}")
     return result
+
+
+# --------------------------------------------------------------------------- srun's lines
+
+
+_SRUN_TASK_END = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+?)\s*$", re.MULTILINE)
+
+
+def srun_deaths(text: str) -> list[Failure]:
+    """Records for the tasks srun says died (its 'srun: error: HOST: task N: ...' lines in the
+    batch script's stderr): what a Slurm stage cannot write for itself when it is killed."""
+    failures = []
+    for host, tasks, what in _SRUN_TASK_END.findall(text):
+        what = what.removesuffix(" (core dumped)")
+        exited = re.fullmatch(r"Exited with exit code (\d+)", what)
+        if what == "Out Of Memory":
+            kind, message = HOST_OUT_OF_MEMORY, (
+                f"Slurm ended it: the job used more host memory than it asked for. {PLAN_HINT} in host RAM; "
+                "ask for more (cluster.mem) or run fewer processes per node")
+        elif exited:
+            kind, message = PROCESS_DIED, f"the process exited with code {exited.group(1)}"
+        else:
+            kind, message = PROCESS_DIED, f"the process was killed: {what} ({_signal_named(what)})"
+        for rank in _ranks(tasks):
+            failures.append(Failure(rank=rank, host=host, kind=kind, message=message))
+    return failures
+
+
+def _signal_named(description: str) -> str:
+    for sig in signal.Signals:
+        if signal.strsignal(sig) == description:
+            return sig.name
+    return "a signal"
+
+
+def _ranks(tasks: str) -> list[int]:
+    ranks = []
+    for part in tasks.split(","):
+        low, _, high = part.partition("-")
+        ranks += list(range(int(low), int(high or low) + 1))
+    return ranks
