@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -29,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from core import kinds, rollout_engine
+from core import estimators, kinds, rollout_engine
 from core.batching import accumulation_steps, data_parallel, rows_per_step
 from core.sequence_parallel import SHARDABLE_ATTENTION
 from core.errors import InvalidInput
@@ -747,11 +748,10 @@ class RewardSpec(Strict):
         return self
 
 
-GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages that compare the samples of one prompt
 # The objective a PPO stage runs when the pipeline file does not choose: TRL's GRPOTrainer defaults
-# (loss_type "dapo" = token_mean, scale_rewards "group", token-level ratios, 8 samples per prompt)
-# with DAPO's clip-higher bound (Yu et al. 2025, arXiv 2503.14476: eps_low 0.2, eps_high 0.28).
-DEFAULT_SAMPLES_PER_PROMPT = {"grpo": 8, "rloo": 8, "gae": 1, "reinforce_pp": 1}
+# (loss_type "dapo" = token_mean, scale_rewards "group", token-level ratios, 8 samples per prompt:
+# core/estimators.py) with DAPO's clip-higher bound (Yu et al. 2025, arXiv 2503.14476: eps_low 0.2,
+# eps_high 0.28).
 
 
 class PPOStage(StageBase):
@@ -761,11 +761,10 @@ class PPOStage(StageBase):
 
     kind: Literal["ppo"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
     reward: RewardSpec = Field(..., description="The reward to maximise.")
-    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+    advantage: Annotated[str, AfterValidator(estimators.check_name)] = Field(
         "grpo",
-        description="Advantage estimator: grpo (each sample against its prompt's group; see scale_rewards), "
-        "rloo (leave-one-out baseline), reinforce_pp (returns whitened over the rollout) or gae (PPO with a "
-        "critic, exported to critic/). Statistics span the whole rollout over all processes.",
+        description=f"Advantage estimator: {estimators.described()}. Statistics span the whole rollout over all "
+        "processes.",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
@@ -775,8 +774,7 @@ class PPOStage(StageBase):
     )
     n_samples_per_prompt: Optional[int] = Field(
         None, ge=1, le=64,
-        description="Completions sampled per prompt (grpo and rloo need 2+). Default 8 for grpo and rloo, "
-        "1 for gae and reinforce_pp.",
+        description=f"Completions sampled per prompt {estimators.samples_described()}.",
     )
     rollout_batch_size: int = Field(64, ge=1, description="Prompts per rollout, over all processes.")
     micro_rollout_batch_size: int = Field(
@@ -893,19 +891,22 @@ class PPOStage(StageBase):
             data["clip_eps_low"] = data["clip_eps_high"] = data.pop("clip_eps")
         if data.get("n_samples_per_prompt") is None:
             advantage = data.get("advantage", cls.model_fields["advantage"].default)
-            data["n_samples_per_prompt"] = DEFAULT_SAMPLES_PER_PROMPT.get(advantage, 1)
+            if advantage in estimators.names():  # an unknown one is named by the field's own check
+                data["n_samples_per_prompt"] = estimators.get(advantage).samples_per_prompt
         return data
 
     @model_validator(mode="after")
     def _groups_need_samples(self):
-        if self.advantage in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
+        estimator = estimators.get(self.advantage)
+        if estimator.group_relative and self.n_samples_per_prompt < 2:
             raise ValueError(f"advantage {self.advantage} compares samples of one prompt: "
                              "set n_samples_per_prompt to 2 or more")
         if self.dynamic_sampling and self.n_samples_per_prompt < 2:
             raise ValueError("dynamic_sampling drops prompts whose samples all got the same reward: "
                              "set n_samples_per_prompt to 2 or more")
-        if self.scale_rewards != "group" and self.advantage != "grpo":
-            raise ValueError(f"scale_rewards applies to advantage grpo, not {self.advantage}")
+        if self.scale_rewards != "group" and not estimator.scales_rewards:
+            scaling = " or ".join(e for e in estimators.names() if estimators.get(e).scales_rewards)
+            raise ValueError(f"scale_rewards applies to advantage {scaling}, not {self.advantage}")
         return self
 
     @model_validator(mode="after")

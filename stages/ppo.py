@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from core import batching, hardware, kinds, reward_quality
+from core import batching, estimators, hardware, kinds, reward_quality
 from core import metrics as records
 from core.config import RULES_NEEDING_LABELS
 from core.errors import InvalidInput
@@ -178,7 +178,7 @@ def critic_stage(stage):
 
 
 def load_models(task, ctx, model_path: str, tokenizer, ds_config: dict, total_steps: int) -> Models:
-    """Actor (and critic, for gae) as DeepSpeed engines; reference (only with a KL term) and reward
+    """Actor (and critic, for an estimator that trains one: gae) as DeepSpeed engines; reference (only with a KL term) and reward
     model frozen."""
     stage = task.stage
     actor = engine.initialize(models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu), stage, ds_config,
@@ -190,7 +190,7 @@ def load_models(task, ctx, model_path: str, tokenizer, ds_config: dict, total_st
                                        ctx.frozen_model_config(stage, model_path, offload=reference_offload),
                                        ctx.device, offload=reference_offload, drops_head=models.SCORE_HEAD)
     rl_models = Models(actor=actor, reference=reference, tokenizer=tokenizer)
-    if stage.advantage == "gae":
+    if estimators.get(stage.advantage).critic:
         critic = models.load_reward_model(critic_path(task, model_path), critic_stage(stage), ds_config, ctx.on_gpu,
                                           tokenizer.pad_token_id)
         rl_models.critic = engine.initialize(critic, critic_stage(stage), ds_config, total_steps)
