@@ -39,7 +39,7 @@ from core.config import RULES_NEEDING_LABELS
 from core.errors import InvalidInput
 from core.flops import rollout_sequence_flops
 from core.rewards import RuleReward
-from stages import data, engine, generation, models, phases, sequence_parallel
+from stages import collectives, data, engine, generation, models, phases, sequence_parallel
 from stages import losses as L
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, entropy_of, logprobs_of, values_of
 from stages.vllm_engine import VllmEngine
@@ -280,8 +280,8 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
         order = torch.randperm(len(rollout), generator=order_generator).tolist()
         for first in range(0, len(order), per_step):
             rows = order[first : first + per_step]
-            tokens, sequences = engine.all_reduce_sums([float(rollout.mask[rows].sum()),
-                                                        float(rollout.mask[rows].any(dim=1).sum())])
+            tokens, sequences = collectives.sum_once_per_group([float(rollout.mask[rows].sum()),
+                                                                float(rollout.mask[rows].any(dim=1).sum())])
             # The step's rows, shortest first: each micro batch pads to its own longest (batching.by_length).
             micro = batching.by_length(rows, lengths, stage.micro_batch_size)
             for j, part in enumerate(micro):
@@ -296,7 +296,7 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
                 if norm is not None:
                     norms.setdefault(key, []).append(float(norm))
             steps += 1
-    *totals, processed_all, real_all = engine.all_reduce_sums(
+    *totals, processed_all, real_all = collectives.sum_once_per_group(
         list(sums.values()) + [float(processed), float(stage.ppo_epochs * rollout.real_tokens)])
     means = {key: total / steps for key, total in zip(sums, totals)}
     means.update({key: sum(values) / len(values) for key, values in norms.items()})
@@ -368,7 +368,7 @@ def rollout_kl(rollout: Rollout) -> Optional[float]:
     """Mean KL to the reference per trained sequence, over every process; None without a reference."""
     if rollout.kl is None:
         return None
-    total, count = engine.all_reduce_sums([float(rollout.kl.sum()), float(rollout.mask.any(dim=1).sum())])
+    total, count = collectives.sum_once_per_group([float(rollout.kl.sum()), float(rollout.mask.any(dim=1).sum())])
     return total / max(count, 1.0)
 
 
