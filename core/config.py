@@ -30,11 +30,11 @@ from pydantic import (
     model_validator,
 )
 
-from core import estimators, kinds, rollout_engine
-from core.batching import accumulation_steps, data_parallel, rows_per_step
+from core import estimators, kinds
+from core.batching import accumulation_steps, data_parallel
 from core.sequence_parallel import SHARDABLE_ATTENTION
 from core.errors import InvalidInput
-from core.kinds import StageKind
+from core.kinds import Rollouts, StageKind
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "configs"  # the shipped pipeline files
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -571,8 +571,13 @@ class StageBase(TrainingKnobs):
 
     @property
     def upstream_references(self) -> list[tuple[str, str]]:
-        """(field, stage name) of each upstream stage this stage names."""
-        return [("from", self.from_)] if self.from_ else []
+        """(field, stage name) of each upstream stage this stage names: the one it starts from, and an
+        RL kind's reward model (core/kinds.py Rollouts)."""
+        named = [("from", self.from_)] if self.from_ else []
+        rl = kinds.rollouts_of(self)
+        if rl is not None and rl.reward_model:
+            named.append((f"{rl.fields.reward}.model", rl.reward_model))
+        return named
 
     @property
     def needs_reference(self) -> bool:
@@ -584,8 +589,13 @@ class StageBase(TrainingKnobs):
         return []
 
     def code_files(self) -> list[tuple[str, str]]:
-        """(field, file) of the user's code the stage runs (a reward function): part of its inputs."""
-        return []
+        """(field, file) of the user's code the stage runs (an RL kind's reward functions): part of its
+        inputs."""
+        rl = kinds.rollouts_of(self)
+        if rl is None:
+            return []
+        return [(f"{rl.fields.reward}.rules[{j}].function", rule.function.rpartition(":")[0])
+                for j, rule in enumerate(rl.reward.rules) if rule.function]
 
     def check_layout(self, where: str, processes: int) -> None:
         """Raise ValueError (naming `where`.field) when the stage's batches cannot be laid out over
@@ -602,6 +612,9 @@ class StageBase(TrainingKnobs):
             accumulation_steps(self.global_batch_size, self.micro_batch_size, dp)
         except ValueError as err:
             raise ValueError(f"{where}.global_batch_size: {err}") from None
+        rollouts = kinds.get(self.kind).rollouts
+        if rollouts is not None:
+            rollouts.check_layout(self, where, processes)
 
     def data_parallel(self, processes: int) -> int:
         """Of the stage's processes, how many train on different rows (the others share sequences)."""
@@ -940,14 +953,6 @@ class PPOStage(StageBase):
         rule for stages/ppo.py (what it loads and runs) and pipeline/plan (what it counts)."""
         return self.kl_coef > 0
 
-    @property
-    def upstream_references(self) -> list[tuple[str, str]]:
-        return super().upstream_references + ([("reward.model", self.reward.model)] if self.reward.model else [])
-
-    def code_files(self) -> list[tuple[str, str]]:
-        return [(f"reward.rules[{j}].function", rule.function.rpartition(":")[0])
-                for j, rule in enumerate(self.reward.rules) if rule.function]
-
     def plan_notes(self) -> list[str]:
         if not self.dynamic_sampling:
             return []
@@ -956,31 +961,14 @@ class PPOStage(StageBase):
                 f"refills dropped groups adds its generation and scoring again (at most "
                 f"{self.dynamic_sampling_max_rounds} rounds; metrics.jsonl's sampling_rounds shows them)"]
 
-    def check_layout(self, where: str, processes: int) -> None:
-        super().check_layout(where, processes)
-        per_node = processes // self.nodes
-        if self.generation in ("vllm", "auto") and per_node % self.vllm.tensor_parallel:
-            raise ValueError(
-                f"{where}.vllm.tensor_parallel: {self.vllm.tensor_parallel} does not divide the {per_node} processes "
-                f"of a node (an engine's processes share a node); "
-                f"use one of {', '.join(map(str, rollout_engine.tensor_parallel_sizes(per_node)))}")
-        sequences = self.rollout_batch_size * self.n_samples_per_prompt
-        if self.rollout_batch_size % processes:
-            raise ValueError(
-                f"{where}.rollout_batch_size: {self.rollout_batch_size} prompts do "
-                f"not split evenly over {processes} processes"
-            )
-        per_step = rows_per_step(self.global_batch_size, self.micro_batch_size, self.data_parallel(processes))
-        if sequences % per_step:
-            raise ValueError(
-                f"{where}.rollout_batch_size: a rollout of {sequences} sequences "
-                f"(rollout_batch_size x n_samples_per_prompt) is not a multiple of the {per_step} "
-                "sequences of one optimizer step"
-            )
-
 
 kinds.register(StageKind("ppo", PPOStage, rows="prompt", headline="final_reward", frozen_reference=True,
-                         rollouts=True, sequence_parallel=True))
+                         sequence_parallel=True, rollouts=Rollouts(
+                             prompts="rollout_batch_size", samples_per_prompt="n_samples_per_prompt",
+                             new_tokens="max_new_tokens", chunk="micro_rollout_batch_size", passes="ppo_epochs",
+                             estimator="advantage", reward="reward", label_key="label_key",
+                             reward_offload="reward_offload", allow_weak_reward_model="allow_weak_reward_model",
+                             engine="generation", vllm="vllm")))
 
 
 def _stage_of_its_kind(value: Any, handler, info) -> Any:
