@@ -221,7 +221,6 @@ def accumulation_steps(global_batch_size: Optional[int], micro_batch_size: int, 
     return rows // per_pass
 
 
-
 # --------------------------------------------------------------------------- rollouts (RL)
 # A rollout samples samples_per_prompt completions of each of its prompts. The prompts are split
 # over the data-parallel groups (`data_parallel`): every process of a group holds all of the group's

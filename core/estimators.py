@@ -68,7 +68,7 @@ def samples_described() -> str:
     for estimator in _ESTIMATORS.values():
         defaults.setdefault(estimator.samples_per_prompt, []).append(estimator.name)
     return (f"({' and '.join(grouped)} need 2+). Default "
-            + ", ".join(f"{n} for {' and '.join(names)}" for n, names in defaults.items()))
+            + ", ".join(f"{n} for {' and '.join(named)}" for n, named in defaults.items()))
 
 
 def _quoted(items: list[str], quote: str = "'") -> str:

@@ -178,8 +178,8 @@ def critic_stage(stage):
 
 
 def load_models(task, ctx, model_path: str, tokenizer, ds_config: dict, total_steps: int) -> Models:
-    """Actor (and critic, for an estimator that trains one: gae) as DeepSpeed engines; reference (only with a KL term) and reward
-    model frozen."""
+    """Actor (and critic, for an estimator that trains one: gae) as DeepSpeed engines; reference (only
+    with a KL term) and reward model frozen."""
     stage = task.stage
     actor = engine.initialize(models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu), stage, ds_config,
                               total_steps)

@@ -24,9 +24,10 @@ def _in_two_sharing_groups(rank: int, folder: str) -> None:
     group = rank // SHARING
     held_alike = [10.0 * (group + 1), 1.0]  # the same on both processes of a group: its loss, its one sequence
     own = [float(rank + 1)]  # this process's own number
+    as_tensor = torch.tensor(held_alike, dtype=torch.float64)
     out = {"once_per_group": collectives.sum_once_per_group(held_alike),
            "each_process": collectives.sum_each_process(own),
-           "once_per_group_tensor": collectives.sum_once_per_group(torch.tensor(held_alike, dtype=torch.float64)).tolist(),
+           "once_per_group_tensor": collectives.sum_once_per_group(as_tensor).tolist(),
            "largest": collectives.largest_of_any_process(torch.tensor(own)).tolist()}
     # A metrics record: the group's loss share (alike in a group), each process's own host memory.
     tracking.host_rss_bytes = lambda: (rank + 1) * GiB

@@ -159,7 +159,8 @@ def test_a_second_rl_kind_loads_its_data_and_trains_as_ppo_does(workdir, rl_plug
     figures = ("initial_reward", "final_reward", "steps", "rollouts", "train_prompts", "eval_prompts", "truncation")
     assert results["reinforce"]["kind"] == "reinforce" and results["reinforce"]["rollouts"] == 2
     assert {k: results["reinforce"][k] for k in figures} == {k: results["ppo"][k] for k in figures}
-    losses = {kind: [(r["rollout"], r["reward"], r["policy_loss"])
-                     for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "policy_loss" in r]
-              for kind, folder in folders.items()}
+    records = {kind: map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+               for kind, folder in folders.items()}
+    losses = {kind: [(r["rollout"], r["reward"], r["policy_loss"]) for r in lines if "policy_loss" in r]
+              for kind, lines in records.items()}
     assert losses["reinforce"] == losses["ppo"] and len(losses["ppo"]) == 2

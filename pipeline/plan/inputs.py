@@ -222,7 +222,7 @@ class Workload:
 
     @property
     def sequences_per_rollout(self) -> int:
-        """PPO: the sequences one rollout samples, over all processes (core/batching.py)."""
+        """RL: the sequences one rollout samples, over all processes (core/batching.py)."""
         return rollout_sequences(self.rows_per_rollout, self.sequences_per_row)
 
     def group_tokens(self, knobs: Knobs) -> int:

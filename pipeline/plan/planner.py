@@ -115,7 +115,9 @@ def ppo_workload(spec, stage) -> Optional[PPOWorkload]:
     if rl is None:
         return None
     hub = hf_cache(spec).hub
-    reward_shape = resolve_shape(_stage_model_name(spec, spec.stage(rl.reward_model)), hub) if rl.reward_model else None
+    reward_shape = None
+    if rl.reward_model:
+        reward_shape = resolve_shape(_stage_model_name(spec, spec.stage(rl.reward_model)), hub)
     actor_shape = resolve_shape(_stage_model_name(spec, stage), hub)
     return PPOWorkload(
         reward_shape=reward_shape,
