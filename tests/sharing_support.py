@@ -27,6 +27,11 @@ STAGES = ("sft", "rm", "dpo")
 # The reward model's std of rewards is sqrt(mean of squares - square of mean): with rewards near
 # -1.3 and a std near 0.02, float32 rewards 1e-7 apart make it differ by ~3e-4.
 TOLERANCE = {"eval_reward_std": 1e-3}
+# The reward model at learning rate 1e-2 separates the pairs within two steps, and its figures there
+# (grad_norm 0.39 -> 0.012, a margin of 0.008) carry float32 rounding up to 1.8e-4 of their size
+# between layouts since the built-in model's heads are 32 wide (2 heads: one per sharing process;
+# with 4 heads of 16 they agreed to 1e-4). Misaligned shards are off by ~1e-2.
+KIND_TOLERANCE = {"rm": 3e-4}
 
 
 def stages(kinds=STAGES) -> list[dict]:
@@ -58,8 +63,9 @@ def figures(folder: Path) -> dict:
 def disagreements(one: Path, other: Path) -> list[str]:
     a, b = figures(one), figures(other)
     assert a.keys() == b.keys()
+    usual = KIND_TOLERANCE.get(read_result(one)["kind"], 1e-4)
     return [f"step {step} {name}: {a[step, name]} vs {b[step, name]}" for step, name in sorted(a)
-            if not math.isclose(a[step, name], b[step, name], rel_tol=TOLERANCE.get(name, 1e-4), abs_tol=1e-6)]
+            if not math.isclose(a[step, name], b[step, name], rel_tol=TOLERANCE.get(name, usual), abs_tol=1e-6)]
 
 
 def agreeing_with_one_process(one: Path, shared: Path, layout: tuple[int, int]) -> list[dict]:

@@ -38,8 +38,9 @@ def test_every_training_record_of_every_stage_has_the_measured_keys(tiny_chain):
 def test_a_ppo_rollouts_phases_add_up_to_its_wall_time(tiny_chain):
     for record in records.training(read_metrics(tiny_chain.runs / "rl")):
         phases = [record[key] for key in records.ROLLOUT_PHASES]
-        assert min(phases) > 0, record
         assert sum(phases) == pytest.approx(record["rollout_s"], rel=0.05)  # nothing hidden, nothing twice
+        # tiny.yaml's rl samples with transformers: no vLLM engine to hand the weights to
+        assert record["sync_s"] == 0 and min(record[key] for key in records.ROLLOUT_PHASES if key != "sync_s") > 0
         for part, phase in records.ROLLOUT_PHASE_PARTS.items():
             assert 0 <= record[part] <= record[phase]
         # tiny.yaml's rl: ZeRO-2, the reference live on the device: nothing gathered, nothing moved
