@@ -220,3 +220,59 @@ def accumulation_steps(global_batch_size: Optional[int], micro_batch_size: int, 
                          f"{micro_batch_size} x {processes}")
     return rows // per_pass
 
+
+# --------------------------------------------------------------------------- rollouts (RL)
+# A rollout samples samples_per_prompt completions of each of its prompts. The prompts are split
+# over the data-parallel groups (`data_parallel`): every process of a group holds all of the group's
+# sequences, and samples its 1/sequence_parallel of the group's prompts. The rollout's update makes
+# `passes` passes over its sequences in optimizer steps.
+
+
+def rollout_sequences(prompts: int, samples_per_prompt: int) -> int:
+    """Sequences sampled from `prompts` prompts (a rollout's, over all processes, or a share of it)."""
+    return prompts * samples_per_prompt
+
+
+def sampled_per_process(prompts: int, samples_per_prompt: int, processes: int) -> int:
+    """Sequences each process samples of a rollout: its 1/processes of the prompts, whole."""
+    return rollout_sequences(prompts // processes, samples_per_prompt)
+
+
+@dataclass(frozen=True)
+class RolloutSchedule:
+    """How prompts become rollouts, and rollouts optimizer steps."""
+
+    prompts_per_group: int  # a data-parallel group's prompts per rollout (a process's, without shared sequences)
+    groups: int  # data-parallel groups: the processes, or processes / sequence_parallel
+    steps_per_rollout: int  # optimizer steps of one rollout's update (all its passes)
+    rollouts_per_epoch: int
+    total_steps: int
+    total_rollouts: int
+    n_prompts: int
+    prompts: int  # per rollout, over all processes
+    seed: int
+
+    @classmethod
+    def of(cls, n_prompts: int, *, prompts: int, samples_per_prompt: int, passes: int, groups: int,
+           sequences_per_step: int, epochs: int, max_steps: Optional[int], seed: int) -> "RolloutSchedule":
+        """`sequences_per_step`: a group's sequences per optimizer step (micro batch size x gradient
+        accumulation); `max_steps` (optimizer steps) caps the epochs. ValueError when n_prompts
+        are fewer than one rollout takes."""
+        per_group = prompts // groups
+        steps_per_rollout = passes * rollout_sequences(per_group, samples_per_prompt) // sequences_per_step
+        rollouts_per_epoch = steps_per_epoch(n_prompts, prompts)
+        if rollouts_per_epoch == 0:
+            raise ValueError(f"{n_prompts} training prompts are fewer than one rollout")
+        total_steps = max_steps or epochs * rollouts_per_epoch * steps_per_rollout
+        return cls(per_group, groups, steps_per_rollout, rollouts_per_epoch, total_steps,
+                   -(-total_steps // steps_per_rollout), n_prompts, prompts, seed)
+
+    def prompt_rows(self, rollout: int, round_: int, group: int) -> tuple[int, ...]:
+        """Data-parallel group `group`'s prompts (a process's own, without shared sequences) for
+        sampling round `round_` of a rollout: round 0 takes the epoch's order; dynamic sampling's
+        later rounds take the same place in orders reshuffled per round, so a resumed run draws
+        the same prompts."""
+        epoch, position = divmod(rollout, self.rollouts_per_epoch)
+        steps = epoch_steps(self.n_prompts, rows_per_step=self.prompts, micro_batch_size=self.prompts_per_group,
+                            rank=group, world_size=self.groups, seed=self.seed + 1_000_003 * round_, epoch=epoch)
+        return steps[position].micro_batches[0].rows

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -30,11 +31,11 @@ from pydantic import (
 )
 
 import schedulers
-from core import kinds, rollout_engine
-from core.batching import accumulation_steps, data_parallel, rows_per_step
+from core import estimators, kinds
+from core.batching import accumulation_steps, data_parallel
 from core.sequence_parallel import SHARDABLE_ATTENTION
 from core.errors import InvalidInput
-from core.kinds import StageKind
+from core.kinds import Rollouts, StageKind
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "configs"  # the shipped pipeline files
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -532,8 +533,13 @@ class StageBase(TrainingKnobs):
 
     @property
     def upstream_references(self) -> list[tuple[str, str]]:
-        """(field, stage name) of each upstream stage this stage names."""
-        return [("from", self.from_)] if self.from_ else []
+        """(field, stage name) of each upstream stage this stage names: the one it starts from, and an
+        RL kind's reward model (core/kinds.py Rollouts)."""
+        named = [("from", self.from_)] if self.from_ else []
+        rl = kinds.rollouts_of(self)
+        if rl is not None and rl.reward_model:
+            named.append((f"{rl.fields.reward}.model", rl.reward_model))
+        return named
 
     @property
     def needs_reference(self) -> bool:
@@ -545,8 +551,13 @@ class StageBase(TrainingKnobs):
         return []
 
     def code_files(self) -> list[tuple[str, str]]:
-        """(field, file) of the user's code the stage runs (a reward function): part of its inputs."""
-        return []
+        """(field, file) of the user's code the stage runs (an RL kind's reward functions): part of its
+        inputs."""
+        rl = kinds.rollouts_of(self)
+        if rl is None:
+            return []
+        return [(f"{rl.fields.reward}.rules[{j}].function", rule.function.rpartition(":")[0])
+                for j, rule in enumerate(rl.reward.rules) if rule.function]
 
     def check_layout(self, where: str, processes: int) -> None:
         """Raise ValueError (naming `where`.field) when the stage's batches cannot be laid out over
@@ -563,6 +574,9 @@ class StageBase(TrainingKnobs):
             accumulation_steps(self.global_batch_size, self.micro_batch_size, dp)
         except ValueError as err:
             raise ValueError(f"{where}.global_batch_size: {err}") from None
+        rollouts = kinds.get(self.kind).rollouts
+        if rollouts is not None:
+            rollouts.check_layout(self, where, processes)
 
     def data_parallel(self, processes: int) -> int:
         """Of the stage's processes, how many train on different rows (the others share sequences)."""
@@ -709,11 +723,10 @@ class RewardSpec(Strict):
         return self
 
 
-GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages that compare the samples of one prompt
 # The objective a PPO stage runs when the pipeline file does not choose: TRL's GRPOTrainer defaults
-# (loss_type "dapo" = token_mean, scale_rewards "group", token-level ratios, 8 samples per prompt)
-# with DAPO's clip-higher bound (Yu et al. 2025, arXiv 2503.14476: eps_low 0.2, eps_high 0.28).
-DEFAULT_SAMPLES_PER_PROMPT = {"grpo": 8, "rloo": 8, "gae": 1, "reinforce_pp": 1}
+# (loss_type "dapo" = token_mean, scale_rewards "group", token-level ratios, 8 samples per prompt:
+# core/estimators.py) with DAPO's clip-higher bound (Yu et al. 2025, arXiv 2503.14476: eps_low 0.2,
+# eps_high 0.28).
 
 
 class PPOStage(StageBase):
@@ -723,11 +736,10 @@ class PPOStage(StageBase):
 
     kind: Literal["ppo"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
     reward: RewardSpec = Field(..., description="The reward to maximise.")
-    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+    advantage: Annotated[str, AfterValidator(estimators.check_name)] = Field(
         "grpo",
-        description="Advantage estimator: grpo (each sample against its prompt's group; see scale_rewards), "
-        "rloo (leave-one-out baseline), reinforce_pp (returns whitened over the rollout) or gae (PPO with a "
-        "critic, exported to critic/). Statistics span the whole rollout over all processes.",
+        description=f"Advantage estimator: {estimators.described()}. Statistics span the whole rollout over all "
+        "processes.",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
@@ -737,8 +749,7 @@ class PPOStage(StageBase):
     )
     n_samples_per_prompt: Optional[int] = Field(
         None, ge=1, le=64,
-        description="Completions sampled per prompt (grpo and rloo need 2+). Default 8 for grpo and rloo, "
-        "1 for gae and reinforce_pp.",
+        description=f"Completions sampled per prompt {estimators.samples_described()}.",
     )
     rollout_batch_size: int = Field(64, ge=1, description="Prompts per rollout, over all processes.")
     micro_rollout_batch_size: int = Field(
@@ -855,19 +866,22 @@ class PPOStage(StageBase):
             data["clip_eps_low"] = data["clip_eps_high"] = data.pop("clip_eps")
         if data.get("n_samples_per_prompt") is None:
             advantage = data.get("advantage", cls.model_fields["advantage"].default)
-            data["n_samples_per_prompt"] = DEFAULT_SAMPLES_PER_PROMPT.get(advantage, 1)
+            if advantage in estimators.names():  # an unknown one is named by the field's own check
+                data["n_samples_per_prompt"] = estimators.get(advantage).samples_per_prompt
         return data
 
     @model_validator(mode="after")
     def _groups_need_samples(self):
-        if self.advantage in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
+        estimator = estimators.get(self.advantage)
+        if estimator.group_relative and self.n_samples_per_prompt < 2:
             raise ValueError(f"advantage {self.advantage} compares samples of one prompt: "
                              "set n_samples_per_prompt to 2 or more")
         if self.dynamic_sampling and self.n_samples_per_prompt < 2:
             raise ValueError("dynamic_sampling drops prompts whose samples all got the same reward: "
                              "set n_samples_per_prompt to 2 or more")
-        if self.scale_rewards != "group" and self.advantage != "grpo":
-            raise ValueError(f"scale_rewards applies to advantage grpo, not {self.advantage}")
+        if self.scale_rewards != "group" and not estimator.scales_rewards:
+            scaling = " or ".join(e for e in estimators.names() if estimators.get(e).scales_rewards)
+            raise ValueError(f"scale_rewards applies to advantage {scaling}, not {self.advantage}")
         return self
 
     @model_validator(mode="after")
@@ -901,14 +915,6 @@ class PPOStage(StageBase):
         rule for stages/ppo.py (what it loads and runs) and pipeline/plan (what it counts)."""
         return self.kl_coef > 0
 
-    @property
-    def upstream_references(self) -> list[tuple[str, str]]:
-        return super().upstream_references + ([("reward.model", self.reward.model)] if self.reward.model else [])
-
-    def code_files(self) -> list[tuple[str, str]]:
-        return [(f"reward.rules[{j}].function", rule.function.rpartition(":")[0])
-                for j, rule in enumerate(self.reward.rules) if rule.function]
-
     def plan_notes(self) -> list[str]:
         if not self.dynamic_sampling:
             return []
@@ -917,31 +923,14 @@ class PPOStage(StageBase):
                 f"refills dropped groups adds its generation and scoring again (at most "
                 f"{self.dynamic_sampling_max_rounds} rounds; metrics.jsonl's sampling_rounds shows them)"]
 
-    def check_layout(self, where: str, processes: int) -> None:
-        super().check_layout(where, processes)
-        per_node = processes // self.nodes
-        if self.generation in ("vllm", "auto") and per_node % self.vllm.tensor_parallel:
-            raise ValueError(
-                f"{where}.vllm.tensor_parallel: {self.vllm.tensor_parallel} does not divide the {per_node} processes "
-                f"of a node (an engine's processes share a node); "
-                f"use one of {', '.join(map(str, rollout_engine.tensor_parallel_sizes(per_node)))}")
-        sequences = self.rollout_batch_size * self.n_samples_per_prompt
-        if self.rollout_batch_size % processes:
-            raise ValueError(
-                f"{where}.rollout_batch_size: {self.rollout_batch_size} prompts do "
-                f"not split evenly over {processes} processes"
-            )
-        per_step = rows_per_step(self.global_batch_size, self.micro_batch_size, self.data_parallel(processes))
-        if sequences % per_step:
-            raise ValueError(
-                f"{where}.rollout_batch_size: a rollout of {sequences} sequences "
-                f"(rollout_batch_size x n_samples_per_prompt) is not a multiple of the {per_step} "
-                "sequences of one optimizer step"
-            )
-
 
 kinds.register(StageKind("ppo", PPOStage, rows="prompt", headline="final_reward", frozen_reference=True,
-                         rollouts=True, sequence_parallel=True))
+                         sequence_parallel=True, rollouts=Rollouts(
+                             prompts="rollout_batch_size", samples_per_prompt="n_samples_per_prompt",
+                             new_tokens="max_new_tokens", chunk="micro_rollout_batch_size", passes="ppo_epochs",
+                             estimator="advantage", reward="reward", label_key="label_key",
+                             reward_offload="reward_offload", allow_weak_reward_model="allow_weak_reward_model",
+                             engine="generation", vllm="vllm")))
 
 
 def _stage_of_its_kind(value: Any, handler, info) -> Any:

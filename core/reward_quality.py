@@ -25,6 +25,7 @@ import json
 import math
 from typing import Optional
 
+from core import kinds
 from core.errors import InvalidInput
 from core.runfolder import StageFolder
 
@@ -77,7 +78,8 @@ def check(stage, pipeline_dir, where: str = "") -> Optional[str]:
     weak one, or return the warning to print when the stage allows it. None when there is nothing
     to say (no reward model, not finished yet, better than chance). `where` names the stage in
     the pipeline file (validate's "stages[3] (rl)"); a stage job names itself already."""
-    name = getattr(getattr(stage, "reward", None), "model", None)
+    rl = kinds.rollouts_of(stage)
+    name = rl.reward_model if rl is not None else None
     if name is None:
         return None
     result_file = StageFolder.of(pipeline_dir, name).result
@@ -88,11 +90,13 @@ def check(stage, pipeline_dir, where: str = "") -> Optional[str]:
     why = weakness(result)
     if why is None:
         return None
-    said = f"{where + '.' if where else ''}reward.model: reward model stage '{name}' ({result_file}): {why}"
-    if stage.allow_weak_reward_model:
-        return (f"warning: {said}. Training against it anyway (allow_weak_reward_model: true): watch a measure "
+    field = f"{where + '.' if where else ''}{rl.fields.reward}.model"
+    said = f"{field}: reward model stage '{name}' ({result_file}): {why}"
+    allowing = rl.fields.allow_weak_reward_model  # the kind's field that allows it, if it has one
+    if rl.allow_weak_reward_model:
+        return (f"warning: {said}. Training against it anyway ({allowing}: true): watch a measure "
                 "of the answers other than this reward")
+    anyway = f", or set {allowing}: true in stage '{stage.name}' to train against it anyway" if allowing else ""
     raise InvalidInput(
         f"{said}. RL against it would learn what this reward happens to like, not better answers. Improve the "
-        f"reward model (more or cleaner preference pairs, more steps), or set allow_weak_reward_model: true in "
-        f"stage '{stage.name}' to train against it anyway")
+        f"reward model (more or cleaner preference pairs, more steps){anyway}")

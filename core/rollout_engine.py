@@ -38,17 +38,18 @@ def gpu_build_installed() -> bool:
     return found is not None and found.split()[0] == "vllm"
 
 
-def stack_problem() -> Optional[str]:
-    """Why this python's stack cannot sample with vLLM (None: it can)."""
+def stack_problem(field: str = "generation") -> Optional[str]:
+    """Why this python's stack cannot sample with vLLM (None: it can); `field`: the stage's field that
+    chose it (core/kinds.py Rollouts.engine)."""
     if installed() is not None:
         return None
     try:
         transformers = f"transformers {importlib.metadata.version('transformers')}"
     except importlib.metadata.PackageNotFoundError:
         transformers = "no transformers"
-    return (f"generation: vllm needs vLLM, which this stack ({transformers}) does not have: the pinned stack "
+    return (f"{field}: vllm needs vLLM, which this stack ({transformers}) does not have: the pinned stack "
             f"(transformers 4.38) cannot, as vLLM needs transformers >= 5.16. The current stack has it "
-            f"(make setup; containers/current.def). Or use generation: auto or padded")
+            f"(make setup; containers/current.def). Or use {field}: auto or padded")
 
 
 def tensor_parallel_sizes(processes_per_node: int) -> list[int]:

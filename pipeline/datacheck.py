@@ -154,7 +154,7 @@ def _check_dataset_folder(stage, path: Path, where: str, found: DataFound) -> No
 
 
 def check_step_rows(spec: PipelineSpec, stage, where: str, found: DataFound) -> None:
-    """At least one optimizer step's rows (PPO: one rollout's prompts) remain for training."""
+    """At least one optimizer step's rows (an RL kind: one rollout's prompts) remain for training."""
     if found.rows is None:
         return
     data = stage.data
@@ -166,9 +166,11 @@ def check_step_rows(spec: PipelineSpec, stage, where: str, found: DataFound) -> 
     if data.max_rows is not None and data.max_rows < train:
         train, detail = data.max_rows, detail + f", cut to max_rows {data.max_rows}"
     processes = spec.cluster.processes_per_node * stage.nodes
-    if kinds.get(stage.kind).rollouts:
-        needed, unit = stage.rollout_batch_size, f"one rollout takes: rollout_batch_size {stage.rollout_batch_size}"
-        fix = "lower rollout_batch_size (a multiple of the processes)"
+    rl = kinds.rollouts_of(stage)
+    if rl is not None:
+        field = rl.fields.prompts
+        needed, unit = rl.prompts, f"one rollout takes: {field} {rl.prompts}"
+        fix = f"lower {field} (a multiple of the processes)"
     else:
         dp = stage.data_parallel(processes)
         needed = rows_per_step(stage.global_batch_size, stage.micro_batch_size, dp)
@@ -201,11 +203,12 @@ def check_eval_copies(stage, where: str, found: DataFound) -> None:
 
 
 def check_labels(stage, where: str, found: DataFound) -> None:
-    """Rules that compare with a label need the label column in every row."""
-    rules = [r.rule for r in stage.reward.rules if r.rule in RULES_NEEDING_LABELS]
+    """An RL stage's rules that compare with a label need the label column in every row."""
+    rl = kinds.rollouts_of(stage)
+    rules = [r.rule for r in rl.reward.rules if r.rule in RULES_NEEDING_LABELS] if rl is not None else []
     if not rules:
         return
-    key = stage.label_key
+    key = rl.label_key
     problem = None
     for source, rows in found.records:
         missing = next((n for n, row in enumerate(rows, 1) if key not in row), None)
@@ -216,6 +219,6 @@ def check_labels(stage, where: str, found: DataFound) -> None:
         if key not in columns:
             problem = f"{source} has no '{key}' column (its columns: {', '.join(columns)})"
     if problem:
-        raise InvalidInput(f"{where}.label_key: {problem}, which the {' and '.join(rules)} rule compares "
-                           "completions with. Add the reference answers as that column, or set label_key to the "
-                           "column holding them")
+        raise InvalidInput(f"{where}.{rl.fields.label_key}: {problem}, which the {' and '.join(rules)} rule "
+                           f"compares completions with. Add the reference answers as that column, or set "
+                           f"{rl.fields.label_key} to the column holding them")

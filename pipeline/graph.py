@@ -20,6 +20,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel
 
+from core import kinds
 from core.config import PipelineSpec, topological_order
 from core.runfolder import StageFolder, remove
 from core.task import StageTask, is_finished
@@ -31,8 +32,8 @@ from pipeline.identity import Digests, changed_inputs, input_digests
 OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints", "eval_interval", "nodes",
                       "sequence_parallel", "logits_tile", "mlp_tiles",
                       "max_truncated_share", "hang_factor", "hang_min_s", "hang_first_s",
-                      "collective_timeout_s", "allow_weak_reward_model"}
-OPERATIONAL_REWARD_FIELDS = {"timeout_s"}  # of an RL stage's reward block
+                      "collective_timeout_s"}
+OPERATIONAL_REWARD_FIELDS = {"timeout_s"}  # of an RL stage's reward block (core.config.RewardSpec)
 
 
 class PlannedStage(BaseModel):
@@ -43,7 +44,12 @@ class PlannedStage(BaseModel):
 
 
 def stage_hash(stage, upstream_hashes: list[str], init_model: str, inputs: dict[str, dict]) -> str:
-    operational = {**dict.fromkeys(OPERATIONAL_FIELDS, True), "reward": OPERATIONAL_REWARD_FIELDS}
+    operational: dict = dict.fromkeys(OPERATIONAL_FIELDS, True)
+    rl = kinds.rollouts_of(stage)
+    if rl is not None:  # an RL kind's, whatever it calls them (core/kinds.py Rollouts)
+        operational[rl.fields.reward] = OPERATIONAL_REWARD_FIELDS
+        if rl.fields.allow_weak_reward_model:
+            operational[rl.fields.allow_weak_reward_model] = True
     spec = stage.model_dump(mode="json", by_alias=True, exclude=operational)
     content = {field: item["sha256"] for field, item in inputs.items()}
     blob = json.dumps({"spec": spec, "upstream": upstream_hashes, "init": init_model, "inputs": content},

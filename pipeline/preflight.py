@@ -72,7 +72,7 @@ def check(spec: PipelineSpec, executor, fetching: bool = False) -> None:
         check_chat_template(stage, root, where, found.chats, cache)
         check_step_rows(spec, stage, where, found)
         check_eval_copies(stage, where, found)
-        if kinds.get(stage.kind).rollouts:  # its rewards read labels and may call your functions
+        if kinds.get(stage.kind).rollouts is not None:  # its rewards read labels and may call your functions
             check_labels(stage, where, found)
             check_reward_functions(stage, where, imported=executor.runs_this_python(spec))
             check_reward_model(spec, stage, where)
@@ -233,7 +233,10 @@ def check_tiles(stage, where: str, stack_is_here: bool) -> None:
 def check_rollout_engine(stage, where: str, stack_is_here: bool) -> None:
     """The stack has vLLM where the stage samples with it (checked where the stages run with this
     python; a container's stack is checked by the stage itself when it starts)."""
-    problem = stack_is_here and getattr(stage, "generation", None) == "vllm" and rollout_engine.stack_problem()
+    rl = kinds.rollouts_of(stage)
+    if rl is None or rl.engine != "vllm" or not stack_is_here:
+        return
+    problem = rollout_engine.stack_problem(rl.fields.engine)
     if problem:
         raise InvalidInput(f"{where}.{problem}")
 
@@ -288,11 +291,12 @@ def check_reward_functions(stage, where: str, imported: bool = True) -> None:
     the stage runs with this python, it imports in a child process with a time limit."""
     from core.rewards import RewardError, check_function, split_reference
 
+    rl = kinds.rollouts_of(stage)
     imported_files = set()
-    for j, rule in enumerate(stage.reward.rules):
+    for j, rule in enumerate(rl.reward.rules):
         if not rule.function:
             continue
-        field_name = f"{where}.reward.rules[{j}].function"
+        field_name = f"{where}.{rl.fields.reward}.rules[{j}].function"
         try:
             check_function(rule.function)
         except RewardError as err:
@@ -308,7 +312,7 @@ def check_reward_functions(stage, where: str, imported: bool = True) -> None:
 def check_reward_model(spec: PipelineSpec, stage, where: str) -> None:
     """A reward model stage that has already finished with this spec, and ranked its held-out pairs no
     better than chance, is refused here rather than when the RL stage starts (core/reward_quality.py)."""
-    name = stage.reward.model
+    name = kinds.rollouts_of(stage).reward_model
     if name is None:
         return
     tasks = {t.name: t for t in graph.build_tasks(spec)}

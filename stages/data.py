@@ -279,8 +279,8 @@ def tokenized_splits(stage, tokenizer, builtin_root: Path, where: str = "", samp
         rng = random.Random(stage.seed)
         train, held_out = (rng.sample(rows, max(1, round(len(rows) * sample / sum(counts))))
                            for rows in (train, held_out))
-    prompts = kinds.get(stage.kind).rows == "prompt"
-    max_new_tokens = stage.max_new_tokens if prompts else 0  # a prompt's room for its completion
+    rl = kinds.rollouts_of(stage)
+    max_new_tokens = rl.new_tokens if rl is not None else 0  # a prompt's room for its completion
     parts = [tokenize(rows, stage.kind, tokenizer, stage.data, stage.max_len, max_new_tokens)
              for rows in (train, held_out)]
     for part, rows in zip(parts, counts):
@@ -301,18 +301,19 @@ def check_truncation(stage, splits: TokenizedSplits, where: str) -> None:
     parts = (splits.train.truncation, splits.eval.truncation)
     measured, affected = sum(t.measured for t in parts), sum(t.affected for t in parts)
     limit = stage.max_truncated_share
-    ppo = kinds.get(stage.kind).rows == "prompt"
+    rl = kinds.rollouts_of(stage)
     if affected > limit * measured + 1e-9:
         lengths = sorted(n for t in parts for n in t.lengths)
         enough = lengths[len(lengths) - int(limit * len(lengths) + 1e-9) - 1]  # cuts at most the share allowed
-        longest = "prompt + max_new_tokens" if ppo else "row"
+        longest = f"prompt + {rl.fields.new_tokens}" if rl is not None else "row"
         fix = (f"Raise max_len to {enough} or more (the longest {longest} has {lengths[-1]} tokens)"
                if enough > stage.max_len
                else "Check the dropped rows (max_len is not what leaves them nothing to learn)")
         raise InvalidInput(
             f"{where}: max_len {stage.max_len} cuts {affected} of {measured} rows ({affected / measured:.1%}), "
             f"more than max_truncated_share ({limit:g}) allows.\n  {splits.summary(stage.kind)}.\n"
-            f"{fix}{', lower max_new_tokens' if ppo else ''}, shorten the {'prompts' if ppo else 'rows'}, "
+            f"{fix}{f', lower {rl.fields.new_tokens}' if rl is not None else ''}, "
+            f"shorten the {'prompts' if rl is not None else 'rows'}, "
             "or raise max_truncated_share."
         )
     for name, split in (("train", splits.train), ("eval", splits.eval)):

@@ -23,7 +23,7 @@ from core import kinds
 from core.failure import saving
 from core.flops import sequence_flops
 from core.runfolder import temporary
-from stages import data, engine, models, watchdog
+from stages import collectives, data, engine, models, watchdog
 from stages.losses import dpo_loss
 
 log = logging.getLogger("stages")
@@ -105,7 +105,7 @@ def run(task, ctx) -> dict:
                 losses.sum(), (chosen > rejected).float().sum(), (chosen - rejected).sum(),
                 chosen.sum(), rejected.sum(), torch.tensor(float(len(chosen)), device=ctx.device),
             ]).double()
-        loss_sum, correct, margin, chosen_sum, rejected_sum, count = engine.all_reduce_sums(sums)
+        loss_sum, correct, margin, chosen_sum, rejected_sum, count = collectives.sum_once_per_group(sums).tolist()
         return {
             "loss": loss_sum / count,
             "reward_accuracy": correct / count,
@@ -175,7 +175,7 @@ def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_con
                 if micro.weight:
                     index = torch.tensor(micro.rows, device=ctx.device)
                     table[index] = torch.stack([chosen, rejected], dim=1).double()
-            engine.sum_over_processes(table)
+            collectives.sum_once_per_group(table)
             tables[split] = table.float().cpu()
     reference.release()
     if ctx.is_main:

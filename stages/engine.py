@@ -34,7 +34,7 @@ from core.deepspeed_settings import bucket_elements, offloads_optimizer, persist
 from core.errors import Diverged, InvalidInput
 from core.failure import saving
 from core.runfolder import temporary
-from stages import compat, preemption, sequence_parallel, tracking, watchdog
+from stages import collectives, compat, preemption, tracking, watchdog
 from stages.checkpoints import Checkpoints
 
 log = logging.getLogger("stages")
@@ -373,7 +373,7 @@ class Numbers:
                     if tensor is not None and tensor.numel():
                         flags.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
         finite = all(bool(torch.stack(group).all()) for group in flags.values())
-        return not all_reduce_sums([0.0 if finite else 1.0])[0]
+        return not collectives.sum_each_process([0.0 if finite else 1.0])[0]
 
     @staticmethod
     def _values(keys: list[str], values: dict, prefix: str = "") -> str:
@@ -502,18 +502,16 @@ class Window:
         elapsed = max(time.time() - self.started, 1e-9)
         names = list(self.sums)
         local = torch.stack([self.sums[k] for k in names] + [
-            torch.tensor(float(v), device=self.device)
-            for v in (self.real, self.processed, self.flops, tracking.host_rss_bytes())])
-        totals = all_reduce_sums(local.double())
-        *means, real, processed, flops, rss = totals
+            torch.tensor(float(v), device=self.device) for v in (self.real, self.processed, self.flops)])
+        *means, real, processed, flops = collectives.sum_once_per_group(local.double()).tolist()
+        (rss,) = collectives.sum_each_process([float(tracking.host_rss_bytes())])  # each process's own memory
         record = {k: v / steps for k, v in zip(names, means)}
         world = dist.get_world_size()
         gpu_peak = gpu_reserved = None
         if self.on_gpu:
             peaks = torch.tensor([torch.cuda.max_memory_allocated(self.device),
                                   torch.cuda.max_memory_reserved(self.device)], dtype=torch.float64, device=self.device)
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-            gpu_peak, gpu_reserved = (v / 2**30 for v in peaks.tolist())
+            gpu_peak, gpu_reserved = (v / 2**30 for v in collectives.largest_of_any_process(peaks).tolist())
         record.update(
             tokens_per_s=real / elapsed,
             token_efficiency=real / max(processed, 1.0),
@@ -521,8 +519,7 @@ class Window:
             mfu=flops / (elapsed * world * self.peak_flops) if self.peak_flops else None,
             gpu_mem_peak_gib=gpu_peak,
             gpu_mem_reserved_gib=gpu_reserved,
-            # Every process's own memory: all_reduce_sums counted a sequence-sharing group's once.
-            host_rss_gib=rss * sequence_parallel.layout().size / self.nodes / 2**30,
+            host_rss_gib=rss / self.nodes / 2**30,
         )
         self.restart()
         return record
@@ -537,25 +534,6 @@ def _device_peak_flops(ctx) -> Optional[float]:
 
     gpu = gpu_for_device(torch.cuda.get_device_name(ctx.device))
     return gpu.peak_tflops(ctx.task.stage.precision) * 1e12 if gpu else None
-
-
-def all_reduce_sums(values) -> list[float]:
-    """Sum a few numbers (a list, or a tensor already on the device) over all ranks (as
-    `sum_over_processes`)."""
-    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
-    return sum_over_processes(tensor).tolist()
-
-
-def sum_over_processes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor summed over all ranks, in place. Processes that share sequences
-    (stages/sequence_parallel.py) hold the same numbers for their rows: those count once."""
-    dist.all_reduce(tensor)
-    sharing = sequence_parallel.layout().size
-    if sharing > 1:
-        tensor /= sharing
-    return tensor
 
 
 # --------------------------------------------------------------------------- export

@@ -29,6 +29,8 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from core import estimators
+
 __all__ = [
     "sequence_logprobs",
     "token_logprobs",
@@ -789,12 +791,31 @@ Estimator = Callable[
 ]
 
 
+# Each estimator's tensor function, under the name core/estimators.py declares it with (its properties:
+# group-relative, a critic, its default samples per prompt).
+ADVANTAGE_ESTIMATORS: Dict[str, Estimator] = {}
+
+
+def advantage_estimator(name: str) -> Callable[[Estimator], Estimator]:
+    """Decorator: the tensor function of the estimator declared as `name` in core/estimators.py
+    (KeyError for a name nobody declared: each function has its declaration)."""
+    estimators.get(name)
+
+    def bind(function: Estimator) -> Estimator:
+        ADVANTAGE_ESTIMATORS[name] = function
+        return function
+
+    return bind
+
+
+@advantage_estimator("gae")
 def _gae_estimator(inputs, settings, sum_over_processes):
     rewards = token_rewards(inputs.scores, inputs.kl, inputs.mask, inputs.kl_coef)
     advantages, returns = gae(inputs.values, rewards, inputs.mask, settings.gamma, settings.lam)
     return masked_whiten(advantages, inputs.mask, sum_over_processes=sum_over_processes), returns
 
 
+@advantage_estimator("reinforce_pp")
 def _reinforce_pp_estimator(inputs, settings, sum_over_processes):
     rewards = token_rewards(inputs.scores, inputs.kl, inputs.mask, inputs.kl_coef)
     return reinforce_pp_returns(rewards, inputs.mask, settings.gamma, sum_over_processes=sum_over_processes), None
@@ -806,6 +827,7 @@ def _sequence_scores(inputs: AdvantageInputs) -> torch.Tensor:
     return inputs.scores.to(kl.dtype) - inputs.kl_coef * kl
 
 
+@advantage_estimator("grpo")
 def _grpo_estimator(inputs, settings, sum_over_processes):
     per_sequence = grpo_advantages(_sequence_scores(inputs), settings.group_size, scale=settings.scale_rewards,
                                    valid=_as_bool_mask(inputs.mask).any(dim=1),
@@ -813,17 +835,10 @@ def _grpo_estimator(inputs, settings, sum_over_processes):
     return per_sequence.unsqueeze(1) * inputs.mask.to(per_sequence.dtype), None
 
 
+@advantage_estimator("rloo")
 def _rloo_estimator(inputs, settings, sum_over_processes):
     per_sequence = rloo_advantages(_sequence_scores(inputs), settings.group_size)
     return per_sequence.unsqueeze(1) * inputs.mask.to(per_sequence.dtype), None
-
-
-ADVANTAGE_ESTIMATORS: Dict[str, Estimator] = {
-    "gae": _gae_estimator,
-    "grpo": _grpo_estimator,
-    "rloo": _rloo_estimator,
-    "reinforce_pp": _reinforce_pp_estimator,
-}
 
 
 def estimate_advantages(
@@ -853,8 +868,8 @@ def estimate_advantages(
     """
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
-    if estimator == "gae" and inputs.values is None:
-        raise ValueError("advantage estimator gae needs the critic's values")
+    if estimators.get(estimator).critic and inputs.values is None:
+        raise ValueError(f"advantage estimator {estimator} needs the critic's values")
     _check_same_shape(kl=inputs.kl, mask=inputs.mask)
     with torch.no_grad():
         return ADVANTAGE_ESTIMATORS[estimator](inputs, settings, sum_over_processes)

@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from core import batching, hardware, kinds, reward_quality
+from core import batching, estimators, hardware, kinds, reward_quality
 from core import metrics as records
 from core.config import RULES_NEEDING_LABELS
 from core.errors import InvalidInput
 from core.flops import rollout_sequence_flops
 from core.rewards import RuleReward
-from stages import data, engine, generation, models, phases, sequence_parallel
+from stages import collectives, data, engine, generation, models, phases, sequence_parallel
 from stages import losses as L
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, entropy_of, logprobs_of, values_of
 from stages.vllm_engine import VllmEngine
@@ -56,7 +55,7 @@ def run(task, ctx) -> dict:
     tokenizer = models.load_tokenizer(model_path)
     prompts, eval_prompts, truncation = load_prompts(stage, ctx, tokenizer)
     ds_config = ctx.deepspeed_config(stage, model_path)
-    schedule = Schedule.of(stage, ctx.world_size, ds_config, len(prompts))
+    schedule = schedule_of(stage, ctx.world_size, ds_config, len(prompts))
     rl_models = load_models(task, ctx, model_path, tokenizer, ds_config, schedule.total_steps)
     sampler = generation.engine_for(stage, rl_models.actor.module, ctx.device)  # before anything trains
     vllm = VllmEngine(stage, ctx, model_path) if sampler == "vllm" else None
@@ -89,7 +88,7 @@ class Rollouts:
 
     log_interval = 1  # one metrics.jsonl line per rollout
 
-    def __init__(self, stage, ctx, rl_models: Models, schedule: Schedule, prompts: list[Prompt],
+    def __init__(self, stage, ctx, rl_models: Models, schedule: batching.RolloutSchedule, prompts: list[Prompt],
                  eval_prompts: list[Prompt], flop_models: list, vllm: Optional[VllmEngine] = None):
         self.stage, self.ctx, self.models, self.schedule = stage, ctx, rl_models, schedule
         self.prompts, self.eval_prompts, self.flop_models = prompts, eval_prompts, flop_models
@@ -126,7 +125,8 @@ class Rollouts:
                 trained["sync_bytes"] = float(self.vllm.sync_bytes)
             kl_per_sequence = rollout_kl(rollout)
             if kl_per_sequence is not None:
-                self.kl_control.update(kl_per_sequence, stage.rollout_batch_size * stage.n_samples_per_prompt)
+                sampled = batching.rollout_sequences(stage.rollout_batch_size, stage.n_samples_per_prompt)
+                self.kl_control.update(kl_per_sequence, sampled)
         rollout_s = time.perf_counter() - started
         seconds, busy = clock.take()
         timing = {**{key: seconds.get(key, 0.0) for key in (*records.ROLLOUT_PHASES, *records.ROLLOUT_PHASE_PARTS)},
@@ -178,8 +178,8 @@ def critic_stage(stage):
 
 
 def load_models(task, ctx, model_path: str, tokenizer, ds_config: dict, total_steps: int) -> Models:
-    """Actor (and critic, for gae) as DeepSpeed engines; reference (only with a KL term) and reward
-    model frozen."""
+    """Actor (and critic, for an estimator that trains one: gae) as DeepSpeed engines; reference (only
+    with a KL term) and reward model frozen."""
     stage = task.stage
     actor = engine.initialize(models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu), stage, ds_config,
                               total_steps)
@@ -190,7 +190,7 @@ def load_models(task, ctx, model_path: str, tokenizer, ds_config: dict, total_st
                                        ctx.frozen_model_config(stage, model_path, offload=reference_offload),
                                        ctx.device, offload=reference_offload, drops_head=models.SCORE_HEAD)
     rl_models = Models(actor=actor, reference=reference, tokenizer=tokenizer)
-    if stage.advantage == "gae":
+    if estimators.get(stage.advantage).critic:
         critic = models.load_reward_model(critic_path(task, model_path), critic_stage(stage), ds_config, ctx.on_gpu,
                                           tokenizer.pad_token_id)
         rl_models.critic = engine.initialize(critic, critic_stage(stage), ds_config, total_steps)
@@ -220,44 +220,16 @@ def rollout_flop_models(task, model_path: str, rl_models: Models) -> list:
     return out
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """How prompts become rollouts and rollouts optimizer steps."""
-
-    per_group_prompts: int  # prompts per data-parallel group per rollout (a process: without shared sequences)
-    groups: int  # data-parallel groups: the processes, or processes / sequence_parallel
-    steps_per_rollout: int  # optimizer steps (all ppo_epochs)
-    rollouts_per_epoch: int
-    total_steps: int
-    total_rollouts: int
-    n_prompts: int
-    rollout_batch_size: int
-    seed: int
-
-    @classmethod
-    def of(cls, stage, world: int, ds_config: dict, n_prompts: int) -> "Schedule":
-        groups = stage.data_parallel(world)
-        per_group = stage.rollout_batch_size // groups
-        sequences_per_step = stage.micro_batch_size * ds_config["gradient_accumulation_steps"]
-        steps_per_rollout = stage.ppo_epochs * per_group * stage.n_samples_per_prompt // sequences_per_step
-        rollouts_per_epoch = n_prompts // stage.rollout_batch_size
-        if rollouts_per_epoch == 0:
-            raise InvalidInput(f"{stage.data.path}: {n_prompts} training prompts are fewer than one rollout "
-                               f"(rollout_batch_size {stage.rollout_batch_size})")
-        total_steps = stage.max_steps or stage.epochs * rollouts_per_epoch * steps_per_rollout
-        return cls(per_group, groups, steps_per_rollout, rollouts_per_epoch, total_steps, -(-total_steps // steps_per_rollout),
-                   n_prompts, stage.rollout_batch_size, stage.seed)
-
-    def prompt_rows(self, rollout: int, round_: int, group: int) -> tuple[int, ...]:
-        """Data-parallel group `group`'s prompts (sequence_parallel.Layout.data_rank: a process's
-        own, without shared sequences) for sampling round `round_` of a rollout: round 0 takes the
-        epoch's order; dynamic sampling's later rounds take the same place in orders reshuffled per
-        round, so a resumed run draws the same prompts."""
-        epoch, position = divmod(rollout, self.rollouts_per_epoch)
-        steps = batching.epoch_steps(self.n_prompts, rows_per_step=self.rollout_batch_size,
-                                     micro_batch_size=self.per_group_prompts, rank=group,
-                                     world_size=self.groups, seed=self.seed + 1_000_003 * round_, epoch=epoch)
-        return steps[position].micro_batches[0].rows
+def schedule_of(stage, world: int, ds_config: dict, n_prompts: int) -> batching.RolloutSchedule:
+    """How the stage's prompts become rollouts and rollouts optimizer steps (core/batching.py)."""
+    try:
+        return batching.RolloutSchedule.of(
+            n_prompts, prompts=stage.rollout_batch_size, samples_per_prompt=stage.n_samples_per_prompt,
+            passes=stage.ppo_epochs, groups=stage.data_parallel(world),
+            sequences_per_step=stage.micro_batch_size * ds_config["gradient_accumulation_steps"], epochs=stage.epochs,
+            max_steps=stage.max_steps, seed=stage.seed)
+    except ValueError as err:
+        raise InvalidInput(f"{stage.data.path}: {err} (rollout_batch_size {stage.rollout_batch_size})") from None
 
 
 # --------------------------------------------------------------------------- update
@@ -280,8 +252,8 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
         order = torch.randperm(len(rollout), generator=order_generator).tolist()
         for first in range(0, len(order), per_step):
             rows = order[first : first + per_step]
-            tokens, sequences = engine.all_reduce_sums([float(rollout.mask[rows].sum()),
-                                                        float(rollout.mask[rows].any(dim=1).sum())])
+            tokens, sequences = collectives.sum_once_per_group([float(rollout.mask[rows].sum()),
+                                                                float(rollout.mask[rows].any(dim=1).sum())])
             # The step's rows, shortest first: each micro batch pads to its own longest (batching.by_length).
             micro = batching.by_length(rows, lengths, stage.micro_batch_size)
             for j, part in enumerate(micro):
@@ -296,7 +268,7 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
                 if norm is not None:
                     norms.setdefault(key, []).append(float(norm))
             steps += 1
-    *totals, processed_all, real_all = engine.all_reduce_sums(
+    *totals, processed_all, real_all = collectives.sum_once_per_group(
         list(sums.values()) + [float(processed), float(stage.ppo_epochs * rollout.real_tokens)])
     means = {key: total / steps for key, total in zip(sums, totals)}
     means.update({key: sum(values) / len(values) for key, values in norms.items()})
@@ -368,7 +340,7 @@ def rollout_kl(rollout: Rollout) -> Optional[float]:
     """Mean KL to the reference per trained sequence, over every process; None without a reference."""
     if rollout.kl is None:
         return None
-    total, count = engine.all_reduce_sums([float(rollout.kl.sum()), float(rollout.mask.any(dim=1).sum())])
+    total, count = collectives.sum_once_per_group([float(rollout.kl.sum()), float(rollout.mask.any(dim=1).sum())])
     return total / max(count, 1.0)
 
 
@@ -379,7 +351,7 @@ def rollout_record(index: int, rollout: Rollout, trained: dict, kl: Optional[flo
     The phases' seconds (core/metrics.py ROLLOUT_PHASES) add up to rollout_s; the GPU busy shares and
     the bandwidth fraction are null without a GPU (or NVML, or a catalogued GPU)."""
     stats = rollout.stats
-    sampled = stage.rollout_batch_size * stage.n_samples_per_prompt
+    sampled = batching.rollout_sequences(stage.rollout_batch_size, stage.n_samples_per_prompt)
     generate_tokens_per_s = stats.response_tokens / max(timing["generate_s"], 1e-9)  # tokens sampled
     return {
         "rollout": index + 1,
@@ -416,6 +388,6 @@ def decoding_limit(stage, ctx, actor_module, actor_shape) -> Optional[float]:
     if gpu is None:
         return None
     weight_bytes = actor_shape.n_params * next(actor_module.parameters()).element_size()
-    per_process = stage.rollout_batch_size // ctx.world_size * stage.n_samples_per_prompt
-    together = min(stage.micro_rollout_batch_size, per_process)
+    sampled = batching.sampled_per_process(stage.rollout_batch_size, stage.n_samples_per_prompt, ctx.world_size)
+    together = min(stage.micro_rollout_batch_size, sampled)
     return ctx.world_size * hardware.decoding_tokens_per_s_limit(gpu, weight_bytes, together)

@@ -15,7 +15,7 @@ import torch
 
 from core import kinds
 from core.flops import sequence_flops
-from stages import data, engine, models
+from stages import collectives, data, engine, models
 from stages.losses import reward_pair_loss
 
 
@@ -69,7 +69,7 @@ def run(task, ctx) -> dict:
                 both.sum(),
                 both.square().sum(),
             ]).double()
-        loss_sum, correct, margin, count, r_sum, r_sq = engine.all_reduce_sums(sums)
+        loss_sum, correct, margin, count, r_sum, r_sq = collectives.sum_once_per_group(sums).tolist()
         mean = r_sum / (2 * count)
         return {
             "loss": loss_sum / count,

@@ -27,7 +27,7 @@ group gathers the completions (`RolloutMaker.sample`). From there every process 
 computes the same rewards (rules on the same text; the reward model on a shared batch) and runs
 the scoring passes (actor, reference, critic, reward model) on shared batches, each process its
 1/N of every sequence's positions, gathered into whole lines. Sums over processes count a
-group's numbers once (engine.all_reduce_sums).
+group's numbers once (stages/collectives.py sum_once_per_group).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from core import batching
 from core.rewards import RewardError, RuleReward, RunningMoments, Samples
-from stages import data, engine, sequence_parallel, watchdog
+from stages import collectives, data, sequence_parallel, watchdog
 from stages import losses as L
 from stages.generation import Sampled, generate
 from stages.models import position_scores, sequence_scores
@@ -171,15 +171,9 @@ def informative_groups(rewards: Sequence[float], group_size: int) -> list[bool]:
     return [len(set(rewards[g : g + group_size])) > 1 for g in range(0, len(rewards), group_size)]
 
 
-def sum_over_processes(values: torch.Tensor) -> torch.Tensor:
-    """A 1-D tensor summed over every process, in float64, on the host (losses.SumOverProcesses: a
-    new tensor; engine.sum_over_processes sums in place where the tensor lies). Processes that share
-    sequences hold the same rollout: its numbers count once."""
-    return torch.tensor(engine.all_reduce_sums(values.detach().double().cpu().clone()), dtype=torch.float64)
-
-
 def gathered_mean(values: Sequence[float]) -> float:
-    total, count = engine.all_reduce_sums([float(sum(values)), float(len(values))])
+    """The mean of a number per sample over the rollout's samples (a sharing group holds its own once)."""
+    total, count = collectives.sum_once_per_group([float(sum(values)), float(len(values))])
     return total / max(count, 1.0)
 
 
@@ -238,7 +232,7 @@ class RolloutMaker:
         with clock.phase("score_s"):
             scores = self._normalized(kept.rewards, every.rewards)
             rollout = self._views(kept, scores, kl_coef)
-            response_tokens, tokens, sequences = engine.all_reduce_sums(  # one collective for the three counts
+            response_tokens, tokens, sequences = collectives.sum_once_per_group(  # one collective for the three counts
                 [float(sum(len(r) for r in every.responses)), float(rollout.real_tokens), float(sum(kept.trains))])
         clock.add("offload_s", self.moved_s() - moved_before)  # part of score_s (stages/phases.py)
         rollout.stats = RolloutStats(
@@ -271,12 +265,12 @@ class RolloutMaker:
                 uniform += not informative
                 target = kept if informative and len(kept.prompts) < wanted else spare
                 target.add(batch[part], responses[part], rewards[part], logprobs=logprobs[part])
-            if engine.all_reduce_sums([float(wanted - len(kept.prompts))])[0] == 0:
+            if collectives.sum_once_per_group([float(wanted - len(kept.prompts))])[0] == 0:
                 break
         missing = wanted - len(kept.prompts)  # places left: dropped groups fill them, and do not train
         kept.add(spare.prompts[:missing], spare.responses[:missing], spare.rewards[:missing], trains=False,
                  logprobs=spare.logprobs[:missing])
-        counts = engine.all_reduce_sums([float(sum(kept.trains) // n), float(uniform), float(missing // n)])
+        counts = collectives.sum_once_per_group([float(sum(kept.trains) // n), float(uniform), float(missing // n)])
         sampling = {"groups_kept": counts[0], "groups_dropped": counts[1], "groups_filled": counts[2],
                     "sampling_rounds": round_ + 1}
         return every, kept, sampling
@@ -398,7 +392,7 @@ class RolloutMaker:
         inputs = L.AdvantageInputs(scores=score_tensor, kl=kl if kl is not None else torch.zeros_like(mask),
                                    mask=mask, kl_coef=kl_coef if stage.kl_in_reward else 0.0, values=values)
         advantages, returns = L.estimate_advantages(stage.advantage, inputs, self.advantage_settings,
-                                                    sum_over_processes)
+                                                    collectives.sum_once_per_group)
         weights = None
         if sampler is not None and stage.sampler_ratio_cap is not None:
             weights = L.sampler_correction(old, sampler, mask, stage.sampler_ratio_cap, stage.importance_sampling)
@@ -444,9 +438,8 @@ def sampler_gap(rollout: Rollout) -> dict:
     if rollout.sampler_logprobs is None:
         return {}
     gap = (rollout.old_logprobs - rollout.sampler_logprobs).abs() * rollout.mask
-    total, count = engine.all_reduce_sums([float(gap.sum()), float(rollout.mask.sum())])
-    largest = gap.max().detach().reshape(1).double()  # where the gap lies: NCCL reduces device tensors
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    total, count = collectives.sum_once_per_group([float(gap.sum()), float(rollout.mask.sum())])
+    largest = collectives.largest_of_any_process(gap.max().detach().reshape(1).double())  # on gap's device
     return {"sampler_logprob_diff_mean": total / max(count, 1.0), "sampler_logprob_diff_max": float(largest)}
 
 

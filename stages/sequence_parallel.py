@@ -19,8 +19,8 @@ position, never the logits. From there every stage's loss code runs unchanged, o
 the group alike. Gradients: each process sends back only its own positions' part, and DeepSpeed,
 which sees every process as data-parallel, averages over all of them; the training loop already
 scales each process's loss by the process count (stages/engine.py), so the step's gradient is the
-one a single process would compute on the whole batch. Metrics summed over processes count each
-group's numbers N times: `engine.all_reduce_sums` divides by N.
+one a single process would compute on the whole batch. Metrics are the same on the N processes of
+a group: summed over processes they count once per group (stages/collectives.py sum_once_per_group).
 
 Generation (RL) is not sharded: attention runs as usual outside `ShardedBatch.apart()`. Each
 process of a group samples its share of the group's prompts whole and the group gathers the

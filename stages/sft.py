@@ -12,7 +12,7 @@ import torch
 
 from core import kinds
 from core.flops import sequence_flops
-from stages import data, engine, models
+from stages import collectives, data, engine, models
 
 
 @kinds.implements("sft")
@@ -54,7 +54,7 @@ def run(task, ctx) -> dict:
             nll, n = summed_nll(eval_set.batch(micro))
             loss_sum += nll * micro.weight
             count += n * micro.weight
-        loss_sum, count = engine.all_reduce_sums(torch.stack([loss_sum, count]))
+        loss_sum, count = collectives.sum_once_per_group(torch.stack([loss_sum, count])).tolist()
         return {"loss": loss_sum / max(count, 1.0)}
 
     # ---- train, export

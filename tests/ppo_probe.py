@@ -23,7 +23,7 @@ from deepspeed.utils import safe_get_full_grad  # noqa: E402
 from core.config import PipelineSpec  # noqa: E402
 from core.rewards import RewardError, RuleReward  # noqa: E402
 from pipeline.graph import build_tasks  # noqa: E402
-from stages import distributed, models, ppo, rollout, runner  # noqa: E402
+from stages import collectives, distributed, models, ppo, rollout, runner  # noqa: E402
 from stages import losses as L  # noqa: E402
 from stages.rollout import Prompt  # noqa: E402
 
@@ -83,7 +83,7 @@ def main(workdir: Path, out: Path) -> None:
     tokenizer = models.load_tokenizer(model_path)
     prompts, _, _ = ppo.load_prompts(stage, ctx, tokenizer)
     ds_config = ctx.deepspeed_config(stage, model_path)
-    schedule = ppo.Schedule.of(stage, ctx.world_size, ds_config, len(prompts))
+    schedule = ppo.schedule_of(stage, ctx.world_size, ds_config, len(prompts))
     rl_models = ppo.load_models(task, ctx, model_path, tokenizer, ds_config, schedule.total_steps)
     maker = rollout.RolloutMaker(stage, ctx, rl_models, RuleReward.from_specs(stage.reward.rules),
                                  generate_fn=fixed_completions)
@@ -92,7 +92,7 @@ def main(workdir: Path, out: Path) -> None:
     # Another estimator on the same rollout: GRPO with the whole rollout's std.
     batch_scaled, _ = L.estimate_advantages(
         "grpo", L.AdvantageInputs(scores=made.scores, kl=made.kl, mask=made.mask, kl_coef=stage.kl_coef),
-        L.AdvantageSettings(group_size=SAMPLES, scale_rewards="batch"), rollout.sum_over_processes)
+        L.AdvantageSettings(group_size=SAMPLES, scale_rewards="batch"), collectives.sum_once_per_group)
 
     actor = rl_models.actor
     before = {n: p.detach().clone() for n, p in actor.module.named_parameters()}

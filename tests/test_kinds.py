@@ -1,18 +1,21 @@
 """Stage kinds come from one registry (core/kinds.py): a kind declared in one file (tests/toy_kind.py,
 named under the pipeline file's `plugins:`) is validated, planned and run with no other file
-knowing its name."""
+knowing its name; an RL kind in one file (tests/rl_kind.py) with field names of its own is planned,
+validated, loads its data and trains through its declaration."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
 from core import kinds, tiny
 from core.config import load_pipeline
 from core.errors import InvalidInput
-from pipeline import plan
+from pipeline import plan, preflight
+from pipeline.executors import executor_for
 from tests.conftest import plugins_importable, run_cli, tiny_pipeline, write_pipeline
 
 
@@ -79,3 +82,85 @@ def test_every_kind_is_declared_once_with_its_schema():
         assert kind.schema.model_fields["kind"].annotation.__args__ == (kind.name,)
     with pytest.raises(ValueError, match="declared twice"):
         kinds.register(kinds.StageKind("sft", kinds.get("rm").schema, rows="completion", headline="x"))
+
+
+# --------------------------------------------------------------------------- a second RL kind
+
+# The same RL stage in the words of tests/rl_kind.py's `reinforce` and of the shipped ppo (no KL term).
+REINFORCE = {"kind": "reinforce", "prompts_per_rollout": 8, "completions_per_prompt": 2, "completion_tokens": 4,
+             "sampling_batch": 16, "passes_per_rollout": 1, "estimator": "rloo", "held_out_prompts": 8,
+             "score": {"rules": [{"rule": "exact_match"}]}}
+AS_PPO = {"kind": "ppo", "rollout_batch_size": 8, "n_samples_per_prompt": 2, "max_new_tokens": 4,
+          "micro_rollout_batch_size": 16, "ppo_epochs": 1, "advantage": "rloo", "eval_prompts": 8, "kl_coef": 0,
+          "reward": {"rules": [{"rule": "exact_match"}]}}
+
+
+@pytest.fixture
+def rl_plugin():
+    with plugins_importable():
+        yield
+    kinds.unregister("reinforce")
+    sys.modules.pop("tests.rl_kind", None)
+
+
+def rl_pipeline(workdir, *stages: dict, data=None, **cluster) -> Path:
+    common = {"model": "builtin:tiny-llama", "data": data or {"path": "builtin:digits", "max_rows": 64},
+              "max_steps": 2}
+    spec = tiny_pipeline(stages=[{"name": stage["kind"], **common, **stage} for stage in stages],
+                         plugins=["tests.rl_kind"])
+    spec["cluster"].update(cluster)
+    return write_pipeline(workdir, spec)
+
+
+def test_a_second_rl_kind_is_planned_from_its_own_fields_as_ppo_is(workdir, rl_plugin):
+    critic_and_reward_model = {"estimator": "gae", "score": {"model": "rm", "rules": [{"rule": "exact_match"}]}}
+    ppo_too = {"advantage": "gae", "reward": {"model": "rm", "rules": [{"rule": "exact_match"}]}}
+    rm = {"kind": "rm", "data": {"path": "builtin:digits"}}
+    config = rl_pipeline(workdir, rm, {**REINFORCE, **critic_and_reward_model}, {**AS_PPO, **ppo_too},
+                         gpu="a100-80gb", gpus_per_node=2)
+    spec = load_pipeline(str(config))
+    assert spec.stage("reinforce").upstream == ["rm"]  # its reward model, named under its own field
+    _, reinforce, ppo = plan.plan_to_json(plan.plan_pipeline(spec))["stages"]
+    names = [item["name"] for item in reinforce["items"]]
+    assert any(n.startswith("critic") for n in names) and any(n.startswith("reward model") for n in names), names
+    assert not any("reference" in n for n in names), names  # it keeps no frozen reference (ppo: kl_coef 0)
+    for entry in (reinforce, ppo):  # what names the kind, and where a reference would wait (neither has one)
+        del entry["stage"], entry["kind"], entry["settings"]["kind"], entry["settings"]["reference"]
+    assert reinforce == ppo
+
+
+def test_a_second_rl_kinds_layout_and_data_are_refused_in_its_own_field_names(workdir, rl_plugin):
+    uneven = rl_pipeline(workdir, {**REINFORCE, "prompts_per_rollout": 3})
+    with pytest.raises(InvalidInput, match=r"stages\[0\] \(reinforce\)\.prompts_per_rollout: 3 prompts do not "
+                                           r"split evenly over 2 processes"):
+        load_pipeline(str(uneven))
+
+    rows = workdir / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{n} + {n} ="}) + "\n" for n in range(6)))
+    data = {"path": str(rows), "eval_fraction": 0.5}
+    few = load_pipeline(str(rl_pipeline(workdir, REINFORCE, data=data)))
+    with pytest.raises(InvalidInput, match=r"3 training rows .* are fewer than one rollout takes: "
+                                           r"prompts_per_rollout 8. Give more rows, or lower prompts_per_rollout"):
+        preflight.check(few, executor_for("local"))
+
+    unlabelled = load_pipeline(str(rl_pipeline(workdir, {**REINFORCE, "prompts_per_rollout": 2, "micro_batch_size": 2},
+                                               data=data)))
+    with pytest.raises(InvalidInput, match=r"stages\[0\] \(reinforce\)\.answer_column: .* has no 'label' column"):
+        preflight.check(unlabelled, executor_for("local"))
+
+
+@pytest.mark.slow
+@pytest.mark.e2e  # two RL stages run whole: the plan and validate above are in `make test`
+def test_a_second_rl_kind_loads_its_data_and_trains_as_ppo_does(workdir, rl_plugin):
+    done = run_cli("run", rl_pipeline(workdir, REINFORCE, AS_PPO), cwd=workdir)
+    assert done.returncode == 0, done.stderr
+    folders = {kind: workdir / "runs" / "t" / kind for kind in ("reinforce", "ppo")}
+    results = {kind: json.loads((folder / "result.json").read_text()) for kind, folder in folders.items()}
+    figures = ("initial_reward", "final_reward", "steps", "rollouts", "train_prompts", "eval_prompts", "truncation")
+    assert results["reinforce"]["kind"] == "reinforce" and results["reinforce"]["rollouts"] == 2
+    assert {k: results["reinforce"][k] for k in figures} == {k: results["ppo"][k] for k in figures}
+    records = {kind: map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+               for kind, folder in folders.items()}
+    losses = {kind: [(r["rollout"], r["reward"], r["policy_loss"]) for r in lines if "policy_loss" in r]
+              for kind, lines in records.items()}
+    assert losses["reinforce"] == losses["ppo"] and len(losses["ppo"]) == 2

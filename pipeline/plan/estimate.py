@@ -60,7 +60,8 @@ def stage_models(knobs: Knobs, shape: ModelShape, ppo: Optional[PPOWorkload] = N
     kind = knobs.stage_kind
     if kind.rollouts:
         ppo = ppo or PPOWorkload()
-        models = ppo_models(shape, ppo.critic_shape, ppo.reward_shape, knobs.reference, ppo.reward_placement)
+        reference = knobs.reference if kind.frozen_reference else None  # a kind that keeps none has none
+        models = ppo_models(shape, ppo.critic_shape, ppo.reward_shape, reference, ppo.reward_placement)
         new_tokens = min(ppo.new_tokens or knobs.max_len // 2, knobs.max_len)
         scoring = ppo.scoring_batch or knobs.micro_batch_size
         return models, Workload(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from core import families, hardware, kinds
-from core.batching import data_parallel, token_budget  # torch-free: as the stages batch
+from core.batching import data_parallel, rollout_sequences, token_budget  # torch-free: as the stages batch
 from core.deepspeed_settings import offloads_optimizer
 from core.kinds import StageKind
 from core.shapes import ModelShape
@@ -19,12 +19,14 @@ REFERENCE_PLACEMENTS = ("live", "offload", "precompute")
 
 
 def vllm_knobs(stage) -> dict:
-    """A stage's vLLM settings as the plan counts them: where it asks for generation: vllm (auto is
-    decided on the node, by the GPU build there: the plan counts transformers' generation)."""
-    if getattr(stage, "generation", None) != "vllm":
+    """An RL stage's vLLM settings as the plan counts them: where it asks for vllm as its rollout
+    engine (auto is decided on the node, by the GPU build there: the plan counts transformers'
+    generation)."""
+    rl = kinds.rollouts_of(stage)
+    if rl is None or rl.engine != "vllm":
         return {}
-    return {"vllm_tensor_parallel": stage.vllm.tensor_parallel,
-            "vllm_memory_share": stage.vllm.gpu_memory_utilization, "vllm_sleep": stage.vllm.sleep}
+    return {"vllm_tensor_parallel": rl.vllm.tensor_parallel,
+            "vllm_memory_share": rl.vllm.gpu_memory_utilization, "vllm_sleep": rl.vllm.sleep}
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,11 @@ class Workload:
     train_passes: int = 1
     scoring_batch: Optional[int] = None
     rows_per_rollout: Optional[int] = None
+
+    @property
+    def sequences_per_rollout(self) -> int:
+        """RL: the sequences one rollout samples, over all processes (core/batching.py)."""
+        return rollout_sequences(self.rows_per_rollout, self.sequences_per_row)
 
     def group_tokens(self, knobs: Knobs) -> int:
         """The most tokens a micro batch holds: the packing budget (stages/data.py token_budget),

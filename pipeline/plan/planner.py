@@ -1,4 +1,4 @@
-"""A plan for every stage of a pipeline: which model each stage trains, what a PPO
+"""A plan for every stage of a pipeline: which model each stage trains, what an RL
 stage holds besides it, the estimate, the warnings, the fixes, and the refusal
 (exit 3) of a pipeline with a stage that does not fit."""
 
@@ -106,23 +106,28 @@ def _stage_model_name(spec, stage) -> str:
     return stage.model
 
 
-def ppo_workload(spec, stage) -> PPOWorkload:
-    """What a PPO stage holds besides its actor, from its fields (stages/ppo.py): a reward
-    model (reward.model, an upstream rm stage), a critic for gae (started from the reward
-    model, else from the actor's model), rollout sizes."""
-    reward_stage = stage.reward.model
+def ppo_workload(spec, stage) -> Optional[PPOWorkload]:
+    """What an RL stage holds besides its actor, read through its kind's declaration (core/kinds.py
+    Rollouts): a reward model (an upstream rm stage), a critic where its estimator trains one
+    (started from the reward model, else from the actor's model), rollout sizes. None for a
+    kind that samples no rollouts."""
+    rl = kinds.rollouts_of(stage)
+    if rl is None:
+        return None
     hub = hf_cache(spec).hub
-    reward_shape = resolve_shape(_stage_model_name(spec, spec.stage(reward_stage)), hub) if reward_stage else None
+    reward_shape = None
+    if rl.reward_model:
+        reward_shape = resolve_shape(_stage_model_name(spec, spec.stage(rl.reward_model)), hub)
     actor_shape = resolve_shape(_stage_model_name(spec, stage), hub)
     return PPOWorkload(
         reward_shape=reward_shape,
-        critic_shape=(reward_shape or actor_shape) if stage.advantage == "gae" else None,
-        reward_placement="offload" if stage.reward_offload else "live",
-        samples_per_prompt=stage.n_samples_per_prompt,
-        rollout_rows=stage.rollout_batch_size,
-        scoring_batch=stage.micro_rollout_batch_size,
-        new_tokens=stage.max_new_tokens,
-        train_passes=stage.ppo_epochs,
+        critic_shape=(reward_shape or actor_shape) if rl.critic else None,
+        reward_placement="offload" if rl.reward_offload else "live",
+        samples_per_prompt=rl.samples_per_prompt,
+        rollout_rows=rl.prompts,
+        scoring_batch=rl.chunk,
+        new_tokens=rl.new_tokens,
+        train_passes=rl.passes,
     )
 
 
@@ -179,7 +184,7 @@ def signal_lead(spec, stage) -> int:
         return spec.cluster.requeue_signal_s
     knobs = Knobs.from_stage(stage)
     shape = resolve_shape(_stage_model_name(spec, stage), hf_cache(spec).hub)
-    ppo = ppo_workload(spec, stage) if knobs.stage_kind.rollouts else None
+    ppo = ppo_workload(spec, stage)
     models, _ = stage_models(knobs, shape, ppo)
     try:
         estimated = estimate_stage(knobs, shape, hardware_of(spec), ppo=ppo).time
@@ -210,10 +215,9 @@ def plan_pipeline(spec, rows_by_stage: Optional[dict] = None, calibration: Optio
             rows = rows_by_stage.get(stage.name)
             if rows is not None and stage.data.max_rows is not None:
                 rows = min(rows, stage.data.max_rows)
-            rollouts = kinds.get(stage.kind).rollouts
-            ppo = ppo_workload(spec, stage) if rollouts else None
+            ppo = ppo_workload(spec, stage)
             lengths = None
-            if not rollouts:  # rollouts are generated: their lengths are not in the data
+            if ppo is None:  # rollouts are generated: their lengths are not in the data
                 key = (stage.data.model_dump_json(), stage.kind, model)
                 if key not in sampled:
                     sampled[key] = row_lengths.sample(stage.data, stage.kind, model, cache)

@@ -382,7 +382,7 @@ def _rollout_work(models: list[ModelUse], workload: Workload, knobs: Knobs, worl
     seq, mb, n = workload.seq_len, knobs.micro_batch_size, knobs.sequence_parallel
     groups = knobs.data_parallel(world)
     accumulation = max(1, rows_per_step(knobs.global_batch_size, mb, groups) // (mb * groups))
-    sequences = workload.rows_per_rollout * workload.sequences_per_row
+    sequences = workload.sequences_per_rollout
     train_micro = workload.train_passes * sequences / (mb * groups)
     scoring = workload.scoring_batch or mb
     tokens = sequences * seq
@@ -417,7 +417,7 @@ def _generation_s(models: list[ModelUse], workload: Workload, knobs: Knobs, rate
     if knobs.samples_with_vllm and hw.on_gpu and hw.gpu_memory_bytes:
         return _vllm_generation_s(actor, workload, knobs, rates, world, ring, bandwidth, hw)
     weights = actor.shape.n_params * knobs.weight_bytes
-    calls = math.ceil(workload.rows_per_rollout * workload.sequences_per_row / world / gen.batch)
+    calls = math.ceil(workload.sequences_per_rollout / world / gen.batch)
     seconds = calls * gen.new_tokens * weights / rates.hbm_bytes_per_s.value
     if knobs.zero_stage == 3 and world > 1:  # one gather of the whole actor per rollout
         seconds += weights * ring / bandwidth
@@ -432,7 +432,7 @@ def _vllm_generation_s(actor: ModelUse, workload: Workload, knobs: Knobs, rates:
     gen, n, b = workload.generation, knobs.vllm_tensor_parallel, knobs.weight_bytes
     engine = rollout_engine.engine_memory(actor.shape, b, n, knobs.vllm_memory_share, hw.gpu_memory_bytes,
                                           gen.prompt_len + gen.new_tokens)
-    sequences = math.ceil(workload.rows_per_rollout * workload.sequences_per_row / world) * n
+    sequences = math.ceil(workload.sequences_per_rollout / world) * n
     hbm = rates.hbm_bytes_per_s.value
     decode = rollout_engine.decode_s(actor.shape, b, n, sequences, gen.prompt_len, gen.new_tokens, engine.sequences,
                                      hbm)
