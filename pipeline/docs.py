@@ -16,6 +16,7 @@ from pathlib import Path
 
 from core import config as c
 from core import kinds
+from core.schemas.reward import RewardRule, RewardSpec
 
 START, END = "<!-- reference:start -->", "<!-- reference:end -->"
 PIPELINES_START, PIPELINES_END = "<!-- pipelines:start -->", "<!-- pipelines:end -->"
@@ -64,8 +65,8 @@ def reference_markdown() -> str:
         if extra:
             sections.append(_table(f"`kind: {kind.name}`", kind.schema, skip=common))
     sections += [
-        _table("`reward:` (kind: ppo)", c.RewardSpec, "reward."),
-        _table("`reward.rules:` (each term)", c.RewardRule),
+        _table("`reward:` (kind: ppo)", RewardSpec, "reward."),
+        _table("`reward.rules:` (each term)", RewardRule),
     ]
     return "\n\n".join(sections)
 

@@ -33,7 +33,7 @@ OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints
                       "sequence_parallel", "logits_tile", "mlp_tiles",
                       "max_truncated_share", "hang_factor", "hang_min_s", "hang_first_s",
                       "collective_timeout_s"}
-OPERATIONAL_REWARD_FIELDS = {"timeout_s"}  # of an RL stage's reward block (core.config.RewardSpec)
+OPERATIONAL_REWARD_FIELDS = {"timeout_s"}  # of an RL stage's reward block (core.schemas.reward.RewardSpec)
 
 
 class PlannedStage(BaseModel):

@@ -32,9 +32,9 @@ from typing import Callable, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from core import batching, estimators, hardware, kinds, reward_quality
+from core import batching, estimators, hardware, reward_quality
 from core import metrics as records
-from core.config import RULES_NEEDING_LABELS
+from core.schemas.reward import RULES_NEEDING_LABELS
 from core.errors import InvalidInput
 from core.flops import rollout_sequence_flops
 from core.rewards import RuleReward
@@ -44,7 +44,6 @@ from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, en
 from stages.vllm_engine import VllmEngine
 
 
-@kinds.implements("ppo")
 def run(task, ctx) -> dict:
     stage = task.stage
     weak = reward_quality.check(stage, task.pipeline_dir)  # refuses a reward model at chance, unless allowed

@@ -231,12 +231,7 @@ def _run_stage(task: StageTask) -> dict:
     from stages import sequence_parallel
 
     sequence_parallel.setup(task.stage, env.rank, env.world_size)
-    from stages import dpo, ppo, rm, sft  # noqa: F401  bind the shipped kinds' runs (a plug-in kind binds its own)
-
-    kind = kinds.get(task.stage.kind)
-    if kind.run is None:
-        raise RuntimeError(f"stage kind '{kind.name}' ({kind.schema.__module__}) is declared without a run")
-    metrics = kind.run(task, ctx)
+    metrics = kinds.get(task.stage.kind).body()(task, ctx)  # the kind's declaration says where its run lives
     result = {
         "stage": task.name,
         "kind": task.stage.kind,
