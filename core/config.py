@@ -1,5 +1,10 @@
 """The pipeline file: its schema, loading and validation.
 
+The sections every pipeline shares live here (a stage's common fields and defaults, tracking,
+the whole file); each shipped stage kind's own fields are its schema in core/schemas/<kind>.py,
+the cluster section is core/cluster_spec.py's, and reading YAML, naming errors and ordering the
+stages are core/yaml_file.py's, core/validation_errors.py's and core/stage_graph.py's.
+
 Every field is documented where it is declared; `python -m pipeline validate`
 quotes that documentation back to a user who got the field wrong. Relative
 paths in a pipeline file (runs_dir, data paths, local models, container) are
@@ -13,27 +18,18 @@ from __future__ import annotations
 import difflib
 import importlib
 import json
-import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional
 
-import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializeAsAny,
-    ValidationError,
-    WrapValidator,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, SerializeAsAny, ValidationError, WrapValidator, field_validator, model_validator
 
-import schedulers
-from core import kinds
+from core import kinds, validation_errors, yaml_file
 from core.batching import accumulation_steps, data_parallel
-from core.sequence_parallel import SHARDABLE_ATTENTION
+from core.cluster_spec import ApptainerSpec, ClusterSpec, checked_by_schedulers
 from core.errors import InvalidInput
+from core.sequence_parallel import SHARDABLE_ATTENTION
+from core.stage_graph import topological_order, upstream_cycle
+from core.strict import Strict
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "configs"  # the shipped pipeline files
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -42,172 +38,13 @@ BUILTIN_MODELS = ("tiny-llama",)
 BUILTIN_DATASETS = ("digits",)
 
 
-class Strict(BaseModel):
-    """Base for every section: unknown keys are errors that suggest the nearest name."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        known = set(cls.model_fields)
-        known |= {f.alias for f in cls.model_fields.values() if f.alias}
-        unknown = [k for k in data if k not in known]
-        if unknown:
-            key = str(unknown[0])
-            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            valid = ", ".join(sorted(k for k in known if not k.endswith("_") and k != "kind"))
-            raise ValueError(f"unknown key '{key}'{hint}; valid keys here: {valid}")
-        return data
-
-
 # --------------------------------------------------------------------------- cluster
-
-
-# Environment variables that hold credentials (HF_TOKEN, WANDB_API_KEY, ...): read from the
-# environment only, never written into a file the pipeline makes.
-SECRET_NAME = re.compile(r"TOKEN|API_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 
 
 # The executor of a pipeline.json record that names none: records were all Slurm jobs before local runs were recorded.
 UNNAMED_RECORD_EXECUTOR = "slurm"
 
 
-def checked_by_schedulers(field: str, value: Any) -> Any:
-    """`value` of the cluster section's `field` (a stage's `time` too), checked by every scheduler
-    that reads it (schedulers/: Slurm's time syntax, the sbatch options it sets itself), whichever
-    executor the file names: `run --executor` may pick another."""
-    for scheduler in schedulers.declared():
-        rule = scheduler.cluster_rules.get(field)
-        if rule is not None:
-            rule(value)
-    return value
-
-
-class ClusterSpec(Strict):
-    """Where and how the stages run."""
-
-    executor: str = Field(
-        "local",
-        description="'local' runs each stage on this machine (as submitit local jobs); "
-        "'slurm' submits each stage as a Slurm job; a scheduler a plug-in declares runs them its way "
-        "(schedulers/).",
-    )
-    partition: Optional[str] = Field(None, description="Slurm partition (sbatch --partition).")
-    account: Optional[str] = Field(None, description="Slurm account (sbatch --account).")
-    qos: Optional[str] = Field(None, description="Slurm quality of service (sbatch --qos).")
-    constraint: Optional[str] = Field(None, description="Slurm node features (sbatch --constraint).")
-    gpu: Optional[str] = Field(
-        None, description="GPU type of the nodes (e.g. a100-80gb, h100-80gb, rtx4090), used to plan memory."
-    )
-    gpus_per_node: int = Field(
-        0,
-        ge=0,
-        le=16,
-        description="GPUs per node; each stage runs one process (task) per GPU, each on its own GPU. The local "
-        "executor takes them from this machine (from CUDA_VISIBLE_DEVICES when it is set); validate and run "
-        "refuse more than torch sees here.",
-    )
-    tasks_per_node: Optional[int] = Field(
-        None,
-        ge=1,
-        le=64,
-        description="Processes per node. Defaults to gpus_per_node, or 1 without GPUs; "
-        "set it to run several CPU processes (e.g. 2, so ZeRO really shards on CPU).",
-    )
-    cpus_per_task: Optional[int] = Field(
-        None, ge=1, description="CPU cores per process (sbatch --cpus-per-task). A stage on the CPU computes with this "
-        "many torch threads per process (1 when unset), whatever the machine's core count: the thread count changes "
-        "its numbers.")
-    mem: Optional[str] = Field(
-        None, pattern=r"^\d+[KMGT]?$", description="Host memory per node, Slurm syntax (e.g. 500G, 0 = all)."
-    )
-    time: str = Field("4:00:00", description="Wall-clock limit per stage job on Slurm, Slurm syntax (e.g. "
-                      "2-00:00:00). Local runs have no time limit.")
-    setup: list[str] = Field(
-        default_factory=list, description="Shell lines run in the job before the stage starts (e.g. module load ...)."
-    )
-    env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for every stage job.")
-    sbatch: dict[str, Union[str, int, bool]] = Field(
-        default_factory=dict,
-        description="Extra sbatch options for every stage job, by long name without dashes "
-        "(e.g. {exclusive: true, reservation: my-res, gres: 'gpu:8'}); true writes a bare flag.",
-    )
-    requeue_signal_s: Optional[int] = Field(
-        None,
-        ge=10,
-        le=3600,
-        description="Seconds before a stage job's time limit at which Slurm sends it USR2: the job saves "
-        "a checkpoint at the end of its current step, requeues itself and resumes from there. Default: "
-        "from the plan's estimated checkpoint save and step times, plus a margin (at least 90).",
-    )
-    max_requeues: int = Field(
-        3,
-        ge=0,
-        le=100,
-        description="How many times a stage job that reaches its time limit is requeued before it counts "
-        "as failed (preemptions do not count, except in jobs shorter than 10 minutes).",
-    )
-    max_retries: int = Field(
-        2, ge=0, le=100, description="How many times a stage job that hangs (see hang_factor), or that Slurm "
-        "requeues after its node failed, is started again before it fails.")
-    hf_home: Optional[str] = Field(
-        None,
-        description="Hugging Face cache folder shared by the submit host and the compute nodes: `prepare` "
-        "downloads hub models and datasets into it, Slurm jobs read it offline. Default: $HF_HOME, "
-        "else ~/.cache/huggingface.",
-    )
-
-    @field_validator("executor")
-    @classmethod
-    def _known_executor(cls, value: str) -> str:
-        """One of the schedulers (schedulers/: the shipped ones, and those plug-ins declare)."""
-        try:
-            schedulers.get(value)
-        except KeyError as err:
-            raise ValueError(err.args[0]) from None
-        return value
-
-    @field_validator("time", "sbatch")
-    @classmethod
-    def _check_for_schedulers(cls, value, info):
-        return checked_by_schedulers(info.field_name, value)
-
-    @field_validator("env")
-    @classmethod
-    def _no_secrets_in_env(cls, value: dict) -> dict:
-        for key in value:
-            if SECRET_NAME.search(key):
-                raise ValueError(
-                    f"'{key}' looks like a secret, and cluster.env is written into every job's batch script: "
-                    f"export {key} in your shell instead (stage jobs inherit the environment they are submitted from)"
-                )
-        return value
-
-    @property
-    def processes_per_node(self) -> int:
-        if self.tasks_per_node is not None:
-            return self.tasks_per_node
-        return self.gpus_per_node or 1
-
-
-class ApptainerSpec(Strict):
-    """How a Slurm stage job runs inside `container`."""
-
-    command: str = Field("apptainer", min_length=1, description="The container runtime: apptainer, or singularity.")
-    binds: list[str] = Field(
-        default_factory=list,
-        description="Extra folders to bind (apptainer --bind syntax, SRC[:DEST[:ro]]). Already bound: the "
-        "folder you run from, the run folder, local data and model folders, the Hugging Face cache and this code.",
-    )
-    options: list[str] = Field(
-        default_factory=list,
-        description="Extra `apptainer exec` options, e.g. [--writable-tmpfs]. Avoid --cleanenv: "
-        "the job needs Slurm's environment variables. --nv is added when GPUs are requested.",
-    )
 
 
 # --------------------------------------------------------------------------- tracking
@@ -694,43 +531,6 @@ class PipelineSpec(Strict):
         return Path(self.runs_dir) / self.name
 
 
-def upstream_cycle(stages) -> list[str]:
-    """The names around one cycle of upstream references, its first name again at the end
-    (e.g. [a, b, a]: a starts from b, b from a); [] when there is none."""
-    by_name = {s.name: s for s in stages}
-    finished: set[str] = set()
-    for start in stages:
-        path: list[str] = []
-        name: Optional[str] = start.name
-        while name is not None and name not in finished:
-            if name in path:
-                return path[path.index(name):] + [name]
-            path.append(name)
-            name = next((u for u in by_name[name].upstream if u in by_name and u not in finished), None)
-        finished.update(path)
-    return []
-
-
-def topological_order(stages) -> Optional[list]:
-    """Stages ordered so each comes after its upstream; None when there is a cycle.
-
-    Ties keep the file's order, so a file already in order runs as written.
-    """
-    by_name = {s.name: s for s in stages}
-    done: list = []
-    placed: set[str] = set()
-    remaining = list(stages)
-    while remaining:
-        ready = [s for s in remaining if all(u in placed or u not in by_name for u in s.upstream)]
-        if not ready:
-            return None
-        first = ready[0]
-        done.append(first)
-        placed.add(first.name)
-        remaining.remove(first)
-    return done
-
-
 # --------------------------------------------------------------------------- loading
 
 
@@ -747,57 +547,17 @@ def resolve_config_path(config: str) -> Path:
     raise InvalidInput(f"{config}: no such pipeline file (shipped pipelines: {shipped})")
 
 
-class DuplicateKey(yaml.MarkedYAMLError):
-    """A mapping names the same key twice: YAML keeps the last silently, so a setting
-    written twice would lose one of its values without a word."""
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load that refuses a key given twice in one mapping."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges on purpose
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                earlier = seen.setdefault(key, key_node.start_mark)
-            except TypeError:  # an unhashable key: the base class says so
-                break
-            if earlier is not key_node.start_mark:
-                raise DuplicateKey(
-                    problem=f"key '{key}' is given twice in one mapping, at {_place(earlier)} and "
-                    f"{_place(key_node.start_mark)}; YAML would keep only the last. Keep the one you mean",
-                    problem_mark=key_node.start_mark,
-                )
-        return super().construct_mapping(node, deep=deep)
-
-
-def _place(mark) -> str:
-    return f"line {mark.line + 1}, column {mark.column + 1}"
-
-
 def load_pipeline(config: str) -> PipelineSpec:
     """Read and validate a pipeline file; raises InvalidInput with a message for people."""
     path = resolve_config_path(config)
-    try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except DuplicateKey as err:
-        raise InvalidInput(f"{path}: {err.problem}") from None
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark
-        where = _place(mark) if mark else "somewhere"
-        raise InvalidInput(f"{path}: malformed YAML at {where}: {err.problem}") from None
-    except yaml.YAMLError as err:
-        raise InvalidInput(f"{path}: malformed YAML: {err}") from None
+    raw = yaml_file.read(path)
     if not isinstance(raw, dict):
         raise InvalidInput(f"{path}: expected a mapping with name, cluster, defaults and stages at the top")
     import_plugins(path, raw.get("plugins"))
     try:
         return PipelineSpec.model_validate(raw)
     except ValidationError as err:
-        raise InvalidInput(format_validation_error(path, raw, err)) from None
+        raise InvalidInput(validation_errors.described(path, raw, err, PipelineSpec, StageBase)) from None
 
 
 def import_plugins(path: Path, plugins: Any) -> None:
@@ -813,68 +573,4 @@ def import_plugins(path: Path, plugins: Any) -> None:
             raise InvalidInput(f"{path}: plugins[{i}]: cannot import '{name}' ({type(err).__name__}: {err}). "
                                "Put its folder on PYTHONPATH, here and where the stages run") from None
 
-
-def format_validation_error(path: Path, raw: dict, err: ValidationError) -> str:
-    lines = [f"{path}: {err.error_count()} problem{'s' if err.error_count() > 1 else ''}"]
-    for item in err.errors():
-        loc, doc = _describe_location(raw, item["loc"])
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "missing":
-            message = "required but missing"
-        elif "input" in item and item["type"] not in ("value_error", "assertion_error"):
-            message += f" (got {item['input']!r})"
-        lines.append(f"  {loc or '<top>'}: {message}")
-        if doc:
-            lines.append(f"      {loc.rsplit('.', 1)[-1]}: {doc}")
-    return "\n".join(lines)
-
-
-def _describe_location(raw: dict, loc: tuple) -> tuple[str, Optional[str]]:
-    """Turn pydantic's loc into `stages[1] (dpo).beta` and find the field's documentation."""
-    parts: list[str] = []
-    model: Any = PipelineSpec
-    node: Any = raw
-    doc = None
-    for key in loc:
-        if isinstance(key, int):
-            parts[-1] = f"{parts[-1]}[{key}]" if parts else f"[{key}]"
-            node = node[key] if isinstance(node, list) and key < len(node) else None
-            if isinstance(node, dict) and "name" in node:
-                parts[-1] += f" ({node['name']})"
-            continue
-        if model is PipelineSpec and parts and parts[-1].startswith("stages["):
-            kind = node.get("kind") if isinstance(node, dict) else None
-            model = kinds.get(kind).schema if kind in kinds.names() else StageBase  # the stage's own schema
-        field = _field(model, key)
-        if field is None:
-            break
-        parts.append("from" if key == "from_" else key)
-        doc = field.description
-        node = node.get(field.alias or key) if isinstance(node, dict) else None
-        model = _model_of(field.annotation)
-        if key == "stages":
-            model = PipelineSpec  # stays here until the kind tag selects the stage class
-    return ".".join(parts), doc
-
-
-def _field(model: Any, key: str):
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        return None
-    if key in model.model_fields:
-        return model.model_fields[key]
-    for field in model.model_fields.values():
-        if field.alias == key:
-            return field
-    return None
-
-
-def _model_of(annotation: Any) -> Any:
-    """The BaseModel inside Optional[...] / list[...] annotations, if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()) or ():
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None
 

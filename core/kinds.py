@@ -5,11 +5,11 @@ A kind declares its schema (the pipeline file's section, a core.config.StageBase
 tokenised, and how many sequences a row makes), the model roles the planner counts (the head it
 trains, whether it keeps a frozen reference, whether it samples its own sequences), its headline
 result, and its `run` (the stage job's body, on the node). A shipped kind (sft, rm, dpo, ppo) is
-declared beside its schema in core/schemas/<kind>.py, torch-free, and names where its run lives
-("stages.sft:run"), imported only on the node when a stage of it runs; a kind from elsewhere (a
-plug-in, a test's toy kind) declares everything in one file: `register(StageKind(..., run=run))`.
-Either way the runner finds the run through the registry and imports no kind by name. A name is
-declared once: a second declaration from another source is refused.
+declared beside its schema in core/schemas/<kind>.py, torch-free, with no run: its run is `run` in
+stages/<kind>.py, which the node's runner finds from the kind's name (core never imports stages); a
+kind from elsewhere (a plug-in, a test's toy kind) declares everything in one file:
+`register(StageKind(..., run=run))`. A name is declared once: a second declaration from another
+source is refused.
 
 An RL kind (its unit of work is a rollout it samples) declares its `Rollouts`: which of its
 schema's fields say how many prompts a rollout takes, how many completions each, how long, how it is
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
@@ -125,21 +124,12 @@ class StageKind:
     sequence_parallel: bool = False  # its passes can share a sequence over processes (stages/sequence_parallel.py)
     tiled_logits: bool = False  # its language-model passes can run the LM head a tile of positions at a time
     tiled_mlp: bool = False  # its passes can run each decoder layer's MLP over positions in tiles (mlp_tiles)
-    # run(task, ctx) -> result dict, or where it lives ("stages.sft:run"), imported when a stage of it runs
-    run: Optional[Callable | str] = field(default=None, repr=False)
+    # run(task, ctx) -> result dict; None for a shipped kind (its run is `run` in stages/<name>.py)
+    run: Optional[Callable] = field(default=None, repr=False)
 
     @property
     def sequences_per_row(self) -> int:
         return SEQUENCES_PER_ROW[self.rows]
-
-    def body(self) -> Callable:
-        """Its run (the stage job's body), imported from where the declaration names it."""
-        if self.run is None:
-            raise RuntimeError(f"stage kind '{self.name}' ({self.schema.__module__}) is declared without a run")
-        if isinstance(self.run, str):
-            module, _, name = self.run.partition(":")
-            return getattr(importlib.import_module(module), name)
-        return self.run
 
     @property
     def unit(self) -> str:

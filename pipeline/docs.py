@@ -16,6 +16,7 @@ from pathlib import Path
 
 from core import config as c
 from core import kinds
+from core.cluster_spec import ApptainerSpec, ClusterSpec
 from core.schemas.reward import RewardRule, RewardSpec
 
 START, END = "<!-- reference:start -->", "<!-- reference:end -->"
@@ -49,10 +50,10 @@ def reference_markdown() -> str:
     common = set(c.StageBase.model_fields) | {"kind"}
     sections = [
         _table("Top level", c.PipelineSpec),
-        _table("`cluster:`", c.ClusterSpec, "cluster."),
+        _table("`cluster:`", ClusterSpec, "cluster."),
     ]
     if hasattr(c, "ApptainerSpec"):
-        sections.append(_table("`apptainer:`", c.ApptainerSpec, "apptainer."))
+        sections.append(_table("`apptainer:`", ApptainerSpec, "apptainer."))
     sections.append(_table("`tracking.wandb:`", c.WandbSpec, "tracking.wandb."))
     sections += [
         _table("Every stage", c.StageBase, skip=knobs),

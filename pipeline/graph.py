@@ -21,8 +21,9 @@ from typing import Literal, Optional
 from pydantic import BaseModel
 
 from core import kinds
-from core.config import PipelineSpec, topological_order
+from core.config import PipelineSpec
 from core.runfolder import StageFolder, remove
+from core.stage_graph import topological_order
 from core.task import StageTask, is_finished
 from pipeline.identity import Digests, changed_inputs, input_digests
 

@@ -1,4 +1,4 @@
-"""The dpo kind's schema and declaration (its run: stages/dpo.py)."""
+"""The dpo kind's schema and declaration (its run: `run` in stages/dpo.py)."""
 
 from __future__ import annotations
 
@@ -40,4 +40,4 @@ class DPOStage(StageBase):
 
 
 kinds.register(StageKind("dpo", DPOStage, rows="preference", headline="eval_reward_accuracy", frozen_reference=True,
-                         sequence_parallel=True, tiled_logits=True, tiled_mlp=True, run="stages.dpo:run"))
+                         sequence_parallel=True, tiled_logits=True, tiled_mlp=True))

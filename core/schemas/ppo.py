@@ -1,4 +1,4 @@
-"""The ppo kind's schema and declaration (its run: stages/ppo.py)."""
+"""The ppo kind's schema and declaration (its run: `run` in stages/ppo.py)."""
 
 from __future__ import annotations
 
@@ -214,7 +214,7 @@ class PPOStage(StageBase):
 
 
 kinds.register(StageKind("ppo", PPOStage, rows="prompt", headline="final_reward", frozen_reference=True,
-                         sequence_parallel=True, run="stages.ppo:run", rollouts=Rollouts(
+                         sequence_parallel=True, rollouts=Rollouts(
                              prompts="rollout_batch_size", samples_per_prompt="n_samples_per_prompt",
                              new_tokens="max_new_tokens", chunk="micro_rollout_batch_size", passes="ppo_epochs",
                              estimator="advantage", reward="reward", label_key="label_key",

@@ -1,4 +1,4 @@
-"""The rm kind's schema and declaration (its run: stages/rm.py)."""
+"""The rm kind's schema and declaration (its run: `run` in stages/rm.py)."""
 
 from __future__ import annotations
 
@@ -21,4 +21,4 @@ class RMStage(StageBase):
 
 
 kinds.register(StageKind("rm", RMStage, rows="preference", headline="eval_accuracy", trained_head="scalar",
-                         sequence_parallel=True, tiled_mlp=True, run="stages.rm:run"))
+                         sequence_parallel=True, tiled_mlp=True))

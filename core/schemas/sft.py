@@ -1,4 +1,4 @@
-"""The sft kind's schema and declaration (its run: stages/sft.py)."""
+"""The sft kind's schema and declaration (its run: `run` in stages/sft.py)."""
 
 from __future__ import annotations
 
@@ -18,4 +18,4 @@ class SFTStage(StageBase):
 
 
 kinds.register(StageKind("sft", SFTStage, rows="completion", headline="final_eval_loss",
-                         sequence_parallel=True, tiled_logits=True, tiled_mlp=True, run="stages.sft:run"))
+                         sequence_parallel=True, tiled_logits=True, tiled_mlp=True))
