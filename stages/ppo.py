@@ -54,7 +54,7 @@ def run(task, ctx) -> dict:
     tokenizer = models.load_tokenizer(model_path)
     prompts, eval_prompts, truncation = load_prompts(stage, ctx, tokenizer)
     ds_config = ctx.deepspeed_config(stage, model_path)
-    schedule = schedule_of(stage, ctx.world_size, ds_config, len(prompts))
+    schedule = schedule_of(stage, ctx.world_size, len(prompts))
     rl_models = load_models(task, ctx, model_path, tokenizer, ds_config, schedule.total_steps)
     sampler = generation.engine_for(stage, rl_models.actor.module, ctx.device)  # before anything trains
     vllm = VllmEngine(stage, ctx, model_path) if sampler == "vllm" else None
@@ -219,13 +219,13 @@ def rollout_flop_models(task, model_path: str, rl_models: Models) -> list:
     return out
 
 
-def schedule_of(stage, world: int, ds_config: dict, n_prompts: int) -> batching.RolloutSchedule:
+def schedule_of(stage, world: int, n_prompts: int) -> batching.RolloutSchedule:
     """How the stage's prompts become rollouts and rollouts optimizer steps (core/batching.py)."""
     try:
         return batching.RolloutSchedule.of(
             n_prompts, prompts=stage.rollout_batch_size, samples_per_prompt=stage.n_samples_per_prompt,
             passes=stage.ppo_epochs, groups=stage.data_parallel(world),
-            sequences_per_step=stage.micro_batch_size * ds_config["gradient_accumulation_steps"], epochs=stage.epochs,
+            sequences_per_step=engine.sequences_per_step(stage, world), epochs=stage.epochs,
             max_steps=stage.max_steps, seed=stage.seed)
     except ValueError as err:
         raise InvalidInput(f"{stage.data.path}: {err} (rollout_batch_size {stage.rollout_batch_size})") from None
@@ -241,7 +241,7 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
     actor.train()
     if critic is not None:
         critic.train()
-    per_step = stage.micro_batch_size * actor.gradient_accumulation_steps()
+    per_step = engine.sequences_per_step(stage, ctx.world_size)
     order_generator = torch.Generator().manual_seed(stage.seed * 7919 + index)
     lengths = [len(s) for s in rollout.sequences]
     sums: dict[str, float] = {}
@@ -263,9 +263,9 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
                 for key, value in shares.items():
                     sums[key] = sums.get(key, 0.0) + value
             for key, model in (("grad_norm", actor), ("critic_grad_norm", critic)):
-                norm = model.get_global_grad_norm() if model is not None else None
+                norm = engine.grad_norm(model) if model is not None else None
                 if norm is not None:
-                    norms.setdefault(key, []).append(float(norm))
+                    norms.setdefault(key, []).append(norm)
             steps += 1
     *totals, processed_all, real_all = collectives.sum_once_per_group(
         list(sums.values()) + [float(processed), float(stage.ppo_epochs * rollout.real_tokens)])
@@ -280,14 +280,9 @@ def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, k
     this micro batch's shares of the step's logged means."""
     actor, critic = rl_models.actor, rl_models.critic
     share = step_share(batch, stage, tokens, sequences)
-    actor.set_gradient_accumulation_boundary(boundary)
-    # Backward inside apart() too: gradient checkpointing recomputes the forward there (on shared
-    # sequences, with the exchange).
-    with batch.tokens.apart():
-        loss, new, logits, clipped = policy_objective(actor, batch, stage, kl_coef, share)
-        # DeepSpeed averages gradients over processes; the shares add up over them.
-        actor.backward(loss * world, scale_wrt_gas=False)
-    actor.step()
+    loss, new, logits, clipped = engine.train_on(actor, batch.tokens,
+                                                 lambda: policy_objective(actor, batch, stage, kl_coef, share),
+                                                 boundary, world)
     with torch.no_grad():
         record = {
             "policy_loss": loss.item(),
@@ -296,14 +291,12 @@ def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, k
             "entropy": share(entropy_of(batch.tokens, logits.detach())).item(),
         }
     if critic is not None:
-        critic.set_gradient_accumulation_boundary(boundary)
-        with batch.tokens.apart():
-            values = values_of(critic, batch.tokens)
-            value_losses, value_clipped = L.value_loss(values, batch.values, batch.returns, batch.mask,
-                                                       stage.value_clip_eps)
-            value_loss = share(value_losses)
-            critic.backward(value_loss * world, scale_wrt_gas=False)
-        critic.step()
+        def value_objective():
+            value_losses, value_clipped = L.value_loss(values_of(critic, batch.tokens), batch.values, batch.returns,
+                                                       batch.mask, stage.value_clip_eps)
+            return share(value_losses), value_clipped
+
+        value_loss, value_clipped = engine.train_on(critic, batch.tokens, value_objective, boundary, world)
         record.update(value_loss=value_loss.item(), value_clip_fraction=share(value_clipped.float()).item())
     return record
 
