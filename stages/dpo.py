@@ -14,6 +14,7 @@ is higher), eval_loss, eval_margin, and their values before training.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -23,9 +24,13 @@ from core.batching import MicroBatch, Step
 from core.failure import saving
 from core.flops import sequence_flops
 from core.runfolder import temporary
-from stages import collectives, models, watchdog
+from core.task import StageTask
+from stages import collectives, data, models, watchdog
 from stages.losses import dpo_loss
 from stages.recipe import Recipe
+
+if TYPE_CHECKING:
+    from stages.runner import StageContext
 
 log = logging.getLogger("stages")
 
@@ -114,7 +119,8 @@ run = DPO.run
 
 
 @watchdog.phase(watchdog.REFERENCE_PRECOMPUTE)
-def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_config) -> dict:
+def _precomputed_reference(ctx: StageContext, task: StageTask, splits: dict[str, data.TokenRows],
+                           pair_logps: Callable, model_path: str, frozen_config: dict) -> dict:
     """Reference log-probs (chosen, rejected) of every row, per split, computed once.
 
     Every rank computes a share of the rows (equal pass counts, as ZeRO-3 needs),

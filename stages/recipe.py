@@ -17,7 +17,7 @@ here. A kind's run is `Recipe.run` of its subclass: `run = SFT.run`.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -28,17 +28,20 @@ from core.kinds import StageKind
 from core.task import StageTask
 from stages import collectives, data, engine, models
 
+if TYPE_CHECKING:
+    from stages.runner import StageContext
+
 
 class Recipe:
     """One supervised stage's run; a subclass fills the hooks (module docstring)."""
 
-    def __init__(self, task: StageTask, ctx) -> None:  # ctx: stages.runner.StageContext
+    def __init__(self, task: StageTask, ctx: StageContext) -> None:
         self.task, self.ctx, self.stage = task, ctx, task.stage
         self.kind: StageKind = kinds.get(task.stage.kind)
         self.model_path: str = models.resolve(task.init_model, ctx.builtin_root)
 
     @classmethod
-    def run(cls, task: StageTask, ctx) -> dict:
+    def run(cls, task: StageTask, ctx: StageContext) -> dict:
         """The stage job's body (a kind's `run`): data, models, train, export, result."""
         return cls(task, ctx).train()
 
