@@ -17,7 +17,7 @@ here. A kind's run is `Recipe.run` of its subclass: `run = SFT.run`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -33,7 +33,15 @@ if TYPE_CHECKING:
 
 
 class Recipe:
-    """One supervised stage's run; a subclass fills the hooks (module docstring)."""
+    """One supervised stage's run; a subclass fills the hooks (module docstring). What `train` sets up
+    is on self for the hooks:"""
+
+    tokenizer: Any
+    tokenized: data.TokenizedSplits  # the rows tokenised, and what max_len cut
+    train_set: data.TokenRows
+    eval_set: data.TokenRows
+    ds_config: dict  # the trained model's DeepSpeed config
+    ds: Any  # the DeepSpeed engine of the trained model
 
     def __init__(self, task: StageTask, ctx: StageContext) -> None:
         self.task, self.ctx, self.stage = task, ctx, task.stage
@@ -56,7 +64,7 @@ class Recipe:
                            sequences_per_row=self.kind.sequences_per_row)
             for split in (self.tokenized.train, self.tokenized.eval))
         # ---- models
-        self.ds_config: dict = ctx.deepspeed_config(stage, self.model_path)
+        self.ds_config = ctx.deepspeed_config(stage, self.model_path)
         model = self.load_models()
         steps_per_epoch, total_steps = engine.step_counts(len(self.tokenized.train.tokens),
                                                           self.train_set.rows_per_step, stage)
