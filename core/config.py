@@ -1,5 +1,10 @@
 """The pipeline file: its schema, loading and validation.
 
+The sections every pipeline shares live here (a stage's common fields and defaults, tracking,
+the whole file); each shipped stage kind's own fields are its schema in core/schemas/<kind>.py,
+the cluster section is core/cluster_spec.py's, and reading YAML, naming errors and ordering the
+stages are core/yaml_file.py's, core/validation_errors.py's and core/stage_graph.py's.
+
 Every field is documented where it is declared; `python -m pipeline validate`
 quotes that documentation back to a user who got the field wrong. Relative
 paths in a pipeline file (runs_dir, data paths, local models, container) are
@@ -13,29 +18,18 @@ from __future__ import annotations
 import difflib
 import importlib
 import json
-import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional
 
-import yaml
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializeAsAny,
-    ValidationError,
-    WrapValidator,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, SerializeAsAny, ValidationError, WrapValidator, field_validator, model_validator
 
-import schedulers
-from core import estimators, kinds
+from core import kinds, validation_errors, yaml_file
 from core.batching import accumulation_steps, data_parallel
-from core.sequence_parallel import SHARDABLE_ATTENTION
+from core.cluster_spec import ApptainerSpec, ClusterSpec, checked_by_schedulers
 from core.errors import InvalidInput
-from core.kinds import Rollouts, StageKind
+from core.sequence_parallel import SHARDABLE_ATTENTION
+from core.stage_graph import topological_order, upstream_cycle
+from core.strict import Strict
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "configs"  # the shipped pipeline files
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -44,172 +38,13 @@ BUILTIN_MODELS = ("tiny-llama",)
 BUILTIN_DATASETS = ("digits",)
 
 
-class Strict(BaseModel):
-    """Base for every section: unknown keys are errors that suggest the nearest name."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        known = set(cls.model_fields)
-        known |= {f.alias for f in cls.model_fields.values() if f.alias}
-        unknown = [k for k in data if k not in known]
-        if unknown:
-            key = str(unknown[0])
-            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            valid = ", ".join(sorted(k for k in known if not k.endswith("_") and k != "kind"))
-            raise ValueError(f"unknown key '{key}'{hint}; valid keys here: {valid}")
-        return data
-
-
 # --------------------------------------------------------------------------- cluster
-
-
-# Environment variables that hold credentials (HF_TOKEN, WANDB_API_KEY, ...): read from the
-# environment only, never written into a file the pipeline makes.
-SECRET_NAME = re.compile(r"TOKEN|API_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 
 
 # The executor of a pipeline.json record that names none: records were all Slurm jobs before local runs were recorded.
 UNNAMED_RECORD_EXECUTOR = "slurm"
 
 
-def checked_by_schedulers(field: str, value: Any) -> Any:
-    """`value` of the cluster section's `field` (a stage's `time` too), checked by every scheduler
-    that reads it (schedulers/: Slurm's time syntax, the sbatch options it sets itself), whichever
-    executor the file names: `run --executor` may pick another."""
-    for scheduler in schedulers.declared():
-        rule = scheduler.cluster_rules.get(field)
-        if rule is not None:
-            rule(value)
-    return value
-
-
-class ClusterSpec(Strict):
-    """Where and how the stages run."""
-
-    executor: str = Field(
-        "local",
-        description="'local' runs each stage on this machine (as submitit local jobs); "
-        "'slurm' submits each stage as a Slurm job; a scheduler a plug-in declares runs them its way "
-        "(schedulers/).",
-    )
-    partition: Optional[str] = Field(None, description="Slurm partition (sbatch --partition).")
-    account: Optional[str] = Field(None, description="Slurm account (sbatch --account).")
-    qos: Optional[str] = Field(None, description="Slurm quality of service (sbatch --qos).")
-    constraint: Optional[str] = Field(None, description="Slurm node features (sbatch --constraint).")
-    gpu: Optional[str] = Field(
-        None, description="GPU type of the nodes (e.g. a100-80gb, h100-80gb, rtx4090), used to plan memory."
-    )
-    gpus_per_node: int = Field(
-        0,
-        ge=0,
-        le=16,
-        description="GPUs per node; each stage runs one process (task) per GPU, each on its own GPU. The local "
-        "executor takes them from this machine (from CUDA_VISIBLE_DEVICES when it is set); validate and run "
-        "refuse more than torch sees here.",
-    )
-    tasks_per_node: Optional[int] = Field(
-        None,
-        ge=1,
-        le=64,
-        description="Processes per node. Defaults to gpus_per_node, or 1 without GPUs; "
-        "set it to run several CPU processes (e.g. 2, so ZeRO really shards on CPU).",
-    )
-    cpus_per_task: Optional[int] = Field(
-        None, ge=1, description="CPU cores per process (sbatch --cpus-per-task). A stage on the CPU computes with this "
-        "many torch threads per process (1 when unset), whatever the machine's core count: the thread count changes "
-        "its numbers.")
-    mem: Optional[str] = Field(
-        None, pattern=r"^\d+[KMGT]?$", description="Host memory per node, Slurm syntax (e.g. 500G, 0 = all)."
-    )
-    time: str = Field("4:00:00", description="Wall-clock limit per stage job on Slurm, Slurm syntax (e.g. "
-                      "2-00:00:00). Local runs have no time limit.")
-    setup: list[str] = Field(
-        default_factory=list, description="Shell lines run in the job before the stage starts (e.g. module load ...)."
-    )
-    env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for every stage job.")
-    sbatch: dict[str, Union[str, int, bool]] = Field(
-        default_factory=dict,
-        description="Extra sbatch options for every stage job, by long name without dashes "
-        "(e.g. {exclusive: true, reservation: my-res, gres: 'gpu:8'}); true writes a bare flag.",
-    )
-    requeue_signal_s: Optional[int] = Field(
-        None,
-        ge=10,
-        le=3600,
-        description="Seconds before a stage job's time limit at which Slurm sends it USR2: the job saves "
-        "a checkpoint at the end of its current step, requeues itself and resumes from there. Default: "
-        "from the plan's estimated checkpoint save and step times, plus a margin (at least 90).",
-    )
-    max_requeues: int = Field(
-        3,
-        ge=0,
-        le=100,
-        description="How many times a stage job that reaches its time limit is requeued before it counts "
-        "as failed (preemptions do not count, except in jobs shorter than 10 minutes).",
-    )
-    max_retries: int = Field(
-        2, ge=0, le=100, description="How many times a stage job that hangs (see hang_factor), or that Slurm "
-        "requeues after its node failed, is started again before it fails.")
-    hf_home: Optional[str] = Field(
-        None,
-        description="Hugging Face cache folder shared by the submit host and the compute nodes: `prepare` "
-        "downloads hub models and datasets into it, Slurm jobs read it offline. Default: $HF_HOME, "
-        "else ~/.cache/huggingface.",
-    )
-
-    @field_validator("executor")
-    @classmethod
-    def _known_executor(cls, value: str) -> str:
-        """One of the schedulers (schedulers/: the shipped ones, and those plug-ins declare)."""
-        try:
-            schedulers.get(value)
-        except KeyError as err:
-            raise ValueError(err.args[0]) from None
-        return value
-
-    @field_validator("time", "sbatch")
-    @classmethod
-    def _check_for_schedulers(cls, value, info):
-        return checked_by_schedulers(info.field_name, value)
-
-    @field_validator("env")
-    @classmethod
-    def _no_secrets_in_env(cls, value: dict) -> dict:
-        for key in value:
-            if SECRET_NAME.search(key):
-                raise ValueError(
-                    f"'{key}' looks like a secret, and cluster.env is written into every job's batch script: "
-                    f"export {key} in your shell instead (stage jobs inherit the environment they are submitted from)"
-                )
-        return value
-
-    @property
-    def processes_per_node(self) -> int:
-        if self.tasks_per_node is not None:
-            return self.tasks_per_node
-        return self.gpus_per_node or 1
-
-
-class ApptainerSpec(Strict):
-    """How a Slurm stage job runs inside `container`."""
-
-    command: str = Field("apptainer", min_length=1, description="The container runtime: apptainer, or singularity.")
-    binds: list[str] = Field(
-        default_factory=list,
-        description="Extra folders to bind (apptainer --bind syntax, SRC[:DEST[:ro]]). Already bound: the "
-        "folder you run from, the run folder, local data and model folders, the Hugging Face cache and this code.",
-    )
-    options: list[str] = Field(
-        default_factory=list,
-        description="Extra `apptainer exec` options, e.g. [--writable-tmpfs]. Avoid --cleanenv: "
-        "the job needs Slurm's environment variables. --nv is added when GPUs are requested.",
-    )
 
 
 # --------------------------------------------------------------------------- tracking
@@ -588,351 +423,6 @@ class StageBase(TrainingKnobs):
         return [name for _, name in self.upstream_references]
 
 
-class SFTStage(StageBase):
-    """Supervised fine-tuning: next-token loss on the response tokens only."""
-
-    kind: Literal["sft"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
-
-
-kinds.register(StageKind("sft", SFTStage, rows="completion", headline="final_eval_loss",
-                         sequence_parallel=True, tiled_logits=True, tiled_mlp=True))
-
-
-class RMStage(StageBase):
-    """Reward model: a 1-label sequence classifier trained on chosen/rejected pairs."""
-
-    kind: Literal["rm"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
-    margin: float = Field(
-        0.0, ge=0, description="Bradley-Terry margin: the loss is -log sigmoid(r_chosen - r_rejected - margin)."
-    )
-
-
-kinds.register(StageKind("rm", RMStage, rows="preference", headline="eval_accuracy", trained_head="scalar",
-                         sequence_parallel=True, tiled_mlp=True))
-
-
-class DPOStage(StageBase):
-    """Direct preference optimisation against a frozen copy of the starting model."""
-
-    kind: Literal["dpo"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
-    beta: float = Field(0.1, gt=0, le=10, description="Strength of the KL tie to the reference (DPO's beta).")
-    loss_type: Literal["sigmoid", "ipo"] = Field(
-        "sigmoid", description="sigmoid (the DPO paper's loss) or ipo (squared, bounded margins)."
-    )
-    label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5, description="Assumed fraction of flipped preference labels (conservative DPO, sigmoid only)."
-    )
-    reference: Literal["live", "offload", "precompute"] = Field(
-        "live",
-        description="The frozen reference model: live (in GPU memory, sharded like the policy under ZeRO-3), "
-        "offload (kept in host RAM, brought in for its forward passes), or precompute (its log-probs "
-        "computed in a first pass and cached on disk; no reference in memory while training).",
-    )
-    chosen_nll_coef: float = Field(
-        0.0, ge=0, description="Weight of an extra NLL (SFT) loss on the chosen responses; 0 = none."
-    )
-
-    @model_validator(mode="after")
-    def _smoothing_needs_sigmoid(self):
-        if self.label_smoothing and self.loss_type != "sigmoid":
-            raise ValueError("label_smoothing (conservative DPO) applies to loss_type sigmoid only")
-        return self
-
-
-kinds.register(StageKind("dpo", DPOStage, rows="preference", headline="eval_reward_accuracy", frozen_reference=True,
-                         sequence_parallel=True, tiled_logits=True, tiled_mlp=True))
-
-
-# Built-in rules that compare a completion with the row's label column (label_key).
-RULES_NEEDING_LABELS = ("exact_match", "numeric_match")
-RULE_OPTIONS = {
-    "exact_match": set(),
-    "numeric_match": {"tolerance"},
-    "regex": {"pattern"},
-    "length": {"target"},
-    "keyword": {"keywords"},
-    "overlong_penalty": {"max_len", "buffer"},
-}
-
-
-class RewardRule(Strict):
-    """One rule-based reward term: a built-in rule or your own function."""
-
-    rule: Optional[Literal["exact_match", "numeric_match", "regex", "length", "keyword", "overlong_penalty"]] = Field(
-        None,
-        description="Built-in rule: exact_match or numeric_match (against the row's label column), "
-        "regex (options.pattern must match the whole completion), length (options.target characters; "
-        "-abs(len - target) / target), keyword (fraction of options.keywords present), overlong_penalty "
-        "(DAPO's soft length penalty on completion tokens: 0 up to options.max_len - options.buffer, "
-        "falling linearly to -1 at options.max_len, -1 beyond; its weight is DAPO's penalty factor).",
-    )
-    function: Optional[str] = Field(
-        None, description="Your own reward: path/to/file.py:function returning one float per completion. "
-        "A function that takes **kwargs gets keywords: prompts, completions and every column of the rows, one "
-        "list per column (TRL's convention); any other is called as f(prompts, completions, labels)."
-    )
-    weight: float = Field(1.0, description="Weight of this term in the summed reward.")
-    options: dict[str, Any] = Field(default_factory=dict, description="Options of the built-in rule (see rule).")
-
-    @model_validator(mode="after")
-    def _rule_or_function(self):
-        if (self.rule is None) == (self.function is None):
-            raise ValueError("give exactly one of `rule` (built-in) or `function` (path/to/file.py:function)")
-        if self.rule is not None:
-            unknown = set(self.options) - RULE_OPTIONS[self.rule]
-            if unknown:
-                valid = ", ".join(sorted(RULE_OPTIONS[self.rule])) or "none"
-                raise ValueError(f"rule {self.rule} has no option '{sorted(unknown)[0]}' (its options: {valid})")
-            if self.rule == "overlong_penalty":
-                _check_overlong_options(self.options)
-        elif self.options:
-            raise ValueError("options are for built-in rules; a function gets the rows' columns itself")
-        return self
-
-
-def _check_overlong_options(options: dict) -> None:
-    """overlong_penalty needs whole-token max_len and buffer, 1 <= buffer <= max_len."""
-    for key in ("max_len", "buffer"):
-        value = options.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"rule overlong_penalty: options.{key} must be a whole number of tokens >= 1 "
-                             f"(got {value!r}); e.g. options: {{max_len: 256, buffer: 64}}")
-    if options["buffer"] > options["max_len"]:
-        raise ValueError(f"rule overlong_penalty: options.buffer {options['buffer']} is longer than "
-                         f"options.max_len {options['max_len']}")
-
-
-class RewardSpec(Strict):
-    """What an RL stage maximises: a reward model, rule-based terms, or their weighted sum."""
-
-    model: Optional[str] = Field(None, description="Name of an upstream `rm` stage whose model scores completions.")
-    model_weight: float = Field(1.0, description="Weight of the reward model's score in the sum.")
-    rules: list[RewardRule] = Field(default_factory=list, description="Rule-based terms, summed with their weights.")
-    normalize: bool = Field(True, description="Normalise rewards by their running mean and standard deviation.")
-    clip: Optional[float] = Field(5.0, gt=0, description="Clip (normalised) rewards to [-clip, clip]; null = no clip.")
-    timeout_s: float = Field(
-        300.0, gt=0, description="The longest one call of a reward function (rules: function) may take, on all "
-        "the completions a process scores at once: a call still running then is stopped, and the stage stops "
-        "with a message naming the function and the row it was on. Each process runs its reward functions in a "
-        "child process of its own, which is what lets a hung call be stopped.")
-
-    @model_validator(mode="after")
-    def _something_to_maximise(self):
-        if self.model is None and not self.rules:
-            raise ValueError("name a reward `model` (an rm stage), `rules`, or both")
-        return self
-
-
-# The objective a PPO stage runs when the pipeline file does not choose: TRL's GRPOTrainer defaults
-# (loss_type "dapo" = token_mean, scale_rewards "group", token-level ratios, 8 samples per prompt:
-# core/estimators.py) with DAPO's clip-higher bound (Yu et al. 2025, arXiv 2503.14476: eps_low 0.2,
-# eps_high 0.28).
-
-
-class PPOStage(StageBase):
-    """Reinforcement learning from a reward: critic-free GRPO (the default, with DAPO's loss),
-    Dr. GRPO, GSPO, RLOO and REINFORCE++, or PPO with a critic (gae). max_steps counts optimizer
-    steps of the policy."""
-
-    kind: Literal["ppo"] = Field(..., description="Stage kind: sft, rm, dpo or ppo.")
-    reward: RewardSpec = Field(..., description="The reward to maximise.")
-    advantage: Annotated[str, AfterValidator(estimators.check_name)] = Field(
-        "grpo",
-        description=f"Advantage estimator: {estimators.described()}. Statistics span the whole rollout over all "
-        "processes.",
-    )
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group",
-        description="grpo: divide each sample's reward minus its group's mean by the group's std (group, "
-        "GRPO), by the whole rollout's std (batch), or by nothing (none, Dr. GRPO: no bias towards prompts "
-        "that are too easy or too hard).",
-    )
-    n_samples_per_prompt: Optional[int] = Field(
-        None, ge=1, le=64,
-        description=f"Completions sampled per prompt {estimators.samples_described()}.",
-    )
-    rollout_batch_size: int = Field(64, ge=1, description="Prompts per rollout, over all processes.")
-    micro_rollout_batch_size: int = Field(
-        16, ge=1, description="Sequences per process per generation chunk (continuous: in flight at once) and "
-        "per scoring pass."
-    )
-    max_new_tokens: int = Field(256, ge=1, description="Longest completion sampled.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of rollouts (1 = off).")
-    generation: Literal["auto", "continuous", "padded", "vllm"] = Field(
-        "auto",
-        description="How rollouts are sampled: vllm (a vLLM engine in each process, weights synced from the actor "
-        "after every update: see vllm; the current stack only), continuous (transformers' continuous batching, "
-        "5.x only: a paged KV cache, each completion leaves the batch at its eos), padded (generate on padded chunks of "
-        "micro_rollout_batch_size; every stack; on a GPU with transformers 5.x a static KV cache and a compiled "
-        "step), or auto (what the benchmark records decided per device: padded on CPUs and GPUs so far; "
-        "stages/generation.py AUTO_ENGINE; on a GPU where vLLM is installed, vllm). Greedy output is the same; "
-        "sampled output differs, so it is part of the spec hash.",
-    )
-    vllm: VllmSpec = Field(default_factory=VllmSpec, description="The vLLM engine's settings (generation: vllm).")
-    sampler_ratio_cap: Optional[float] = Field(
-        2.0, ge=1,
-        description="With vLLM sampling: truncated importance sampling. Each token's policy loss is weighted by the "
-        "trainer's probability of it over the sampler's (vLLM's kernels and precision differ from the trainer's), "
-        "capped at this (as TRL, verl and OpenRLHF do); per sequence with importance_sampling: sequence. null: no "
-        "correction. The difference is logged either way (sampler_logprob_diff_mean, _max).",
-    )
-    ppo_epochs: int = Field(1, ge=1, le=16, description="Passes over each rollout's sequences.")
-    clip_eps: Optional[float] = Field(
-        None, gt=0, lt=1,
-        description="Symmetric shorthand: clip the probability ratio to [1 - clip_eps, 1 + clip_eps]. "
-        "Give it or clip_eps_low / clip_eps_high, not both.",
-    )
-    clip_eps_low: float = Field(
-        0.2, gt=0, lt=1, description="Lower clip range of the probability ratio: it is kept >= 1 - clip_eps_low."
-    )
-    clip_eps_high: float = Field(
-        0.28, gt=0,
-        description="Upper clip range: the ratio is kept <= 1 + clip_eps_high. Above clip_eps_low, rare tokens "
-        "with a positive advantage can grow more (DAPO's clip-higher, 0.28).",
-    )
-    loss_aggregation: Literal["token_mean", "sequence_mean", "sequence_sum_normalized"] = Field(
-        "token_mean",
-        description="How per-token losses become the step's loss: token_mean (every token of the step weighs "
-        "the same; DAPO, TRL's default), sequence_mean (each sequence's token mean, averaged; the GRPO paper, "
-        "GSPO), sequence_sum_normalized (token sums over sequences x max_new_tokens, a fixed normaliser; Dr. "
-        "GRPO). Normalisers count the whole optimizer step over all processes.",
-    )
-    importance_sampling: Literal["token", "sequence"] = Field(
-        "token",
-        description="Probability ratio per token (PPO, GRPO, DAPO), or per sequence (GSPO: the geometric mean "
-        "of its token ratios, clipped as one; GSPO's paper pairs it with sequence_mean and clip ranges of "
-        "about 3e-4 / 4e-4).",
-    )
-    dynamic_sampling: bool = Field(
-        False,
-        description="DAPO's dynamic sampling: drop prompts whose samples all got the same reward (they teach "
-        "nothing) and sample more prompts until the rollout is full or dynamic_sampling_max_rounds is reached "
-        "(then the remaining places hold dropped prompts, left out of the loss). Metrics: groups_kept, "
-        "groups_dropped, groups_filled, sampling_rounds.",
-    )
-    dynamic_sampling_max_rounds: int = Field(
-        4, ge=1, le=100, description="With dynamic_sampling: most rounds of sampling per rollout, the first included."
-    )
-    value_clip_eps: float = Field(0.2, gt=0, description="Clip range of the critic's value updates.")
-    critic_learning_rate: Optional[float] = Field(
-        None, gt=0, description="Peak learning rate of the critic (gae only); default learning_rate."
-    )
-    kl_coef: float = Field(
-        0.05, ge=0,
-        description="Weight of the KL penalty to the reference model. 0 (as in DAPO): no KL term, and no "
-        "reference model is loaded or run.",
-    )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k1", description="KL estimator per token: k1 = log ratio, k2 = half squared, k3 = (r - 1) - log r."
-    )
-    kl_in_reward: bool = Field(
-        True, description="Subtract the KL from the per-token reward (true), or add it to the policy loss (false)."
-    )
-    kl_target: Optional[float] = Field(
-        None, gt=0,
-        description="Adapt kl_coef so the KL per sequence approaches this (null = fixed kl_coef). The controller "
-        "scales kl_coef, so it needs kl_coef > 0 to start from.",
-    )
-    gamma: float = Field(1.0, gt=0, le=1, description="Discount per token.")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda.")
-    reference: Literal["live", "offload"] = Field(
-        "live", description="The frozen reference: live on the device, or offload (host RAM between uses)."
-    )
-    reward_offload: bool = Field(False, description="Keep the reward model in host RAM between uses.")
-    allow_weak_reward_model: bool = Field(
-        False,
-        description="Train against reward.model even when it ranked its own held-out pairs no better than chance "
-        "(eval_accuracy at most 0.55, or not significantly above 0.5 for its eval count: core/reward_quality.py). "
-        "Without it such a stage is refused before it loads anything; with it, the stage warns before its first "
-        "rollout.",
-    )
-    eval_prompts: int = Field(200, ge=1, description="Held-out prompts scored (greedy) before and after training.")
-    label_key: str = Field("label", description="Data column with the reference answer passed to rule rewards.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _resolve_shorthands(cls, data: Any) -> Any:
-        """clip_eps sets both clip bounds; n_samples_per_prompt's default follows the estimator."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        if data.get("clip_eps") is not None:
-            both = [k for k in ("clip_eps_low", "clip_eps_high") if k in data]
-            if both:
-                raise ValueError(f"clip_eps is the symmetric shorthand for clip_eps_low and clip_eps_high; "
-                                 f"give it or {' / '.join(both)}, not both")
-            # Resolved into the two bounds (and not kept), so equal objectives have equal spec hashes.
-            data["clip_eps_low"] = data["clip_eps_high"] = data.pop("clip_eps")
-        if data.get("n_samples_per_prompt") is None:
-            advantage = data.get("advantage", cls.model_fields["advantage"].default)
-            if advantage in estimators.names():  # an unknown one is named by the field's own check
-                data["n_samples_per_prompt"] = estimators.get(advantage).samples_per_prompt
-        return data
-
-    @model_validator(mode="after")
-    def _groups_need_samples(self):
-        estimator = estimators.get(self.advantage)
-        if estimator.group_relative and self.n_samples_per_prompt < 2:
-            raise ValueError(f"advantage {self.advantage} compares samples of one prompt: "
-                             "set n_samples_per_prompt to 2 or more")
-        if self.dynamic_sampling and self.n_samples_per_prompt < 2:
-            raise ValueError("dynamic_sampling drops prompts whose samples all got the same reward: "
-                             "set n_samples_per_prompt to 2 or more")
-        if self.scale_rewards != "group" and not estimator.scales_rewards:
-            scaling = " or ".join(e for e in estimators.names() if estimators.get(e).scales_rewards)
-            raise ValueError(f"scale_rewards applies to advantage {scaling}, not {self.advantage}")
-        return self
-
-    @model_validator(mode="after")
-    def _vllm_settings_need_vllm(self):
-        if "vllm" in self.model_fields_set and self.generation not in ("vllm", "auto"):
-            raise ValueError(f"vllm: settings for generation: vllm, and this stage samples with generation: "
-                             f"{self.generation}; remove them, or set generation: vllm")
-        if self.generation == "vllm" and self.sequence_parallel > 1:
-            raise ValueError("generation: vllm samples whole sequences in each process's engine; with "
-                             "sequence_parallel > 1 use generation: padded")
-        return self
-
-    @model_validator(mode="after")
-    def _weak_reward_model_needs_a_reward_model(self):
-        if self.allow_weak_reward_model and self.reward.model is None:
-            raise ValueError("allow_weak_reward_model applies to a reward model (reward.model), and this stage "
-                             "names none: remove it")
-        return self
-
-    @model_validator(mode="after")
-    def _kl_target_needs_a_coefficient(self):
-        if self.kl_target is not None and self.kl_coef == 0:
-            raise ValueError("kl_target adapts kl_coef by scaling it, so from kl_coef 0 it stays 0: set kl_coef "
-                             "> 0 to start from, or remove kl_target for no KL term")
-        return self
-
-    @property
-    def needs_reference(self) -> bool:
-        """Does the stage hold the frozen reference model? Only the KL term reads it: with kl_coef 0
-        there is none (kl_target, which could change the coefficient, needs kl_coef > 0). The one
-        rule for stages/ppo.py (what it loads and runs) and pipeline/plan (what it counts)."""
-        return self.kl_coef > 0
-
-    def plan_notes(self) -> list[str]:
-        if not self.dynamic_sampling:
-            return []
-        # How many groups come out uniform depends on the rewards, unknown before the run.
-        return [f"dynamic_sampling: the time is for one sampling round per rollout; each round that "
-                f"refills dropped groups adds its generation and scoring again (at most "
-                f"{self.dynamic_sampling_max_rounds} rounds; metrics.jsonl's sampling_rounds shows them)"]
-
-
-kinds.register(StageKind("ppo", PPOStage, rows="prompt", headline="final_reward", frozen_reference=True,
-                         sequence_parallel=True, rollouts=Rollouts(
-                             prompts="rollout_batch_size", samples_per_prompt="n_samples_per_prompt",
-                             new_tokens="max_new_tokens", chunk="micro_rollout_batch_size", passes="ppo_epochs",
-                             estimator="advantage", reward="reward", label_key="label_key",
-                             reward_offload="reward_offload", allow_weak_reward_model="allow_weak_reward_model",
-                             engine="generation", vllm="vllm")))
-
-
 def _stage_of_its_kind(value: Any, handler, info) -> Any:
     """A stage is validated by its kind's schema (core/kinds.py): errors point into that schema's
     fields, and a kind nobody declared is named with the ones there are."""
@@ -1041,43 +531,6 @@ class PipelineSpec(Strict):
         return Path(self.runs_dir) / self.name
 
 
-def upstream_cycle(stages) -> list[str]:
-    """The names around one cycle of upstream references, its first name again at the end
-    (e.g. [a, b, a]: a starts from b, b from a); [] when there is none."""
-    by_name = {s.name: s for s in stages}
-    finished: set[str] = set()
-    for start in stages:
-        path: list[str] = []
-        name: Optional[str] = start.name
-        while name is not None and name not in finished:
-            if name in path:
-                return path[path.index(name):] + [name]
-            path.append(name)
-            name = next((u for u in by_name[name].upstream if u in by_name and u not in finished), None)
-        finished.update(path)
-    return []
-
-
-def topological_order(stages) -> Optional[list]:
-    """Stages ordered so each comes after its upstream; None when there is a cycle.
-
-    Ties keep the file's order, so a file already in order runs as written.
-    """
-    by_name = {s.name: s for s in stages}
-    done: list = []
-    placed: set[str] = set()
-    remaining = list(stages)
-    while remaining:
-        ready = [s for s in remaining if all(u in placed or u not in by_name for u in s.upstream)]
-        if not ready:
-            return None
-        first = ready[0]
-        done.append(first)
-        placed.add(first.name)
-        remaining.remove(first)
-    return done
-
-
 # --------------------------------------------------------------------------- loading
 
 
@@ -1094,57 +547,17 @@ def resolve_config_path(config: str) -> Path:
     raise InvalidInput(f"{config}: no such pipeline file (shipped pipelines: {shipped})")
 
 
-class DuplicateKey(yaml.MarkedYAMLError):
-    """A mapping names the same key twice: YAML keeps the last silently, so a setting
-    written twice would lose one of its values without a word."""
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load that refuses a key given twice in one mapping."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges on purpose
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                earlier = seen.setdefault(key, key_node.start_mark)
-            except TypeError:  # an unhashable key: the base class says so
-                break
-            if earlier is not key_node.start_mark:
-                raise DuplicateKey(
-                    problem=f"key '{key}' is given twice in one mapping, at {_place(earlier)} and "
-                    f"{_place(key_node.start_mark)}; YAML would keep only the last. Keep the one you mean",
-                    problem_mark=key_node.start_mark,
-                )
-        return super().construct_mapping(node, deep=deep)
-
-
-def _place(mark) -> str:
-    return f"line {mark.line + 1}, column {mark.column + 1}"
-
-
 def load_pipeline(config: str) -> PipelineSpec:
     """Read and validate a pipeline file; raises InvalidInput with a message for people."""
     path = resolve_config_path(config)
-    try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except DuplicateKey as err:
-        raise InvalidInput(f"{path}: {err.problem}") from None
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark
-        where = _place(mark) if mark else "somewhere"
-        raise InvalidInput(f"{path}: malformed YAML at {where}: {err.problem}") from None
-    except yaml.YAMLError as err:
-        raise InvalidInput(f"{path}: malformed YAML: {err}") from None
+    raw = yaml_file.read(path)
     if not isinstance(raw, dict):
         raise InvalidInput(f"{path}: expected a mapping with name, cluster, defaults and stages at the top")
     import_plugins(path, raw.get("plugins"))
     try:
         return PipelineSpec.model_validate(raw)
     except ValidationError as err:
-        raise InvalidInput(format_validation_error(path, raw, err)) from None
+        raise InvalidInput(validation_errors.described(path, raw, err, PipelineSpec, StageBase)) from None
 
 
 def import_plugins(path: Path, plugins: Any) -> None:
@@ -1160,68 +573,4 @@ def import_plugins(path: Path, plugins: Any) -> None:
             raise InvalidInput(f"{path}: plugins[{i}]: cannot import '{name}' ({type(err).__name__}: {err}). "
                                "Put its folder on PYTHONPATH, here and where the stages run") from None
 
-
-def format_validation_error(path: Path, raw: dict, err: ValidationError) -> str:
-    lines = [f"{path}: {err.error_count()} problem{'s' if err.error_count() > 1 else ''}"]
-    for item in err.errors():
-        loc, doc = _describe_location(raw, item["loc"])
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "missing":
-            message = "required but missing"
-        elif "input" in item and item["type"] not in ("value_error", "assertion_error"):
-            message += f" (got {item['input']!r})"
-        lines.append(f"  {loc or '<top>'}: {message}")
-        if doc:
-            lines.append(f"      {loc.rsplit('.', 1)[-1]}: {doc}")
-    return "\n".join(lines)
-
-
-def _describe_location(raw: dict, loc: tuple) -> tuple[str, Optional[str]]:
-    """Turn pydantic's loc into `stages[1] (dpo).beta` and find the field's documentation."""
-    parts: list[str] = []
-    model: Any = PipelineSpec
-    node: Any = raw
-    doc = None
-    for key in loc:
-        if isinstance(key, int):
-            parts[-1] = f"{parts[-1]}[{key}]" if parts else f"[{key}]"
-            node = node[key] if isinstance(node, list) and key < len(node) else None
-            if isinstance(node, dict) and "name" in node:
-                parts[-1] += f" ({node['name']})"
-            continue
-        if model is PipelineSpec and parts and parts[-1].startswith("stages["):
-            kind = node.get("kind") if isinstance(node, dict) else None
-            model = kinds.get(kind).schema if kind in kinds.names() else StageBase  # the stage's own schema
-        field = _field(model, key)
-        if field is None:
-            break
-        parts.append("from" if key == "from_" else key)
-        doc = field.description
-        node = node.get(field.alias or key) if isinstance(node, dict) else None
-        model = _model_of(field.annotation)
-        if key == "stages":
-            model = PipelineSpec  # stays here until the kind tag selects the stage class
-    return ".".join(parts), doc
-
-
-def _field(model: Any, key: str):
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        return None
-    if key in model.model_fields:
-        return model.model_fields[key]
-    for field in model.model_fields.values():
-        if field.alias == key:
-            return field
-    return None
-
-
-def _model_of(annotation: Any) -> Any:
-    """The BaseModel inside Optional[...] / list[...] annotations, if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()) or ():
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None
 

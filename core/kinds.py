@@ -4,10 +4,12 @@ A kind declares its schema (the pipeline file's section, a core.config.StageBase
 `kind` is the literal name), the rows it reads (which says how rows are checked, counted and
 tokenised, and how many sequences a row makes), the model roles the planner counts (the head it
 trains, whether it keeps a frozen reference, whether it samples its own sequences), its headline
-result, and its `run` (the stage job's body, on the node). The torch-free part is declared here
-and in core/config.py for the shipped kinds (sft, rm, dpo, ppo); each stages/<kind>.py binds its
-run with `@implements("<kind>")`. A kind from elsewhere (a plug-in, a test's toy kind) declares
-everything in one file: `register(StageKind(..., run=run))`.
+result, and its `run` (the stage job's body, on the node). A shipped kind (sft, rm, dpo, ppo) is
+declared beside its schema in core/schemas/<kind>.py, torch-free, with no run: its run is `run` in
+stages/<kind>.py, which the node's runner finds from the kind's name (core never imports stages); a
+kind from elsewhere (a plug-in, a test's toy kind) declares everything in one file:
+`register(StageKind(..., run=run))`. A name is declared once: a second declaration from another
+source is refused.
 
 An RL kind (its unit of work is a rollout it samples) declares its `Rollouts`: which of its
 schema's fields say how many prompts a rollout takes, how many completions each, how long, how it is
@@ -44,7 +46,7 @@ class Rollouts:
     chunk: str  # sequences per process per generation chunk and per scoring pass
     passes: str  # passes of the update over each rollout's sequences
     estimator: str  # the advantage estimator's name (core/estimators.py: whether a critic trains)
-    reward: str  # the reward (core.config.RewardSpec): a reward model stage, rules
+    reward: str  # the reward (core.schemas.reward.RewardSpec): a reward model stage, rules
     label_key: str  # the data column that rules needing a label compare completions with
     reward_offload: Optional[str] = None  # the reward model waits in host RAM between uses (None: never)
     allow_weak_reward_model: Optional[str] = None  # train against a reward model at chance (None: refused)
@@ -87,7 +89,7 @@ class RolloutSettings:
     chunk: int
     passes: int
     estimator: str
-    reward: Any  # core.config.RewardSpec
+    reward: Any  # core.schemas.reward.RewardSpec
     label_key: str
     reward_offload: bool = False
     allow_weak_reward_model: bool = False
@@ -122,7 +124,8 @@ class StageKind:
     sequence_parallel: bool = False  # its passes can share a sequence over processes (stages/sequence_parallel.py)
     tiled_logits: bool = False  # its language-model passes can run the LM head a tile of positions at a time
     tiled_mlp: bool = False  # its passes can run each decoder layer's MLP over positions in tiles (mlp_tiles)
-    run: Optional[Callable] = field(default=None, repr=False)  # run(task, ctx) -> result dict
+    # run(task, ctx) -> result dict; None for a shipped kind (its run is `run` in stages/<name>.py)
+    run: Optional[Callable] = field(default=None, repr=False)
 
     @property
     def sequences_per_row(self) -> int:
@@ -148,29 +151,23 @@ _KINDS: dict[str, StageKind] = {}
 
 
 def register(kind: StageKind) -> StageKind:
-    """Add a kind; a second declaration of the same name replaces the first only when it is the
-    same schema (a module imported twice), else it is refused."""
+    """Add a kind. A name is declared once: a second declaration is accepted only from the same
+    schema (its module imported again), else it is refused, naming both sources."""
     known = _KINDS.get(kind.name)
-    if known is not None and known.schema.__qualname__ != kind.schema.__qualname__:
-        raise ValueError(f"stage kind '{kind.name}' is declared twice ({known.schema.__module__} and "
-                         f"{kind.schema.__module__})")
-    if known is not None and kind.run is None:
-        kind.run = known.run
+    if known is not None and _source(known) != _source(kind):
+        raise ValueError(f"stage kind '{kind.name}' is already declared by {_source(known)}; {_source(kind)} "
+                         f"cannot declare it too (give its kind another name)")
     _KINDS[kind.name] = kind
     return kind
+
+
+def _source(kind: StageKind) -> str:
+    return f"{kind.schema.__module__}.{kind.schema.__qualname__}"
 
 
 def unregister(name: str) -> None:
     """Forget a kind (a plug-in's, e.g. a test's toy kind, when it is done)."""
     _KINDS.pop(name, None)
-
-
-def implements(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: the stage job's body for the kind declared as `name`."""
-    def bind(run: Callable) -> Callable:
-        get(name).run = run
-        return run
-    return bind
 
 
 def get(name: str) -> StageKind:
@@ -200,4 +197,4 @@ def rollouts_of(stage) -> Optional[RolloutSettings]:
 
 
 def _load_shipped() -> None:
-    import core.config  # noqa: F401  declares the shipped kinds beside their schemas
+    import core.schemas  # noqa: F401  declares the shipped kinds beside their schemas, as a plug-in's module would

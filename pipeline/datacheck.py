@@ -18,7 +18,8 @@ from typing import Optional
 
 from core import kinds
 from core.batching import accumulation_steps, rows_per_step
-from core.config import RULES_NEEDING_LABELS, PipelineSpec
+from core.config import PipelineSpec
+from core.schemas.reward import RULES_NEEDING_LABELS
 from core.errors import InvalidInput
 from core.rows import (SUPPORTED_DATA, dataset_folder, eval_copies, hold_out, is_row_file, read_rows,
                        required_columns, select_rows)

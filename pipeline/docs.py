@@ -16,6 +16,8 @@ from pathlib import Path
 
 from core import config as c
 from core import kinds
+from core.cluster_spec import ApptainerSpec, ClusterSpec
+from core.schemas.reward import RewardRule, RewardSpec
 
 START, END = "<!-- reference:start -->", "<!-- reference:end -->"
 PIPELINES_START, PIPELINES_END = "<!-- pipelines:start -->", "<!-- pipelines:end -->"
@@ -48,10 +50,10 @@ def reference_markdown() -> str:
     common = set(c.StageBase.model_fields) | {"kind"}
     sections = [
         _table("Top level", c.PipelineSpec),
-        _table("`cluster:`", c.ClusterSpec, "cluster."),
+        _table("`cluster:`", ClusterSpec, "cluster."),
     ]
     if hasattr(c, "ApptainerSpec"):
-        sections.append(_table("`apptainer:`", c.ApptainerSpec, "apptainer."))
+        sections.append(_table("`apptainer:`", ApptainerSpec, "apptainer."))
     sections.append(_table("`tracking.wandb:`", c.WandbSpec, "tracking.wandb."))
     sections += [
         _table("Every stage", c.StageBase, skip=knobs),
@@ -64,8 +66,8 @@ def reference_markdown() -> str:
         if extra:
             sections.append(_table(f"`kind: {kind.name}`", kind.schema, skip=common))
     sections += [
-        _table("`reward:` (kind: ppo)", c.RewardSpec, "reward."),
-        _table("`reward.rules:` (each term)", c.RewardRule),
+        _table("`reward:` (kind: ppo)", RewardSpec, "reward."),
+        _table("`reward.rules:` (each term)", RewardRule),
     ]
     return "\n\n".join(sections)
 

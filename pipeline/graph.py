@@ -21,8 +21,9 @@ from typing import Literal, Optional
 from pydantic import BaseModel
 
 from core import kinds
-from core.config import PipelineSpec, topological_order
+from core.config import PipelineSpec
 from core.runfolder import StageFolder, remove
+from core.stage_graph import topological_order
 from core.task import StageTask, is_finished
 from pipeline.identity import Digests, changed_inputs, input_digests
 
@@ -33,7 +34,7 @@ OPERATIONAL_FIELDS = {"time", "log_interval", "save_interval", "keep_checkpoints
                       "sequence_parallel", "logits_tile", "mlp_tiles",
                       "max_truncated_share", "hang_factor", "hang_min_s", "hang_first_s",
                       "collective_timeout_s"}
-OPERATIONAL_REWARD_FIELDS = {"timeout_s"}  # of an RL stage's reward block (core.config.RewardSpec)
+OPERATIONAL_REWARD_FIELDS = {"timeout_s"}  # of an RL stage's reward block (core.schemas.reward.RewardSpec)
 
 
 class PlannedStage(BaseModel):

@@ -287,7 +287,7 @@ def _offloaded_step_seconds(offload, steps: int, on_gpu: bool) -> float:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from core.config import SFTStage
+    from core.schemas.sft import SFTStage
     from stages import compat, engine
 
     single = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",

@@ -925,7 +925,7 @@ def optimizer_op(ds_config: dict) -> str | None:
 def _report_deepspeed_ops() -> None:
     from deepspeed.accelerator import get_accelerator
 
-    from core.config import SFTStage
+    from core.schemas.sft import SFTStage
     from stages import deepspeed_ops, engine
 
     built, built_for = prebuilt_ops()

@@ -14,66 +14,58 @@ is higher), eval_loss, eval_margin, and their values before training.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from core import kinds
+from core.batching import MicroBatch, Step
 from core.failure import saving
 from core.flops import sequence_flops
 from core.runfolder import temporary
-from stages import collectives, data, engine, models, watchdog
+from core.task import StageTask
+from stages import collectives, data, models, watchdog
 from stages.losses import dpo_loss
+from stages.recipe import Recipe
+
+if TYPE_CHECKING:
+    from stages.runner import StageContext
 
 log = logging.getLogger("stages")
 
 
-@kinds.implements("dpo")
-def run(task, ctx) -> dict:
-    stage = task.stage
+class DPO(Recipe):
+    def load_models(self):
+        """The reference first (precomputed: its log-probs of every row, then freed), then the policy."""
+        stage, ctx = self.stage, self.ctx
+        frozen_config = ctx.frozen_model_config(stage, self.model_path, offload=stage.reference == "offload")
+        if stage.reference == "precompute":
+            splits = {"train": self.train_set, "eval": self.eval_set}
+            self.cached = _precomputed_reference(ctx, self.task, splits, self.pair_logps, self.model_path,
+                                                 frozen_config)
+        else:
+            self.reference = models.load_frozen(
+                AutoModelForCausalLM, self.model_path, stage, frozen_config, ctx.device, stage.reference == "offload",
+                drops_head=models.SCORE_HEAD,
+            )
+        return super().load_models()
 
-    # ---- data
-    model_path = models.resolve(task.init_model, ctx.builtin_root)
-    tokenizer = models.load_tokenizer(model_path)
-    tokenized = data.tokenized_splits(stage, tokenizer, ctx.builtin_root)
-    tokens = {"train": tokenized.train.tokens, "eval": tokenized.eval.tokens}
+    def pair_logps(self, forward, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed response log-probs of each pair's chosen and rejected sequences."""
+        per_sequence = batch.per_sequence(models.next_token_logprobs(forward, batch, self.stage.logits_tile))
+        return per_sequence[0::2], per_sequence[1::2]
 
-    def pair_logps(forward, batch):
-        """Summed response log-probs of each pair's chosen and rejected sequences, and the batch."""
-        per_sequence = batch.per_sequence(models.next_token_logprobs(forward, batch, stage.logits_tile))
-        return per_sequence[0::2], per_sequence[1::2], batch
+    def reference_logps(self, batch, micro: MicroBatch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.stage.reference == "precompute":
+            return tuple(self.cached[split][list(micro.rows)].to(self.ctx.device).unbind(1))
+        return self.pair_logps(self.reference, batch)
 
-    attention = models.attention_implementation(stage.attention, ctx.on_gpu, model_path)
-    splits = {name: data.TokenRows(rows, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=2)
-              for name, rows in tokens.items()}
-
-    # ---- the reference
-    ds_config = ctx.deepspeed_config(stage, model_path)
-    frozen_config = ctx.frozen_model_config(stage, model_path, offload=stage.reference == "offload")
-    if stage.reference == "precompute":
-        cached = _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_config)
-
-        def reference_logps(batch, micro, split):
-            return tuple(cached[split][list(micro.rows)].to(ctx.device).unbind(1))
-    else:
-        reference = models.load_frozen(
-            AutoModelForCausalLM, model_path, stage, frozen_config, ctx.device, stage.reference == "offload",
-            drops_head=models.SCORE_HEAD,
-        )
-
-        def reference_logps(batch, micro, split):
-            chosen, rejected, _ = pair_logps(reference, batch)
-            return chosen, rejected
-
-    # ---- the policy
-    model = models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu)
-    steps_per_epoch, total_steps = engine.step_counts(len(tokens["train"]), splits["train"].rows_per_step, stage)
-    ds = engine.initialize(model, stage, ds_config, total_steps)
-
-    def preference_terms(batch, micro, split):
-        policy_chosen, policy_rejected, _ = pair_logps(ds, batch)
-        ref_chosen, ref_rejected = reference_logps(batch, micro, split)
+    def preference_terms(self, batch, micro: MicroBatch, split: str):
+        """(per-pair losses, chosen implicit rewards, rejected implicit rewards)."""
+        stage = self.stage
+        policy_chosen, policy_rejected = self.pair_logps(self.ds, batch)
+        ref_chosen, ref_rejected = self.reference_logps(batch, micro, split)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             policy_chosen, policy_rejected, ref_chosen, ref_rejected,
             beta=stage.beta, label_smoothing=stage.label_smoothing, loss_type=stage.loss_type,
@@ -83,29 +75,18 @@ def run(task, ctx) -> dict:
             losses = losses - stage.chosen_nll_coef * policy_chosen / counts.clamp(min=1)
         return losses, chosen_rewards, rejected_rewards
 
-    # ---- loss and evaluation
-    def loss(batch, micro, step):
-        losses, chosen, rejected = preference_terms(batch, micro, "train")
-        weight = micro.weight / len(step.rows)
-        return losses.sum() * weight, {
-            "loss": losses.detach().sum() * weight,
-            "reward_accuracy": (chosen > rejected).float().sum() * weight,
-            "reward_margin": (chosen - rejected).sum() * weight,
-            "chosen_reward": chosen.sum() * weight,
-            "rejected_reward": rejected.sum() * weight,
-        }
+    def loss(self, batch, micro: MicroBatch, step: Step) -> tuple[torch.Tensor, dict]:
+        losses, chosen, rejected = self.preference_terms(batch, micro, "train")
+        return self.per_pair(step, micro, losses, reward_accuracy=(chosen > rejected).float(),
+                             reward_margin=chosen - rejected, chosen_reward=chosen, rejected_reward=rejected)
 
-    @torch.no_grad()
-    def evaluate():
-        ds.eval()
-        sums = torch.zeros(6, dtype=torch.float64, device=ctx.device)  # loss, correct, margin, chosen, rejected, pairs
-        for micro in splits["eval"].eval_micro_batches():
-            losses, chosen, rejected = preference_terms(splits["eval"].batch(micro), micro, "eval")
-            sums += micro.weight * torch.stack([
-                losses.sum(), (chosen > rejected).float().sum(), (chosen - rejected).sum(),
-                chosen.sum(), rejected.sum(), torch.tensor(float(len(chosen)), device=ctx.device),
-            ]).double()
-        loss_sum, correct, margin, chosen_sum, rejected_sum, count = collectives.sum_once_per_group(sums).tolist()
+    def evaluate(self) -> dict:
+        def terms(batch, micro):
+            losses, chosen, rejected = self.preference_terms(batch, micro, "eval")
+            return [losses.sum(), (chosen > rejected).float().sum(), (chosen - rejected).sum(),
+                    chosen.sum(), rejected.sum(), torch.tensor(float(len(chosen)), device=self.ctx.device)]
+
+        loss_sum, correct, margin, chosen_sum, rejected_sum, count = self.eval_sums(terms, 6)
         return {
             "loss": loss_sum / count,
             "reward_accuracy": correct / count,
@@ -114,42 +95,32 @@ def run(task, ctx) -> dict:
             "rejected_reward": rejected_sum / count,
         }
 
-    # ---- train, export
-    shape, lora = models.shape_of(model_path), models.lora_params(model)
-    live_reference = stage.reference != "precompute"
+    def flops(self, batch) -> float:
+        """The policy's forward and backward, and a live reference's forward."""
+        live_reference = self.stage.reference != "precompute"
+        return super().flops(batch) + (sum(sequence_flops(self.shape, "lm", n, trained=False) for n in batch.lengths)
+                                       if live_reference else 0.0)
 
-    def flops(batch):
-        return sum(sequence_flops(shape, "lm", n, trained=True, lora_params=lora)
-                   + (sequence_flops(shape, "lm", n, trained=False) if live_reference else 0.0)
-                   for n in batch.lengths)
+    def result(self, outcome: dict) -> dict:
+        initial, final = outcome["initial"], outcome["final"]
+        return {
+            "initial_eval_loss": initial["loss"],
+            "eval_loss": final["loss"],
+            "initial_eval_reward_accuracy": initial["reward_accuracy"],
+            "eval_reward_accuracy": final["reward_accuracy"],
+            "eval_margin": final["reward_margin"],
+            "steps": outcome["steps"],
+            "train_pairs": len(self.train_set),
+            "eval_pairs": len(self.eval_set),
+        }
 
-    loop = engine.Loop(
-        batch=splits["train"].batch,
-        loss=loss,
-        evaluate=evaluate,
-        steps=splits["train"].steps,
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total_steps,
-        flops=flops,
-    )
-    outcome = engine.train(ds, loop, stage, ctx)
-    engine.export(ds, tokenizer, stage, ctx.folder.model, ctx.is_main)
-    initial, final = outcome["initial"], outcome["final"]
-    return {
-        "initial_eval_loss": initial["loss"],
-        "eval_loss": final["loss"],
-        "initial_eval_reward_accuracy": initial["reward_accuracy"],
-        "eval_reward_accuracy": final["reward_accuracy"],
-        "eval_margin": final["reward_margin"],
-        "steps": outcome["steps"],
-        "train_pairs": len(splits["train"]),
-        "eval_pairs": len(splits["eval"]),
-        "truncation": tokenized.record(),
-    }
+
+run = DPO.run
 
 
 @watchdog.phase(watchdog.REFERENCE_PRECOMPUTE)
-def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_config) -> dict:
+def _precomputed_reference(ctx: StageContext, task: StageTask, splits: dict[str, data.TokenRows],
+                           pair_logps: Callable, model_path: str, frozen_config: dict) -> dict:
     """Reference log-probs (chosen, rejected) of every row, per split, computed once.
 
     Every rank computes a share of the rows (equal pass counts, as ZeRO-3 needs),
@@ -171,7 +142,7 @@ def _precomputed_reference(ctx, task, splits, pair_logps, model_path, frozen_con
         for split, rows in splits.items():
             table = torch.zeros(len(rows), 2, dtype=torch.float64, device=ctx.device)
             for micro in rows.eval_micro_batches():
-                chosen, rejected, _ = pair_logps(reference, rows.batch(micro))
+                chosen, rejected = pair_logps(reference, rows.batch(micro))
                 if micro.weight:
                     index = torch.tensor(micro.rows, device=ctx.device)
                     table[index] = torch.stack([chosen, rejected], dim=1).double()

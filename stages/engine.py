@@ -46,6 +46,11 @@ def gradient_accumulation(stage, world_size: int) -> int:
     return accumulation_steps(stage.global_batch_size, stage.micro_batch_size, stage.data_parallel(world_size))
 
 
+def sequences_per_step(stage, world_size: int) -> int:
+    """Sequences one process trains on in one optimizer step (its micro batches of one step)."""
+    return stage.micro_batch_size * gradient_accumulation(stage, world_size)
+
+
 def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool, trained: Optional[int] = None) -> dict:
     """The DeepSpeed config for a stage spec; every number traceable to a spec field. `trained`: the
     parameters the stage trains, when known (its gradient buckets are no larger: LoRA).
@@ -440,22 +445,16 @@ class OptimizerSteps:
         engine.train()  # evaluation leaves the model in eval mode, loading too
         last = len(planned.micro_batches) - 1
         for j, micro in enumerate(planned.micro_batches):
-            # Packed steps vary in micro batch count: the last one is the boundary, and
-            # the shares are already means over the step (no division by accumulation).
-            engine.set_gradient_accumulation_boundary(j == last)
+            # Packed steps vary in micro batch count: the last one is the boundary.
             batch = self.loop.batch(micro)
-            with batch.apart():
-                loss, shares = self.loop.loss(batch, micro, planned)
-                # DeepSpeed averages gradients over processes; the shares add up over them.
-                engine.backward(loss * world, scale_wrt_gas=False)
-            engine.step()
+            _, shares = train_on(engine, batch, lambda: self.loop.loss(batch, micro, planned), j == last, world)
             window.add(batch, shares, self.loop.flops(batch) if micro.weight else 0.0)
 
     def record(self) -> dict:
         record = {"lr": self.engine.get_lr()[0]}
-        norm = self.engine.get_global_grad_norm()
+        norm = grad_norm(self.engine)
         if norm is not None:
-            record["grad_norm"] = float(norm)
+            record["grad_norm"] = norm
         record["epoch"] = self.epoch
         return record
 
@@ -467,6 +466,28 @@ class OptimizerSteps:
 
     def resume(self, state: dict) -> None:
         pass
+
+
+def train_on(engine, batch, objective: Callable[[], tuple], boundary: bool, world: int) -> tuple:
+    """One micro batch of an optimizer step on a DeepSpeed engine, for every stage (supervised and RL):
+    `objective()` returns (this micro batch's share of the step's mean loss, anything else), and that
+    tuple is returned. The share is a mean over the whole step already, so DeepSpeed must not divide
+    by its accumulation steps; it averages gradients over processes, and the shares add up over them,
+    so the loss is scaled by the process count. The forward and the backward both run inside the
+    batch's `apart()` (gradient checkpointing recomputes the forward in the backward, on shared
+    sequences with the exchange). The optimizer steps at the `boundary` (the step's last micro batch)."""
+    engine.set_gradient_accumulation_boundary(boundary)
+    with batch.apart():
+        out = objective()
+        engine.backward(out[0] * world, scale_wrt_gas=False)
+    engine.step()
+    return out
+
+
+def grad_norm(engine) -> Optional[float]:
+    """The gradient norm over every process of the engine's last optimizer step, before clipping (None: unknown)."""
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
 
 
 class Window:

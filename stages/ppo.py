@@ -27,25 +27,29 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from core import batching, estimators, hardware, kinds, reward_quality
+from core import batching, estimators, hardware, reward_quality
 from core import metrics as records
-from core.config import RULES_NEEDING_LABELS
 from core.errors import InvalidInput
 from core.flops import rollout_sequence_flops
 from core.rewards import RuleReward
+from core.schemas.ppo import PPOStage
+from core.schemas.reward import RULES_NEEDING_LABELS
+from core.task import StageTask
 from stages import collectives, data, engine, generation, models, phases, sequence_parallel
 from stages import losses as L
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, entropy_of, logprobs_of, values_of
 from stages.vllm_engine import VllmEngine
 
+if TYPE_CHECKING:
+    from stages.runner import StageContext
 
-@kinds.implements("ppo")
-def run(task, ctx) -> dict:
+
+def run(task: StageTask, ctx: StageContext) -> dict:
     stage = task.stage
     weak = reward_quality.check(stage, task.pipeline_dir)  # refuses a reward model at chance, unless allowed
     if weak and ctx.is_main:
@@ -55,7 +59,7 @@ def run(task, ctx) -> dict:
     tokenizer = models.load_tokenizer(model_path)
     prompts, eval_prompts, truncation = load_prompts(stage, ctx, tokenizer)
     ds_config = ctx.deepspeed_config(stage, model_path)
-    schedule = schedule_of(stage, ctx.world_size, ds_config, len(prompts))
+    schedule = schedule_of(stage, ctx.world_size, len(prompts))
     rl_models = load_models(task, ctx, model_path, tokenizer, ds_config, schedule.total_steps)
     sampler = generation.engine_for(stage, rl_models.actor.module, ctx.device)  # before anything trains
     vllm = VllmEngine(stage, ctx, model_path) if sampler == "vllm" else None
@@ -88,8 +92,9 @@ class Rollouts:
 
     log_interval = 1  # one metrics.jsonl line per rollout
 
-    def __init__(self, stage, ctx, rl_models: Models, schedule: batching.RolloutSchedule, prompts: list[Prompt],
-                 eval_prompts: list[Prompt], flop_models: list, vllm: Optional[VllmEngine] = None):
+    def __init__(self, stage: PPOStage, ctx: StageContext, rl_models: Models, schedule: batching.RolloutSchedule,
+                 prompts: list[Prompt], eval_prompts: list[Prompt], flop_models: list,
+                 vllm: Optional[VllmEngine] = None):
         self.stage, self.ctx, self.models, self.schedule = stage, ctx, rl_models, schedule
         self.prompts, self.eval_prompts, self.flop_models = prompts, eval_prompts, flop_models
         self.engine = rl_models.actor
@@ -151,7 +156,7 @@ class Rollouts:
 # --------------------------------------------------------------------------- set-up
 
 
-def load_prompts(stage, ctx, tokenizer) -> tuple[list[Prompt], list[Prompt], dict]:
+def load_prompts(stage: PPOStage, ctx: StageContext, tokenizer) -> tuple[list[Prompt], list[Prompt], dict]:
     """The training prompts and the held-out ones, each with its whole data row, and what max_len
     did to them (prompts that leave no room for a completion are dropped)."""
     tokenized = data.tokenized_splits(stage, tokenizer, ctx.builtin_root)
@@ -168,16 +173,17 @@ def load_prompts(stage, ctx, tokenizer) -> tuple[list[Prompt], list[Prompt], dic
     return prompts["train"], prompts["eval"][: stage.eval_prompts], tokenized.record()
 
 
-def critic_path(task, model_path: str) -> str:
+def critic_path(task: StageTask, model_path: str) -> str:
     """The critic starts from the reward model when there is one (it already reads rewards), else the policy."""
     return task.upstream_dirs.get(task.stage.reward.model or "", model_path)
 
 
-def critic_stage(stage):
+def critic_stage(stage: PPOStage) -> PPOStage:
     return stage.model_copy(update={"learning_rate": stage.critic_learning_rate or stage.learning_rate})
 
 
-def load_models(task, ctx, model_path: str, tokenizer, ds_config: dict, total_steps: int) -> Models:
+def load_models(task: StageTask, ctx: StageContext, model_path: str, tokenizer, ds_config: dict,
+                total_steps: int) -> Models:
     """Actor (and critic, for an estimator that trains one: gae) as DeepSpeed engines; reference (only
     with a KL term) and reward model frozen."""
     stage = task.stage
@@ -204,7 +210,7 @@ def load_models(task, ctx, model_path: str, tokenizer, ds_config: dict, total_st
     return rl_models
 
 
-def rollout_flop_models(task, model_path: str, rl_models: Models) -> list:
+def rollout_flop_models(task: StageTask, model_path: str, rl_models: Models) -> list:
     """(shape, head, trained, LoRA parameters) of the actor, reference, critic and reward model: what
     core/flops.py counts per rollout sequence, for MFU."""
     stage = task.stage
@@ -220,13 +226,13 @@ def rollout_flop_models(task, model_path: str, rl_models: Models) -> list:
     return out
 
 
-def schedule_of(stage, world: int, ds_config: dict, n_prompts: int) -> batching.RolloutSchedule:
+def schedule_of(stage: PPOStage, world: int, n_prompts: int) -> batching.RolloutSchedule:
     """How the stage's prompts become rollouts and rollouts optimizer steps (core/batching.py)."""
     try:
         return batching.RolloutSchedule.of(
             n_prompts, prompts=stage.rollout_batch_size, samples_per_prompt=stage.n_samples_per_prompt,
             passes=stage.ppo_epochs, groups=stage.data_parallel(world),
-            sequences_per_step=stage.micro_batch_size * ds_config["gradient_accumulation_steps"], epochs=stage.epochs,
+            sequences_per_step=engine.sequences_per_step(stage, world), epochs=stage.epochs,
             max_steps=stage.max_steps, seed=stage.seed)
     except ValueError as err:
         raise InvalidInput(f"{stage.data.path}: {err} (rollout_batch_size {stage.rollout_batch_size})") from None
@@ -235,14 +241,15 @@ def schedule_of(stage, world: int, ds_config: dict, n_prompts: int) -> batching.
 # --------------------------------------------------------------------------- update
 
 
-def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, index: int) -> dict[str, float]:
+def update(rl_models: Models, rollout: Rollout, stage: PPOStage, ctx: StageContext, kl_coef: float,
+           index: int) -> dict[str, float]:
     """ppo_epochs passes over the rollout in optimizer steps; the means over steps of what to log
     (grad_norm, critic_grad_norm: the gradient norm of every process's step, before clipping)."""
     actor, critic = rl_models.actor, rl_models.critic
     actor.train()
     if critic is not None:
         critic.train()
-    per_step = stage.micro_batch_size * actor.gradient_accumulation_steps()
+    per_step = engine.sequences_per_step(stage, ctx.world_size)
     order_generator = torch.Generator().manual_seed(stage.seed * 7919 + index)
     lengths = [len(s) for s in rollout.sequences]
     sums: dict[str, float] = {}
@@ -264,9 +271,9 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
                 for key, value in shares.items():
                     sums[key] = sums.get(key, 0.0) + value
             for key, model in (("grad_norm", actor), ("critic_grad_norm", critic)):
-                norm = model.get_global_grad_norm() if model is not None else None
+                norm = engine.grad_norm(model) if model is not None else None
                 if norm is not None:
-                    norms.setdefault(key, []).append(float(norm))
+                    norms.setdefault(key, []).append(norm)
             steps += 1
     *totals, processed_all, real_all = collectives.sum_once_per_group(
         list(sums.values()) + [float(processed), float(stage.ppo_epochs * rollout.real_tokens)])
@@ -275,20 +282,15 @@ def update(rl_models: Models, rollout: Rollout, stage, ctx, kl_coef: float, inde
     return {**means, "train_token_efficiency": real_all / max(processed_all, 1.0)}
 
 
-def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, kl_coef: float, tokens: float,
+def train_micro_batch(rl_models: Models, batch: TrainBatch, stage: PPOStage, world: int, kl_coef: float, tokens: float,
                       sequences: float, boundary: bool) -> dict[str, float]:
     """Forward, backward and (at the step's last micro batch) step of the actor and critic; returns
     this micro batch's shares of the step's logged means."""
     actor, critic = rl_models.actor, rl_models.critic
     share = step_share(batch, stage, tokens, sequences)
-    actor.set_gradient_accumulation_boundary(boundary)
-    # Backward inside apart() too: gradient checkpointing recomputes the forward there (on shared
-    # sequences, with the exchange).
-    with batch.tokens.apart():
-        loss, new, logits, clipped = policy_objective(actor, batch, stage, kl_coef, share)
-        # DeepSpeed averages gradients over processes; the shares add up over them.
-        actor.backward(loss * world, scale_wrt_gas=False)
-    actor.step()
+    loss, new, logits, clipped = engine.train_on(actor, batch.tokens,
+                                                 lambda: policy_objective(actor, batch, stage, kl_coef, share),
+                                                 boundary, world)
     with torch.no_grad():
         record = {
             "policy_loss": loss.item(),
@@ -297,19 +299,17 @@ def train_micro_batch(rl_models: Models, batch: TrainBatch, stage, world: int, k
             "entropy": share(entropy_of(batch.tokens, logits.detach())).item(),
         }
     if critic is not None:
-        critic.set_gradient_accumulation_boundary(boundary)
-        with batch.tokens.apart():
-            values = values_of(critic, batch.tokens)
-            value_losses, value_clipped = L.value_loss(values, batch.values, batch.returns, batch.mask,
-                                                       stage.value_clip_eps)
-            value_loss = share(value_losses)
-            critic.backward(value_loss * world, scale_wrt_gas=False)
-        critic.step()
+        def value_objective():
+            value_losses, value_clipped = L.value_loss(values_of(critic, batch.tokens), batch.values, batch.returns,
+                                                       batch.mask, stage.value_clip_eps)
+            return share(value_losses), value_clipped
+
+        value_loss, value_clipped = engine.train_on(critic, batch.tokens, value_objective, boundary, world)
         record.update(value_loss=value_loss.item(), value_clip_fraction=share(value_clipped.float()).item())
     return record
 
 
-def step_share(batch: TrainBatch, stage, tokens: float, sequences: float) -> Callable:
+def step_share(batch: TrainBatch, stage: PPOStage, tokens: float, sequences: float) -> Callable:
     """per-token tensor (B, W-1), aggregation -> this micro batch's share of the step's mean."""
 
     def share(per_token, mode="token_mean"):
@@ -319,7 +319,7 @@ def step_share(batch: TrainBatch, stage, tokens: float, sequences: float) -> Cal
     return share
 
 
-def policy_objective(actor, batch: TrainBatch, stage, kl_coef: float, share: Callable):
+def policy_objective(actor, batch: TrainBatch, stage: PPOStage, kl_coef: float, share: Callable):
     """The policy's loss share on a micro batch (with the KL term when it is not in the reward), its
     new log-probs, logits and which tokens were clipped."""
     new, logits = logprobs_of(actor, batch.tokens, stage.temperature)
@@ -379,7 +379,7 @@ def rollout_record(index: int, rollout: Rollout, trained: dict, kl: Optional[flo
     }
 
 
-def decoding_limit(stage, ctx, actor_module, actor_shape) -> Optional[float]:
+def decoding_limit(stage: PPOStage, ctx: StageContext, actor_module, actor_shape) -> Optional[float]:
     """Response tokens/s every process together could sample at its GPU's memory-bandwidth limit
     for the actor's size (core/hardware.py decoding_tokens_per_s_limit), with as many sequences
     decoded at once as the stage does (micro_rollout_batch_size, or fewer when a process has

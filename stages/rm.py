@@ -13,63 +13,39 @@ from __future__ import annotations
 
 import torch
 
-from core import kinds
-from core.flops import sequence_flops
-from stages import collectives, data, engine, models
+from core.batching import MicroBatch, Step
+from stages import models
 from stages.losses import reward_pair_loss
+from stages.recipe import Recipe
 
 
-@kinds.implements("rm")
-def run(task, ctx) -> dict:
-    stage = task.stage
+class RewardModel(Recipe):
+    def load_models(self):
+        return models.load_reward_model(self.model_path, self.stage, self.ds_config, self.ctx.on_gpu,
+                                        self.tokenizer.pad_token_id)
 
-    # ---- data
-    model_path = models.resolve(task.init_model, ctx.builtin_root)
-    tokenizer = models.load_tokenizer(model_path)
-    tokenized = data.tokenized_splits(stage, tokenizer, ctx.builtin_root)
-    train_tokens, eval_tokens = tokenized.train.tokens, tokenized.eval.tokens
-
-    # ---- model
-    ds_config = ctx.deepspeed_config(stage, model_path)
-    model = models.load_reward_model(model_path, stage, ds_config, ctx.on_gpu, tokenizer.pad_token_id)
-    attention = models.attention_implementation(stage.attention, ctx.on_gpu, model_path)
-    train_set = data.TokenRows(train_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=2)
-    eval_set = data.TokenRows(eval_tokens, stage, ctx, tokenizer.pad_token_id, attention, sequences_per_row=2)
-    steps_per_epoch, total_steps = engine.step_counts(len(train_tokens), train_set.rows_per_step, stage)
-    ds = engine.initialize(model, stage, ds_config, total_steps)
-
-    def rewards(batch):
+    def rewards(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen rewards, rejected rewards) of the batch's pairs."""
-        read = models.sequence_scores(ds, batch, tokenizer.pad_token_id)
+        read = models.sequence_scores(self.ds, batch, self.tokenizer.pad_token_id)
         return read[0::2], read[1::2]
 
-    # ---- loss and evaluation
-    def loss(batch, micro, step):
-        chosen, rejected = rewards(batch)
-        weight = micro.weight / len(step.rows)
-        losses = reward_pair_loss(chosen, rejected, margin=stage.margin or None)
-        return losses.sum() * weight, {
-            "loss": losses.detach().sum() * weight,
-            "accuracy": (chosen > rejected).float().sum() * weight,
-            "margin": (chosen - rejected).detach().sum() * weight,
-        }
+    def pair_losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+        return reward_pair_loss(chosen, rejected, margin=self.stage.margin or None)
 
-    @torch.no_grad()
-    def evaluate():
-        ds.eval()
-        sums = torch.zeros(6, dtype=torch.float64, device=ctx.device)  # loss, correct, margin, pairs, r, r^2
-        for micro in eval_set.eval_micro_batches():
-            chosen, rejected = rewards(eval_set.batch(micro))
+    def loss(self, batch, micro: MicroBatch, step: Step) -> tuple[torch.Tensor, dict]:
+        chosen, rejected = self.rewards(batch)
+        return self.per_pair(step, micro, self.pair_losses(chosen, rejected),
+                             accuracy=(chosen > rejected).float(), margin=chosen - rejected)
+
+    def evaluate(self) -> dict:
+        def terms(batch, micro):
+            chosen, rejected = self.rewards(batch)
             both = torch.cat([chosen, rejected])
-            sums += micro.weight * torch.stack([
-                reward_pair_loss(chosen, rejected, margin=stage.margin or None).sum(),
-                (chosen > rejected).float().sum(),
-                (chosen - rejected).sum(),
-                torch.tensor(float(len(chosen)), device=ctx.device),
-                both.sum(),
-                both.square().sum(),
-            ]).double()
-        loss_sum, correct, margin, count, r_sum, r_sq = collectives.sum_once_per_group(sums).tolist()
+            return [self.pair_losses(chosen, rejected).sum(), (chosen > rejected).float().sum(),
+                    (chosen - rejected).sum(), torch.tensor(float(len(chosen)), device=self.ctx.device),
+                    both.sum(), both.square().sum()]
+
+        loss_sum, correct, margin, count, r_sum, r_sq = self.eval_sums(terms, 6)
         mean = r_sum / (2 * count)
         return {
             "loss": loss_sum / count,
@@ -79,31 +55,23 @@ def run(task, ctx) -> dict:
             "reward_std": max(r_sq / (2 * count) - mean * mean, 0.0) ** 0.5,
         }
 
-    # ---- train, export
-    shape, lora = models.shape_of(model_path), models.lora_params(model)
-    loop = engine.Loop(
-        batch=train_set.batch,
-        loss=loss,
-        evaluate=evaluate,
-        steps=train_set.steps,
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total_steps,
-        flops=lambda batch: sum(sequence_flops(shape, "scalar", n, trained=True, lora_params=lora)
-                                for n in batch.lengths),
-    )
-    outcome = engine.train(ds, loop, stage, ctx)
-    final = outcome["final"]
-    stats = {"mean": final["reward_mean"], "std": final["reward_std"]}
-    engine.export(ds, tokenizer, stage, ctx.folder.model, ctx.is_main, extra_files={"reward_stats.json": stats})
-    return {
-        "initial_eval_accuracy": outcome["initial"]["accuracy"],
-        "eval_accuracy": final["accuracy"],
-        "eval_margin": final["margin"],
-        "eval_loss": final["loss"],
-        "reward_mean": final["reward_mean"],
-        "reward_std": final["reward_std"],
-        "steps": outcome["steps"],
-        "train_pairs": len(train_set),
-        "eval_pairs": len(eval_set),
-        "truncation": tokenized.record(),
-    }
+    def export_files(self, outcome: dict) -> dict:
+        final = outcome["final"]
+        return {"reward_stats.json": {"mean": final["reward_mean"], "std": final["reward_std"]}}
+
+    def result(self, outcome: dict) -> dict:
+        final = outcome["final"]
+        return {
+            "initial_eval_accuracy": outcome["initial"]["accuracy"],
+            "eval_accuracy": final["accuracy"],
+            "eval_margin": final["margin"],
+            "eval_loss": final["loss"],
+            "reward_mean": final["reward_mean"],
+            "reward_std": final["reward_std"],
+            "steps": outcome["steps"],
+            "train_pairs": len(self.train_set),
+            "eval_pairs": len(self.eval_set),
+        }
+
+
+run = RewardModel.run

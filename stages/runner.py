@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import importlib
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import schedulers
 from core import failure, kinds, measured, timeline
@@ -196,27 +197,9 @@ def _run_stage(task: StageTask) -> dict:
     device = distributed.init(env, task.gpus_per_node, task.stage.collective_timeout_s,
                               threads=distributed.cpu_threads(task.cpus_per_task, env.local_world_size))
     devices = distributed.devices(device, env.world_size)
-    ctx = StageContext(
-        task=task,
-        folder=task.folder,
-        builtin_root=builtin_folder(task.pipeline_dir),
-        rank=env.rank,
-        world_size=env.world_size,
-        device=device,
-        on_gpu=device.type == "cuda",
-    )
-    ctx.folder.path.mkdir(parents=True, exist_ok=True)
-    if ctx.is_main:
-        for leftover in ctx.folder.temporaries():  # of an attempt killed mid-write (checkpoints: stages/checkpoints.py)
-            remove(leftover)
-        timeline.record_start(ctx.folder)  # every attempt: the report's timeline shows requeues
-        _note_sigterm(ctx.folder)
-    _refuse_after_too_many_silent_endings(task)
-    from stages import watchdog
-
-    # From here every phase is watched (loading, evaluation, ...); rank 0 requeues a hang through the scheduler.
-    watchdog.start(ctx, task.stage, task.max_retries, schedulers.runtime())
-    _materialize_builtins(task, ctx)
+    ctx = StageContext(task=task, folder=task.folder, builtin_root=builtin_folder(task.pipeline_dir), rank=env.rank,
+                       world_size=env.world_size, device=device, on_gpu=device.type == "cuda")
+    _prepare(task, ctx)
     # Every rank says where it is (each task has its own log): multi-node problems show here.
     print(
         f"stage {task.name} ({task.stage.kind}): rank {env.rank} of {env.world_size} on {socket.gethostname()} "
@@ -231,12 +214,7 @@ def _run_stage(task: StageTask) -> dict:
     from stages import sequence_parallel
 
     sequence_parallel.setup(task.stage, env.rank, env.world_size)
-    from stages import dpo, ppo, rm, sft  # noqa: F401  bind the shipped kinds' runs (a plug-in kind binds its own)
-
-    kind = kinds.get(task.stage.kind)
-    if kind.run is None:
-        raise RuntimeError(f"stage kind '{kind.name}' ({kind.schema.__module__}) is declared without a run")
-    metrics = kind.run(task, ctx)
+    metrics = run_of(kinds.get(task.stage.kind))(task, ctx)
     result = {
         "stage": task.name,
         "kind": task.stage.kind,
@@ -248,14 +226,49 @@ def _run_stage(task: StageTask) -> dict:
         **metrics,
     }
     if ctx.is_main:
-        result.update(measured.plan_vs_measured(ctx.folder, task.stage.kind))  # beside the plan.json
-        tmp = temporary(ctx.folder.result)
-        with saving(tmp, "result.json"):
-            tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, ctx.folder.result)
-        log.info("stage %s finished: %s", task.name, json.dumps(metrics))
+        _write_result(ctx, task, result, metrics)
     distributed.shutdown()
     return result
+
+
+def _prepare(task: StageTask, ctx: StageContext) -> None:
+    """The run folder made and cleared of a killed attempt's leftovers, the attempt recorded, the hang
+    watchdog started and the built-in model and data written, before anything loads."""
+    ctx.folder.path.mkdir(parents=True, exist_ok=True)
+    if ctx.is_main:
+        for leftover in ctx.folder.temporaries():  # of an attempt killed mid-write (checkpoints: stages/checkpoints.py)
+            remove(leftover)
+        timeline.record_start(ctx.folder)  # every attempt: the report's timeline shows requeues
+        _note_sigterm(ctx.folder)
+    _refuse_after_too_many_silent_endings(task)
+    from stages import watchdog
+
+    # From here every phase is watched (loading, evaluation, ...); rank 0 requeues a hang through the scheduler.
+    watchdog.start(ctx, task.stage, task.max_retries, schedulers.runtime())
+    _materialize_builtins(task, ctx)
+
+
+def _write_result(ctx: StageContext, task: StageTask, result: dict, metrics: dict) -> None:
+    """result.json (with the plan's figures beside the measured ones), written atomically."""
+    result.update(measured.plan_vs_measured(ctx.folder, task.stage.kind))  # beside the plan.json
+    tmp = temporary(ctx.folder.result)
+    with saving(tmp, "result.json"):
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, ctx.folder.result)
+    log.info("stage %s finished: %s", task.name, json.dumps(metrics))
+
+
+def run_of(kind: kinds.StageKind) -> Callable[[StageTask, StageContext], dict]:
+    """A kind's run: a plug-in's declaration carries it; a shipped kind's is `run` in stages/<its name>.py."""
+    if kind.run is not None:
+        return kind.run
+    module = f"{__package__}.{kind.name}"
+    try:
+        return importlib.import_module(module).run
+    except ModuleNotFoundError as err:
+        if err.name != module:
+            raise
+        raise RuntimeError(f"stage kind '{kind.name}' ({kind.schema.__module__}) is declared without a run") from None
 
 
 def _end_with_the_run(folder: StageFolder, rank: int) -> None:

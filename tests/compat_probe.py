@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from core.config import SFTStage  # noqa: E402
+from core.schemas.sft import SFTStage  # noqa: E402
 from core.errors import InvalidInput  # noqa: E402
 from stages import compat, distributed, engine, models  # noqa: E402
 

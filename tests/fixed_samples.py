@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field
 
 from core import kinds
-from core.config import PPOStage
+from core.schemas.ppo import PPOStage
 
 
 def fixed_completions(tokenizer, prompts, samples: int, greedy: bool) -> list[list[int]]:

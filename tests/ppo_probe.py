@@ -83,7 +83,7 @@ def main(workdir: Path, out: Path) -> None:
     tokenizer = models.load_tokenizer(model_path)
     prompts, _, _ = ppo.load_prompts(stage, ctx, tokenizer)
     ds_config = ctx.deepspeed_config(stage, model_path)
-    schedule = ppo.schedule_of(stage, ctx.world_size, ds_config, len(prompts))
+    schedule = ppo.schedule_of(stage, ctx.world_size, len(prompts))
     rl_models = ppo.load_models(task, ctx, model_path, tokenizer, ds_config, schedule.total_steps)
     maker = rollout.RolloutMaker(stage, ctx, rl_models, RuleReward.from_specs(stage.reward.rules),
                                  generate_fn=fixed_completions)

@@ -14,8 +14,10 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field
 
 from core import estimators, kinds
-from core.config import PPOStage, RewardSpec, StageBase
+from core.config import StageBase
 from core.kinds import Rollouts, StageKind
+from core.schemas.ppo import PPOStage
+from core.schemas.reward import RewardSpec
 
 
 class ReinforceStage(StageBase):

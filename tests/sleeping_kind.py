@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field
 
 from core import kinds
-from core.config import SFTStage
+from core.schemas.sft import SFTStage
 from core.kinds import StageKind
 
 

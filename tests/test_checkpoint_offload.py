@@ -53,7 +53,7 @@ def test_a_model_without_checkpointed_layers_is_refused():
 
 
 def test_checkpoint_offload_needs_gradient_checkpointing():
-    from core.config import SFTStage
+    from core.schemas.sft import SFTStage
 
     with pytest.raises(ValueError, match="checkpoint_offload .* needs gradient_checkpointing: true"):
         SFTStage.model_validate({"name": "s", "kind": "sft", "model": "builtin:tiny-llama",

@@ -180,7 +180,7 @@ def test_deepspeeds_jit_builder_fails_on_9_0a_and_reads_its_rewrite():
 
 
 def test_the_gpu_optimizer_needs_no_deepspeed_op_and_offload_needs_cpu_adam():
-    from core.config import SFTStage
+    from core.schemas.sft import SFTStage
     from stages import engine
 
     def op(**knobs):

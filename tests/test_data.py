@@ -7,7 +7,8 @@ import json
 import pytest
 
 from core import tiny
-from core.config import DataSpec, SFTStage
+from core.config import DataSpec
+from core.schemas.sft import SFTStage
 from core.errors import InvalidInput
 from stages import data
 

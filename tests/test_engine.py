@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from core.config import SFTStage
+from core.schemas.sft import SFTStage
 from stages import engine
 from tests.conftest import REPO
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from core import estimators
-from core.config import PPOStage
+from core.schemas.ppo import PPOStage
 from stages import losses as L
 
 DIGITS = {"path": "builtin:digits"}

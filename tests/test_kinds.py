@@ -6,6 +6,7 @@ validated, loads its data and trains through its declaration."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -80,8 +81,53 @@ def test_a_kind_nobody_declared_is_named_with_the_kinds_there_are(workdir):
 def test_every_kind_is_declared_once_with_its_schema():
     for kind in kinds.all_kinds():
         assert kind.schema.model_fields["kind"].annotation.__args__ == (kind.name,)
-    with pytest.raises(ValueError, match="declared twice"):
-        kinds.register(kinds.StageKind("sft", kinds.get("rm").schema, rows="completion", headline="x"))
+
+
+def test_a_shipped_kind_is_found_from_its_declaration_as_a_plugin_is():
+    from stages import runner, sft
+
+    assert runner.run_of(kinds.get("sft")) is sft.run
+    runner = (Path(__file__).parent.parent / "stages" / "runner.py").read_text()
+    assert not re.search(r"from stages import .*\b(sft|rm|dpo|ppo)\b|import stages\.(sft|rm|dpo|ppo)", runner)
+
+
+def test_a_plugin_declaring_a_taken_kind_name_is_refused_naming_both_sources():
+    class SFTStage(kinds.get("sft").schema):  # the shipped schema's very class name, from elsewhere
+        pass
+
+    with pytest.raises(ValueError) as refused:
+        kinds.register(kinds.StageKind("sft", SFTStage, rows="completion", headline="final_eval_loss"))
+    assert str(refused.value) == (
+        f"stage kind 'sft' is already declared by core.schemas.sft.SFTStage; {SFTStage.__module__}."
+        "test_a_plugin_declaring_a_taken_kind_name_is_refused_naming_both_sources.<locals>.SFTStage cannot "
+        "declare it too (give its kind another name)")
+    assert kinds.get("sft").schema.__module__ == "core.schemas.sft"  # the shipped kind stands
+
+
+# --------------------------------------------------------------------------- a second supervised kind
+
+
+@pytest.fixture
+def simpo_plugin():
+    with plugins_importable():
+        yield
+    kinds.unregister("simpo")
+    sys.modules.pop("tests.simpo_kind", None)
+
+
+@pytest.mark.slow
+def test_a_supervised_kind_in_one_file_learns_to_prefer_the_chosen_answers(workdir, simpo_plugin):
+    stage = {"name": "simpo", "kind": "simpo", "model": "builtin:tiny-llama", "max_steps": 30,
+             "learning_rate": 1.0e-3, "data": {"path": "builtin:digits", "eval_split": "eval", "max_rows": 256}}
+    config = write_pipeline(workdir, tiny_pipeline(cluster={"tasks_per_node": 1}, stages=[stage],
+                                                   plugins=["tests.simpo_kind"]))
+    done = run_cli("run", config, cwd=workdir)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((workdir / "runs" / "t" / "simpo" / "result.json").read_text())
+    assert result["kind"] == "simpo" and result["steps"] == 30
+    assert result["train_pairs"] == 256 and result["eval_pairs"] == tiny.DIGITS_SPLITS["eval"]
+    assert result["eval_loss"] < result["initial_eval_loss"] - 0.1
+    assert result["eval_reward_accuracy"] >= result["initial_eval_reward_accuracy"] + 0.2
 
 
 # --------------------------------------------------------------------------- a second RL kind

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import SFTStage
+from core.schemas.sft import SFTStage
 from core.errors import EXIT_INVALID, InvalidInput
 from stages import models
 from tests.conftest import REPO, run_cli, tiny_pipeline, write_pipeline

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from core import batching, tiny
-from core.config import DataSpec, SFTStage
+from core.config import DataSpec
+from core.schemas.sft import SFTStage
 from stages import compat, data, models
 from stages.losses import reward_pair_loss, token_logprobs
 

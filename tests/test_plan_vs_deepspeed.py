@@ -69,7 +69,8 @@ def config_id(config: dict) -> str:
 
 
 def stage_spec(config: dict, model_dir: str):
-    from core.config import RMStage, SFTStage
+    from core.schemas.rm import RMStage
+    from core.schemas.sft import SFTStage
 
     cls = RMStage if config["kind"] == "rm" else SFTStage
     fields = {k: v for k, v in config.items() if v is not None}

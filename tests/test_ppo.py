@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from core.config import PPOStage
+from core.schemas.ppo import PPOStage
 from stages import compat
 from stages.distributed import free_port
 from tests.conftest import REPO, read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from core import rewards
-from core.config import RewardRule
+from core.schemas.reward import RewardRule
 from core.errors import InvalidInput
 from core.rewards import RewardError, RuleReward, RunningMoments, Samples
 from tests.conftest import run_cli, tiny_pipeline, tiny_rl_stage, write_pipeline

@@ -21,7 +21,7 @@ def main(model: str, out: Path) -> None:
     import deepspeed
     import torch
 
-    from core.config import PPOStage
+    from core.schemas.ppo import PPOStage
     from stages import generation, models
     from stages.vllm_engine import VllmEngine
     from tests.test_generation import prompts
