@@ -39,7 +39,7 @@ from core.errors import InvalidInput
 from core.flops import rollout_sequence_flops
 from core.rewards import RuleReward
 from stages import collectives, data, engine, generation, models, phases, sequence_parallel
-from stages import losses as L
+from stages import policy_losses as L
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, entropy_of, logprobs_of, values_of
 from stages.vllm_engine import VllmEngine
 
