@@ -2,9 +2,9 @@
 
 The declaration is torch-free: the schema validates an RL stage against it (its samples per prompt,
 the options it reads), the planner counts the critic it trains. Each estimator's tensor function
-lives in stages/losses.py, registered there under the same name (`losses.advantage_estimator`),
+lives in stages/advantages.py, registered there under the same name (`advantages.advantage_estimator`),
 as a stage kind binds its run (core/kinds.py); every estimator takes the same inputs and gives
-the same outputs (losses.estimate_advantages).
+the same outputs (advantages.estimate_advantages).
 """
 
 from __future__ import annotations

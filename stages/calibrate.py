@@ -49,67 +49,86 @@ def measure(request) -> dict:
                            "Run on a GPU node, or with --slurm; without --require-gpu only the CPU is measured")
     compat.normalize_arch_list_env()  # before DeepSpeed builds CPU Adam
     deepspeed_ops.prepare()  # and says so when it does
-    sizes, notes, seconds = request.sizes, [], {}
+    sizes, notes, timed = request.sizes, [], _Timer()
     cores = len(os.sched_getaffinity(0))
     per_process = max(1, cores // request.processes_per_node)
     if cores < request.processes_per_node:
         notes.append(f"{cores} cores for {request.processes_per_node} processes per node: each process gets one")
-
-    def timed(name, function, *args):
-        start = time.perf_counter()
-        value = function(*args)
-        seconds[name] = round(time.perf_counter() - start, 2)
-        return value
-
-    gpu = None
-    matmul: list[dict] = []
-    memory = h2d = d2h = collective = None
-    if on_gpu:
-        device = torch.device("cuda", 0)
-        props = torch.cuda.get_device_properties(device)
-        entry = gpu_for_device(props.name)
-        gpu = {"device_name": props.name, "catalogue": entry.name if entry else None,
-               "count": torch.cuda.device_count(), "memory_gib": round(props.total_memory / GiB, 1)}
-        if entry is None:
-            notes.append(f"{props.name} is not in core/hardware.py's catalogue: `plan` cannot name it as "
-                         "cluster.gpu, so it does not read this file")
-        matmul = timed("matmul", matmul_rates, request.gemms, device, sizes.matmul_repeats, sizes.matmul_budget_s,
-                       notes)
-        memory = timed("memory_bandwidth", memory_bandwidth_gbs, device, sizes.copy_bytes, sizes.copy_repeats)
-        h2d, d2h = timed("host_copies", host_copy_gbs, device, sizes.copy_bytes, sizes.copy_repeats)
-        if gpu["count"] > 1:
-            collective = timed("collective", collective_rates, gpu["count"], "nccl", sizes.collective_bytes,
-                               sizes.collective_repeats, sizes.collective_timeout_s, notes)
-        else:
-            notes.append("one GPU visible: no collective to measure (collective is null)")
-    else:
-        notes.append(f"no CUDA GPU visible on {socket.gethostname()}: GPU rates cannot be measured without a GPU, "
-                     "so matmul, memory, host copy and collective are null; only the CPU's rates (CPU Adam, the offloaded "
-                     "optimizer step) were measured")
+    gpu = _gpu_rates(request, timed, notes) if on_gpu else _no_gpu(notes)
     cpu_adam = timed("cpu_adam", cpu_adam_rate, per_process, sizes.cpu_adam_params, sizes.cpu_adam_steps,
                      sizes.cpu_adam_budget_s, notes)
     offload_step = timed("offload_step", offload_step_rate, request.offload, per_process, sizes.offload_steps,
-                         on_gpu, h2d, notes)
+                         on_gpu, gpu["host_to_gpu_gbs"], notes)
     return {
         "version": calibration.VERSION,
         "node": socket.gethostname(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": gpu,
+        "gpu": gpu["gpu"],
         "cores_available": cores,
         "cores_per_process": per_process,
         "processes_per_node": request.processes_per_node,
         "versions": {"torch": torch.__version__, "deepspeed": _version("deepspeed"), "cuda": torch.version.cuda},
-        "matmul": matmul,
-        "memory_bandwidth_gbs": memory,
-        "host_to_gpu_gbs": h2d,
-        "gpu_to_host_gbs": d2h,
+        "matmul": gpu["matmul"],
+        "memory_bandwidth_gbs": gpu["memory_bandwidth_gbs"],
+        "host_to_gpu_gbs": gpu["host_to_gpu_gbs"],
+        "gpu_to_host_gbs": gpu["gpu_to_host_gbs"],
         "cpu_adam": cpu_adam,
-        "collective": collective,
+        "collective": gpu["collective"],
         "offload_step": offload_step,
         "settings": asdict(sizes),
-        "seconds": seconds,
+        "seconds": timed.seconds,
         "notes": notes,
     }
+
+
+class _Timer:
+    """Runs one measurement and keeps its wall-clock seconds under its name."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name, function, *args):
+        start = time.perf_counter()
+        value = function(*args)
+        self.seconds[name] = round(time.perf_counter() - start, 2)
+        return value
+
+
+def _gpu_rates(request, timed: _Timer, notes: list[str]) -> dict:
+    """GPU 0 (what it is), its matmul rates, memory bandwidth and host copies, and the collectives
+    over every visible GPU."""
+    import torch
+
+    sizes = request.sizes
+    device = torch.device("cuda", 0)
+    props = torch.cuda.get_device_properties(device)
+    entry = gpu_for_device(props.name)
+    gpu = {"device_name": props.name, "catalogue": entry.name if entry else None,
+           "count": torch.cuda.device_count(), "memory_gib": round(props.total_memory / GiB, 1)}
+    if entry is None:
+        notes.append(f"{props.name} is not in core/hardware.py's catalogue: `plan` cannot name it as "
+                     "cluster.gpu, so it does not read this file")
+    matmul = timed("matmul", matmul_rates, request.gemms, device, sizes.matmul_repeats, sizes.matmul_budget_s,
+                   notes)
+    memory = timed("memory_bandwidth", memory_bandwidth_gbs, device, sizes.copy_bytes, sizes.copy_repeats)
+    h2d, d2h = timed("host_copies", host_copy_gbs, device, sizes.copy_bytes, sizes.copy_repeats)
+    collective = None
+    if gpu["count"] > 1:
+        collective = timed("collective", collective_rates, gpu["count"], "nccl", sizes.collective_bytes,
+                           sizes.collective_repeats, sizes.collective_timeout_s, notes)
+    else:
+        notes.append("one GPU visible: no collective to measure (collective is null)")
+    return {"gpu": gpu, "matmul": matmul, "memory_bandwidth_gbs": memory, "host_to_gpu_gbs": h2d,
+            "gpu_to_host_gbs": d2h, "collective": collective}
+
+
+def _no_gpu(notes: list[str]) -> dict:
+    """The GPU rates of a machine without one: null, and a note that says why."""
+    notes.append(f"no CUDA GPU visible on {socket.gethostname()}: GPU rates cannot be measured without a GPU, "
+                 "so matmul, memory, host copy and collective are null; only the CPU's rates (CPU Adam, the "
+                 "offloaded optimizer step) were measured")
+    return {"gpu": None, "matmul": [], "memory_bandwidth_gbs": None, "host_to_gpu_gbs": None,
+            "gpu_to_host_gbs": None, "collective": None}
 
 
 def _version(package: str) -> Optional[str]:

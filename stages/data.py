@@ -350,7 +350,7 @@ class Batch:
     Sequences are numbered in row order (a pair: chosen 2k, rejected 2k+1). Padded:
     one sequence per line, right-padded, with a 2D padding mask. Packed: several
     sequences per line, each with positions from 0; `forward` runs the model inside
-    `apart()`, where every attention layer keeps them apart (stages/compat.py).
+    `apart()`, where every attention layer keeps them apart (stages/packed_attention.py).
     """
 
     input_ids: object  # (lines, width) torch.long
@@ -374,10 +374,10 @@ class Batch:
 
     def apart(self):
         """Context in which a model's forward (and the backward that may recompute it)
-        keeps this batch's packed sequences apart (stages/compat.py)."""
-        from stages import compat
+        keeps this batch's packed sequences apart (stages/packed_attention.py)."""
+        from stages import packed_attention
 
-        return compat.sequences_apart(self.sequence if self.packed else None)
+        return packed_attention.sequences_apart(self.sequence if self.packed else None)
 
     @property
     def attention_mask(self):
@@ -503,13 +503,13 @@ class TokenRows:
     a token budget (stage.packing) or padded micro batches of micro_batch_size rows."""
 
     def __init__(self, rows: list[dict], stage, ctx, pad_id: int, attention: str, sequences_per_row: int):
-        from stages import compat, sequence_parallel
+        from stages import packed_attention, sequence_parallel
 
         self.rows, self.stage, self.ctx, self.pad_id = rows, stage, ctx, pad_id
         self.lengths = [row_tokens(r) for r in rows]
         self.trained = [trained_tokens(r) for r in rows]
         self.budget = batching.token_budget(stage, sequences_per_row) if stage.packing else None
-        self.flat = compat.flat_packing(attention)  # varlen kernels: every sequence on one line
+        self.flat = packed_attention.flat_packing(attention)  # varlen kernels: every sequence on one line
         self.layout = sequence_parallel.layout()
 
     def __len__(self) -> int:

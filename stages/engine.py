@@ -34,7 +34,7 @@ from core.deepspeed_settings import bucket_elements, offloads_optimizer, persist
 from core.errors import Diverged, InvalidInput
 from core.failure import saving
 from core.runfolder import temporary
-from stages import collectives, compat, preemption, tracking, watchdog
+from stages import collectives, preemption, pretrained, tracking, watchdog
 from stages.checkpoints import Checkpoints
 
 log = logging.getLogger("stages")
@@ -616,7 +616,7 @@ def export(engine, tokenizer, stage, out_dir: Path, is_main: bool, extra_files: 
         is_peft = hasattr(module, "peft_config")
         with saving(tmp, "the exported model"):
             # The config as the model came, not as loading adapted it (e.g. positions capped).
-            with compat.exported_config(module):
+            with pretrained.exported_config(module):
                 if is_peft and stage.lora.merge:
                     base = module.get_base_model()
                     base.save_pretrained(tmp, state_dict=merge_lora_state_dict(state, stage.lora.alpha / stage.lora.rank))

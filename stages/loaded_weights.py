@@ -4,7 +4,7 @@ exit 2). transformers builds the model its config.json describes and starts any 
 find from random numbers, saying so only in the log: a config.json of another model, a `model:`
 path to a sibling folder or a checkpoint saved with other layer names would train from noise.
 
-What loading found comes from transformers itself (stages/compat.py LoadReport, alike on every
+What loading found comes from transformers itself (stages/pretrained.py LoadReport, alike on every
 supported version and under ZeRO-3); the weights it leaves out by design (its ignore patterns,
 tied weights) are not counted.
 
@@ -28,7 +28,7 @@ SHOWN = 3  # names shown of each kind
 
 
 def problem(path: str, report, adds_head: Optional[str] = None, drops_head: Optional[str] = None) -> Optional[str]:
-    """What is wrong with the weights `report` (compat.LoadReport) says `path` gave; None when nothing."""
+    """What is wrong with the weights `report` (pretrained.LoadReport) says `path` gave; None when nothing."""
     # Without architectures in config.json the class it was saved as is unknown: the declared heads may differ.
     replaced = report.built_as is not None and report.built_as != report.saved_as
     new = [n for n in report.missing if replaced and _under(n, adds_head)]

@@ -17,7 +17,7 @@ import torch
 from core import families, tiny
 from core.config import BUILTIN_PREFIX
 from core.errors import InvalidInput
-from stages import compat, loaded_weights, watchdog
+from stages import compat, loaded_weights, pretrained, watchdog
 
 log = logging.getLogger("stages")
 
@@ -82,7 +82,7 @@ def attention_implementation(requested: str, on_gpu: bool, path: str) -> str:
 def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool, adds_head: Optional[str] = None,
                     drops_head: Optional[str] = None, **kwargs):
     """from_pretrained with the stage's dtype, attention kernel and ZeRO-3 sharding, through
-    stages/compat.py (argument names and load-time patches of the installed transformers). Refuses
+    stages/pretrained.py (argument names and load-time patches of the installed transformers). Refuses
     a folder whose weights are not all and only the model's (stages/loaded_weights.py), but for
     `adds_head` and `drops_head`: the head this call adds, and the one it leaves out, where the
     folder was saved as another class."""
@@ -91,9 +91,9 @@ def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool,
     attention = attention_implementation(stage.attention, on_gpu, path)
     log.info("loading %s (%s)", path, auto_class.__name__)
     try:
-        model, report = compat.from_pretrained(auto_class, path, DTYPES[stage.precision], attention, stage.max_len,
-                                               **kwargs)
-    except compat.DamagedWeights as err:
+        model, report = pretrained.from_pretrained(auto_class, path, DTYPES[stage.precision], attention,
+                                                   stage.max_len, **kwargs)
+    except pretrained.DamagedWeights as err:
         raise InvalidInput(f"model {path}: {err}: a weights file is cut short or damaged (`python -m pipeline "
                            "validate` names it); download or save the model again") from None
     except FileNotFoundError as err:

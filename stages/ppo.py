@@ -41,7 +41,7 @@ from core.schemas.ppo import PPOStage
 from core.schemas.reward import RULES_NEEDING_LABELS
 from core.task import StageTask
 from stages import collectives, data, engine, generation, models, phases, sequence_parallel
-from stages import losses as L
+from stages import policy_losses as L
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, entropy_of, logprobs_of, values_of
 from stages.vllm_engine import VllmEngine
 

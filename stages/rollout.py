@@ -12,7 +12,7 @@ clock (stages/phases.py; metrics: generate_s, score_s, and inside them gather_s 
    there) plus the reward model's score, normalised when the pipeline file says so.
 3. views and advantages: the actor's log-probs at sampling time, the reference's and the KL between
    them (when there is a KL term: PPOStage.needs_reference), the critic's values (gae), and
-   advantages from stages/losses.py over the whole rollout:
+   advantages from stages/advantages.py over the whole rollout:
    every statistic that spans sequences is summed over processes, so the numbers do not depend on
    how many processes share the rollout or how it is cut into micro batches.
 
@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from core import batching
 from core.rewards import RewardError, RuleReward, RunningMoments, Samples
-from stages import collectives, data, sequence_parallel, watchdog
-from stages import losses as L
+from stages import collectives, data, losses, policy_losses, sequence_parallel, watchdog
+from stages.advantages import AdvantageInputs, AdvantageSettings, estimate_advantages
 from stages.generation import Sampled, generate
 from stages.models import position_scores, sequence_scores
 from stages.phases import Clock
@@ -208,7 +208,7 @@ class RolloutMaker:
         self.generate_fn = generate_fn
         self.clock = clock if clock is not None else Clock()
         self.moments = RunningMoments()
-        self.advantage_settings = L.AdvantageSettings(
+        self.advantage_settings = AdvantageSettings(
             group_size=stage.n_samples_per_prompt, gamma=stage.gamma, lam=stage.lam, scale_rewards=stage.scale_rewards)
 
     def generate(self, prompts: Sequence[Prompt], greedy: bool = False) -> Sampled:
@@ -384,18 +384,19 @@ class RolloutMaker:
                 values[part, :w] = values_of(models.critic, batch)
         mask *= torch.tensor(drawn.trains, dtype=mask.dtype, device=device).unsqueeze(1)
         sampler = sampler_logprobs(drawn, sequences, shape, device)
-        kl = L.kl_penalty(old, ref, stage.kl_estimator) * mask if ref is not None else None
+        kl = policy_losses.kl_penalty(old, ref, stage.kl_estimator) * mask if ref is not None else None
         score_tensor = torch.tensor(scores, dtype=torch.float32, device=device)
         if values is not None:
             values *= mask
         # No reference means kl_coef 0: the estimators' KL term is 0 x 0.
-        inputs = L.AdvantageInputs(scores=score_tensor, kl=kl if kl is not None else torch.zeros_like(mask),
-                                   mask=mask, kl_coef=kl_coef if stage.kl_in_reward else 0.0, values=values)
-        advantages, returns = L.estimate_advantages(stage.advantage, inputs, self.advantage_settings,
-                                                    collectives.sum_once_per_group)
+        inputs = AdvantageInputs(scores=score_tensor, kl=kl if kl is not None else torch.zeros_like(mask),
+                                 mask=mask, kl_coef=kl_coef if stage.kl_in_reward else 0.0, values=values)
+        advantages, returns = estimate_advantages(stage.advantage, inputs, self.advantage_settings,
+                                                  collectives.sum_once_per_group)
         weights = None
         if sampler is not None and stage.sampler_ratio_cap is not None:
-            weights = L.sampler_correction(old, sampler, mask, stage.sampler_ratio_cap, stage.importance_sampling)
+            weights = policy_losses.sampler_correction(old, sampler, mask, stage.sampler_ratio_cap,
+                                                       stage.importance_sampling)
         return Rollout(sequences, response_masks, mask, old, ref, kl, score_tensor, advantages, returns, values,
                        processed, sampler_logprobs=sampler, sampler_weights=weights)
 
@@ -466,7 +467,7 @@ def entropy_of(batch: data.Batch, logits: torch.Tensor) -> torch.Tensor:
     """The policy's entropy (B, W-1) at each position that predicts a token, from its logits as
     they are (no temperature), whole lines where processes share them (each computes its own
     positions')."""
-    return whole(batch, batch.gathered(L.entropy_from_logits(logits.float()))[:, :-1])
+    return whole(batch, batch.gathered(losses.entropy_from_logits(logits.float()))[:, :-1])
 
 
 def values_of(critic, batch: data.Batch) -> torch.Tensor:

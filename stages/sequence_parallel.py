@@ -9,7 +9,7 @@ whole sequence for 1/N of the heads, then the result goes back to sequence shard
 outside attention is per position, so it needs nothing more.
 
 Packed sequences stay apart as without sharing: the attention layers get the block-diagonal mask
-of the whole line (stages/compat.py's `sequences_apart`, given the line's full sequence map), which
+of the whole line (stages/packed_attention.py's `sequences_apart`, given the line's full sequence map), which
 is what each process's attention sees after the exchange; flash attention reads the boundaries from
 the gathered position ids.
 
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from core import sequence_parallel as rules
 from core.errors import InvalidInput
-from stages import compat, data
+from stages import data, packed_attention
 
 log = logging.getLogger("stages")
 
@@ -58,7 +58,7 @@ class Layout:
 
 _layout = Layout(1, 0, 0, 1)
 # The sharded batch whose forward (and backward) is running, if any: attention layers exchange
-# only inside it. A plain module global for the reason compat's packed batch is one (backward runs
+# only inside it. A plain module global for the reason packed_attention's packed batch is one (backward runs
 # on autograd's device thread).
 _active: Optional["ShardedBatch"] = None
 
@@ -175,13 +175,13 @@ class ShardedBatch(data.Batch):
 
     @contextlib.contextmanager
     def apart(self):
-        """The whole lines' sequences kept apart (compat), and attention exchanging over the group."""
+        """The whole lines' sequences kept apart (packed_attention), and attention exchanging over the group."""
         global _active
         outer, _active = _active, self
         try:
             # Padded lines too: after the exchange attention sees whole lines, which only the
             # whole lines' sequence map describes.
-            with compat.sequences_apart(self.sequence):
+            with packed_attention.sequences_apart(self.sequence):
                 yield
         finally:
             _active = outer

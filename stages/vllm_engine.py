@@ -18,7 +18,7 @@ stage, in its own job, beside the DeepSpeed engines that train (core/rollout_eng
   starts with an empty cache (it costs the n samples of a prompt their shared prefill).
 - Log-probs: vLLM returns each sampled token's log-prob after temperature (`processed_logprobs`),
   what the trainer computes for the same token; stages/rollout.py compares them and corrects the
-  loss (truncated importance sampling, stages/losses.py).
+  loss (truncated importance sampling, stages/policy_losses.py).
 - Sleep (`vllm.sleep`, GPU only): after sampling the engine releases its weights and KV cache
   (vLLM's sleep level 2); the next sync brings the weights back, the next call the cache.
 """

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from core.schemas.sft import SFTStage  # noqa: E402
 from core.errors import InvalidInput  # noqa: E402
-from stages import compat, distributed, engine, models  # noqa: E402
+from stages import compat, distributed, engine, models, rotary_fp32  # noqa: E402
 
 
 def stage(max_len: int, precision: str = "bf16") -> SFTStage:
@@ -61,10 +61,11 @@ def rotary(folder: str) -> dict:
     pairs = list(zip(rotaries(reference), rotaries(ds.module)))
     worst = 0.0
     for want_module, got_module in pairs:
-        for want, got in zip(compat.rotary_cos_sin(want_module, positions), compat.rotary_cos_sin(got_module, positions)):
+        wanted, got_back = (rotary_fp32.rotary_cos_sin(m, positions) for m in (want_module, got_module))
+        for want, got in zip(wanted, got_back):
             worst = max(worst, (want - got).abs().max().item())
     return {"max_error": worst, "rotary_modules": len(pairs), "positions": positions,
-            "signature": compat.rotary_signature(type(pairs[0][1]))}
+            "signature": rotary_fp32.rotary_signature(type(pairs[0][1]))}
 
 
 def rotaries(model) -> list:

@@ -1,5 +1,6 @@
-"""stages/compat.py: models load, train and export the same way on every supported stack
-(transformers 4.37.2, 4.38.2 + DeepSpeed 0.13.2, 5.x + DeepSpeed 0.19).
+"""stages/compat.py and the modules beside it (pretrained, rotary_fp32, packed_attention, self_check):
+models load, train and export the same way on every supported stack (transformers 4.37.2,
+4.38.2 + DeepSpeed 0.13.2, 5.x + DeepSpeed 0.19).
 
 The slow tests load a tiny Llama through the project's loader under real ZeRO-3 in a process
 of their own (tests/compat_probe.py). Run with POST_TRAIN_COMPAT_OFF=rotary_fp32 (or
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from core import tiny
-from stages import compat, deepspeed_ops
+from stages import compat, deepspeed_ops, packed_attention, pretrained, rotary_fp32
 from tests.conftest import REPO
 
 PROBE = REPO / "tests" / "compat_probe.py"
@@ -62,7 +63,7 @@ def probe(scenario: str, folder, off: str | None = None, timeout=600):
 def causal_mask_cap_applies() -> bool:
     from transformers import LlamaConfig
 
-    return compat.registers_square_causal_mask(LlamaConfig())
+    return pretrained.registers_square_causal_mask(LlamaConfig())
 
 
 # --------------------------------------------------------------------------- spellings
@@ -112,9 +113,9 @@ def test_rotary_cos_sin_is_called_with_the_installed_signature():
     config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, max_position_embeddings=128)
     rotary = next(m for m in LlamaModel(config).modules() if type(m).__name__.endswith("RotaryEmbedding"))
-    signature = compat.rotary_signature(type(rotary))
+    signature = rotary_fp32.rotary_signature(type(rotary))
     assert "position_ids" in signature or "seq_len" in signature
-    cos, sin = compat.rotary_cos_sin(rotary, 128)
+    cos, sin = rotary_fp32.rotary_cos_sin(rotary, 128)
     assert cos.shape == sin.shape == (128, 16) and cos.dtype == torch.float32
     torch.testing.assert_close(cos[0], torch.ones(16))
     torch.testing.assert_close(cos.square() + sin.square(), torch.ones(128, 16))
@@ -210,7 +211,7 @@ def test_the_stage_process_rewrites_its_arch_list_once_and_says_so(monkeypatch, 
 @pytest.mark.slow
 def test_self_check_reports_versions_and_passes():
     env = {**os.environ, compat.ARCH_LIST: "8.0 9.0a"}
-    done = subprocess.run([sys.executable, "-m", "stages.compat", "--self-check"], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "stages.self_check"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"transformers {compat.versions()['transformers']}" in done.stdout
@@ -291,7 +292,7 @@ def test_training_passes_return_logits_in_the_model_dtype_with_the_same_values(t
 
     from stages import data, models
 
-    model, _ = compat.from_pretrained(AutoModelForCausalLM, str(tiny_llama), torch.bfloat16, "sdpa", 48)
+    model, _ = pretrained.from_pretrained(AutoModelForCausalLM, str(tiny_llama), torch.bfloat16, "sdpa", 48)
     tokenizer = models.load_tokenizer(str(tiny_llama))
     row = data.tokenize_sft({"prompt": "sort 21 =", "response": " 12"}, tokenizer, data.DataSpec(path="x.jsonl"), 48)
     batch = data.padded_batch([row], tokenizer.pad_token_id)
@@ -333,8 +334,8 @@ def test_packed_flash_attention_on_transformers_4_38_calls_the_varlen_kernel_per
     sequence = torch.cat([torch.full((n,), k) for k, n in enumerate(lengths)])[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     hidden = torch.randn(1, sum(lengths), config.hidden_size)
-    packed = compat.PackedSequences(sequence)
-    with torch.no_grad(), compat.sequences_apart(sequence):
+    packed = packed_attention.PackedSequences(sequence)
+    with torch.no_grad(), packed_attention.sequences_apart(sequence):
         got = flash(hidden_states=hidden, attention_mask=None, position_ids=positions)[0]
         extra = {"cache_position": torch.arange(sum(lengths))} if "cache_position" in inspect.signature(
             sdpa.forward).parameters else {}  # 4.38 indexes the mask with it; 4.37 has none

@@ -1,6 +1,6 @@
 """Advantage estimators are one registry: each is declared once in core/estimators.py (torch-free: its
 properties, which the schema validates a stage against) and its tensor function is registered under
-the same name in stages/losses.py, the one that estimate_advantages runs."""
+the same name in stages/advantages.py, the one that estimate_advantages runs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from core import estimators
 from core.schemas.ppo import PPOStage
-from stages import losses as L
+from stages import advantages as L
 
 DIGITS = {"path": "builtin:digits"}
 

@@ -1,4 +1,4 @@
-"""Tests for stages/losses.py.
+"""Tests for stages/losses.py, stages/masked.py, stages/advantages.py and stages/policy_losses.py.
 
 Expected values are either worked by hand (arithmetic in the comments) or
 produced by a deliberately naive reference (plain Python loops, explicit
@@ -16,26 +16,24 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from stages import losses as L  # noqa: E402
-from stages.losses import (  # noqa: E402
-    AdaptiveKLController,
+from stages.advantages import (  # noqa: E402
     AdvantageInputs,
     AdvantageSettings,
-    FixedKLController,
-    aggregate_loss,
-    dpo_loss,
     estimate_advantages,
-    entropy_from_logits,
     gae,
     grpo_advantages,
-    kl_penalty,
-    masked_mean,
-    masked_whiten,
-    policy_loss,
     reinforce_pp_returns,
-    reward_pair_loss,
     rloo_advantages,
-    sequence_logprobs,
     token_rewards,
+)
+from stages.losses import dpo_loss, entropy_from_logits, reward_pair_loss, sequence_logprobs  # noqa: E402
+from stages.masked import masked_mean, masked_whiten  # noqa: E402
+from stages.policy_losses import (  # noqa: E402
+    AdaptiveKLController,
+    FixedKLController,
+    aggregate_loss,
+    kl_penalty,
+    policy_loss,
     value_loss,
 )
 

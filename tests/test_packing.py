@@ -16,7 +16,7 @@ import torch
 from core import batching, tiny
 from core.config import DataSpec
 from core.schemas.sft import SFTStage
-from stages import compat, data, models
+from stages import compat, data, models, packed_attention, pretrained
 from stages.losses import reward_pair_loss, token_logprobs
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -93,8 +93,8 @@ def load(folder, attention, auto_class=None, **overrides):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model, _ = compat.from_pretrained(auto_class or AutoModelForCausalLM, str(folder), torch.float32, attention, 48,
-                                      **overrides)
+    model, _ = pretrained.from_pretrained(auto_class or AutoModelForCausalLM, str(folder), torch.float32, attention,
+                                          48, **overrides)
     return model.eval()
 
 
@@ -239,7 +239,7 @@ def test_without_the_mask_packed_sequences_would_see_each_other(tiny_model_dir):
     batch = data.packed_batch(rows, tokenizer.pad_token_id, True)
     apart = sequence_logps(model, batch)
     inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False}
-    with compat.sequences_apart(None):
+    with packed_attention.sequences_apart(None):
         logits = model(**inputs, attention_mask=torch.ones_like(batch.input_ids)).logits
     mixed = batch.per_sequence(token_logprobs(logits, batch.input_ids, batch.loss_mask))
     assert not torch.allclose(mixed[1:], apart[1:], rtol=1e-3, atol=1e-4)

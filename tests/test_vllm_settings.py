@@ -12,7 +12,7 @@ import torch
 from core import rollout_engine
 from core.config import load_pipeline
 from core.errors import InvalidInput
-from stages import losses as L
+from stages import policy_losses as L
 from tests.conftest import run_cli, tiny_pipeline, write_pipeline
 
 

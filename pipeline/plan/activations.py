@@ -17,7 +17,7 @@ the training precision.
   the MLP and second norm have freed theirs, the gradients of q, k, v and the output and the
   fused kernels' fp32 accumulator of q's gradient (4q).
 - attention mask, one per micro batch and model pass, kept through the backward
-  (stages/compat.py PackedSequences): packed lines for sdpa and eager get an
+  (stages/packed_attention.py PackedSequences): packed lines for sdpa and eager get an
   additive (lines, 1, width, width) mask in the model dtype, built from a bool
   (lines, width, width) and a bool (width, width) causal temporary; lines are about
   as wide as the longest sequence, so at most about max_len, up to twice that where

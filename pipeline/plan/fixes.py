@@ -62,9 +62,19 @@ def mlp_tiles_for(knobs: Knobs, shape: ModelShape) -> int:
     return max(2, -(-tokens // shape.hidden))
 
 
-def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tuple[str, dict, str, bool]]:
+# (group, field changes, description, changes what is trained?)
+Change = tuple[str, dict, str, bool]
+
+
+def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[Change]:
     """(group, field changes, description, changes what is trained?) one at a time."""
-    out: list[tuple[str, dict, str, bool]] = []
+    return (_memory_setting_changes(knobs) + _batch_changes(knobs, hw) + _tiling_and_sharing_changes(knobs, shape, hw)
+            + _training_changes(knobs))
+
+
+def _memory_setting_changes(knobs: Knobs) -> list[Change]:
+    """Checkpointing, flash attention, a higher ZeRO stage, optimizer offload, the reference's placement."""
+    out: list[Change] = []
     if not knobs.gradient_checkpointing:
         out.append(("checkpointing", {"gradient_checkpointing": True}, "gradient_checkpointing: true", False))
     elif not knobs.checkpoint_offload:
@@ -87,6 +97,12 @@ def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tu
         for placement in ("offload",) if knobs.stage_kind.rollouts else ("offload", "precompute"):
             if REFERENCE_PLACEMENTS.index(placement) > REFERENCE_PLACEMENTS.index(knobs.reference):
                 out.append(("reference", {"reference": placement}, f"reference: {placement}", False))
+    return out
+
+
+def _batch_changes(knobs: Knobs, hw: Hardware) -> list[Change]:
+    """Smaller micro batches (the same global batch by accumulation), and 2x or 4x the nodes."""
+    out: list[Change] = []
     processes = knobs.nodes * hw.processes_per_node
     groups = knobs.data_parallel(processes)  # those that take rows of their own
     rows = rows_per_step(knobs.global_batch_size, knobs.micro_batch_size, groups)
@@ -108,6 +124,13 @@ def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tu
             out.append(("nodes", {"nodes": nodes, "global_batch_size": per_pass},
                         f"nodes: {nodes} (global_batch_size {rows} -> {per_pass}: the minimum for "
                         f"{groups * factor} data-parallel processes)", True))
+    return out
+
+
+def _tiling_and_sharing_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[Change]:
+    """Logits and MLP tiles, sequence parallel shares, and sampling with vLLM; none changes the loss."""
+    out: list[Change] = []
+    processes = knobs.nodes * hw.processes_per_node
     if knobs.stage_kind.tiled_logits and not knobs.logits_tile:
         tile = logits_tile_for(shape.vocab)
         out.append(("logits", {"logits_tile": tile},
@@ -119,8 +142,8 @@ def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tu
                     "the same loss)", False))
     for n in sequence_shares(knobs, shape, hw):
         out.append(("sequence", {"sequence_parallel": n},
-                    f"sequence_parallel: {n} ({processes // n} data-parallel group{'' if processes == n else 's'} of {n} processes sharing each "
-                    f"sequence; max_len stays {knobs.max_len})", False))
+                    f"sequence_parallel: {n} ({processes // n} data-parallel group{'' if processes == n else 's'} "
+                    f"of {n} processes sharing each sequence; max_len stays {knobs.max_len})", False))
     if knobs.stage_kind.rollouts and not knobs.samples_with_vllm and hw.on_gpu and hw.gpu_memory_bytes:
         for n in tensor_parallel_sizes(hw.processes_per_node):
             engine = engine_memory(shape, knobs.weight_bytes, n, knobs.vllm_memory_share, hw.gpu_memory_bytes,
@@ -130,6 +153,12 @@ def _candidate_changes(knobs: Knobs, shape: ModelShape, hw: Hardware) -> list[tu
             out.append(("generation", {"vllm_tensor_parallel": n, "vllm_sleep": True},
                         f"generation: vllm, vllm: {{tensor_parallel: {n}, sleep: true}} (each GPU holds 1/{n} of the "
                         f"actor to sample, released while it trains)", False))
+    return out
+
+
+def _training_changes(knobs: Knobs) -> list[Change]:
+    """What changes what is trained: LoRA adapters instead of all weights, half the max_len."""
+    out: list[Change] = []
     if not knobs.lora_rank:
         out.append(("lora", {"lora_rank": 16, "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                "up_proj", "down_proj")},

@@ -278,16 +278,19 @@ def _frozen_model(ledger: _Ledger, use: ModelUse) -> None:
 
 def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
     """A trained model's weights, gradients, optimizer states and ZeRO's buffers."""
-    knobs, device, add, world = ledger.knobs, ledger.device, ledger.add, ledger.world
-    shape, role, b = use.shape, use.role, knobs.weight_bytes
-    z, off, prec = knobs.zero_stage, knobs.offloads, knobs.precision
-    trained, frozen = trainable_tensors(use, knobs)
-    n_trained, n_frozen = sum(trained), sum(frozen)
-    threshold = persistence_threshold(shape.hidden)
-    shard_note = ledger.shard_note
+    trained, frozen = trainable_tensors(use, ledger.knobs)
+    _trained_weights(ledger, use, trained, frozen)
+    _gradients_and_optimizer_states(ledger, use, trained)
+    _communication_buffers(ledger, use, sum(trained))
+
+
+def _trained_weights(ledger: _Ledger, use: ModelUse, trained: list[int], frozen: list[int]) -> None:
+    """A trained model's weights: ZeRO-3's shards and whole small tensors, else the whole model."""
+    knobs, device, add, role, b = ledger.knobs, ledger.device, ledger.add, use.role, ledger.knobs.weight_bytes
+    prec, shard_note = knobs.precision, ledger.shard_note
     lora_note = f", LoRA r={knobs.lora_rank}" if knobs.lora_rank else ""
-    # weights
-    if z == 3:
+    if knobs.zero_stage == 3:
+        threshold = persistence_threshold(use.shape.hidden)
         shard, persistent = ledger.sharded(frozen, b, threshold)
         a_shard, a_persistent = ledger.sharded(trained, b, threshold)
         add(f"{role} weights ({prec}{lora_note}, {shard_note} + small tensors whole)", "weights", device,
@@ -296,8 +299,17 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
         add(f"{role} small tensors' whole copies, released for the step", "weights", device,
             "optimizer step", -(persistent + a_persistent))
     else:
-        add(f"{role} weights ({prec}{lora_note}, whole)", "weights", device, "always", (n_frozen + n_trained) * b)
-    # gradients and optimizer states
+        add(f"{role} weights ({prec}{lora_note}, whole)", "weights", device, "always",
+            (sum(frozen) + sum(trained)) * b)
+
+
+def _gradients_and_optimizer_states(ledger: _Ledger, use: ModelUse, trained: list[int]) -> None:
+    """A trained model's gradients, fp32 master weights and Adam states, and the step's temporaries,
+    by ZeRO stage and optimizer offload."""
+    knobs, device, add, world, role = ledger.knobs, ledger.device, ledger.add, ledger.world, use.role
+    b, z, off, prec = knobs.weight_bytes, knobs.zero_stage, knobs.offloads, knobs.precision
+    shard_note = ledger.shard_note
+    n_trained = sum(trained)
     per_rank = n_trained / world if z >= 1 else n_trained
     if z == 3:
         per_rank = sum(_ceil_div(n, world) for n in trained)
@@ -342,8 +354,13 @@ def _trained_model_states(ledger: _Ledger, use: ModelUse) -> None:
                     "workspace", device, "always", b * per_rank)
         add(f"{role} fp32 master + Adam m, v ({'host, ' if off else ''}{shard_note})", "optimizer", where,
             "always", 12 * per_rank)
-    # communication buffers: gradient buckets of what trains (stages/engine.py sizes them so), and
-    # ZeRO-3's gathers and prefetches of every weight
+
+
+def _communication_buffers(ledger: _Ledger, use: ModelUse, n_trained: int) -> None:
+    """A trained model's gradient buckets (stages/engine.py sizes them from what trains), and ZeRO-3's
+    gathers and prefetches of every weight."""
+    knobs, device, add, role, shape = ledger.knobs, ledger.device, ledger.add, use.role, use.shape
+    b, z, off = knobs.weight_bytes, knobs.zero_stage, knobs.offloads
     bucket, gradient_bucket = bucket_elements(ledger.on_gpu), reduce_bucket_elements(ledger.on_gpu, n_trained)
     if z == 3:
         add(f"{role} gradient bucket", "buffers", device, "always", gradient_bucket * b)
@@ -492,16 +509,23 @@ def _fragmentation(ledger: _Ledger, models: list[ModelUse]) -> None:
     if knobs.zero_stage == 3 and not knobs.offloads and not knobs.lora_rank and step in phases:
         new_segments = sum(i.bytes for i in ledger.items if i.phase == step and i.category == "gradients")
     if knobs.zero_stage == 3 and knobs.offloads:
-        trained = [use for use in models if use.trained]
-        layers = sum(use.shape.decoder_params if not knobs.lora_rank else
-                     use.shape.lora_params(knobs.lora_rank, knobs.lora_targets) for use in trained)
-        copy = _ceil_div(layers, ledger.world) * knobs.weight_bytes
-        ledger.add("ZeRO-3 with offload: the trained layers' weight partitions, copied in by the step", "workspace",
-                   "gpu", step, copy)
-        new_segments += copy
+        new_segments += _offloaded_step_weight_copy(ledger, models)
     if new_segments:
         passes = max((v for p, v in phases.items() if p not in (step, "generation")), default=0)
         cached = passes - (phases.get(step, 0) - new_segments)
         ledger.add("forward/backward blocks still cached while the step allocates", "workspace", "gpu", step, cached)
     ledger.add(f"allocator fragmentation: {FRAGMENTATION:.0%} of the largest phase", "workspace", "gpu",
                "always", FRAGMENTATION * largest)
+
+
+def _offloaded_step_weight_copy(ledger: _Ledger, models: list[ModelUse]) -> int:
+    """ZeRO-3 with optimizer offload: the trained layers' weight partitions the step copies onto the
+    GPU (see _fragmentation), added to the step phase; their bytes."""
+    knobs = ledger.knobs
+    trained = [use for use in models if use.trained]
+    layers = sum(use.shape.decoder_params if not knobs.lora_rank else
+                 use.shape.lora_params(knobs.lora_rank, knobs.lora_targets) for use in trained)
+    copy = _ceil_div(layers, ledger.world) * knobs.weight_bytes
+    ledger.add("ZeRO-3 with offload: the trained layers' weight partitions, copied in by the step", "workspace",
+               "gpu", "optimizer step", copy)
+    return copy

@@ -11,6 +11,7 @@ from pipeline.plan.batches import Batches
 from pipeline.plan.estimate import Estimate
 from pipeline.plan.inputs import GiB
 from pipeline.plan.memory import Memory
+from pipeline.plan.timing import TimeEstimate
 
 if TYPE_CHECKING:
     from pipeline.plan.fixes import Suggestion
@@ -74,72 +75,100 @@ def format_plan(plans: list[StagePlan]) -> str:
     """A readable report: per stage the itemised memory, verdict, suggestions and time."""
     out: list[str] = []
     for plan in plans:
-        k, hw, m = plan.knobs, plan.hardware, plan.memory
-        gpu_name = hw.gpu.name if hw.gpu else ("CPU" if not hw.on_gpu else "unknown GPU")
-        sharing = (f" (sequence_parallel {k.sequence_parallel}: {plan.data_parallel} data-parallel groups of "
-                   f"{k.sequence_parallel} sharing each sequence)" if k.sequence_parallel > 1 else "")
-        out.append(f"== stage '{plan.stage}' ({plan.kind}) on {k.nodes} node{'s' if k.nodes > 1 else ''} x "
-                   f"{hw.processes_per_node} {gpu_name} = {plan.world} processes{sharing}")
-        out.append(f"   model {plan.model}: {plan.shape.describe()}")
-        lora = f", LoRA r={k.lora_rank}" if k.lora_rank else ""
-        ref = f", reference {k.reference or 'none (kl_coef 0)'}" if k.stage_kind.frozen_reference else ""
-        out.append(f"   {k.precision}, ZeRO-{k.zero_stage}{' + optimizer offload' if k.offloads else ''}"
-                   f"{', gradient checkpointing' if k.gradient_checkpointing else ''}"
-                   f"{' (inputs offloaded to the host)' if k.checkpoint_offload else ''}, attention {k.attention}{lora}"
-                   f"{ref}, max_len {k.max_len}, micro batch {k.micro_batch_size}")
-        out.append(f"   trained parameters {count_text(plan.trained_params)} of {count_text(plan.total_params)} held")
+        out += _setting_lines(plan)
         if plan.estimate.batches is not None:
-            out += _batches_text(plan.estimate.batches, k.max_len)
-        for where, title, capacity in (("gpu", "GPU memory per GPU", m.gpu_capacity),
-                                       ("host", "host RAM per node", m.host_capacity)):
-            rows = [i for i in m.items if i.where == where]
-            if not rows:
-                continue
-            peak, phase = m.peak(where)
-            source = f" ({m.host_capacity_source})" if where == "host" and m.host_capacity_source else ""
-            moment = "at rest" if phase == "always" else f"during {phase}"
-            out.append(f"   {title}: peak {_gib(peak)} {moment}, available {_gib(capacity)}{source}")
-            for phase_name in ["always"] + sorted({i.phase for i in rows} - {"always"}):
-                for item in (i for i in rows if i.phase == phase_name):
-                    tag = "" if phase_name == "always" else f"  [{phase_name}]"
-                    out.append(f"     {_size(m.total_bytes(item))}  {item.name}{tag}")
-        out.append(f"   verdict: {_verdict(m)}")
-        if hw.on_gpu:
+            out += _batches_text(plan.estimate.batches, plan.knobs.max_len)
+        out += _memory_lines(plan.memory)
+        out.append(f"   verdict: {_verdict(plan.memory)}")
+        if plan.hardware.on_gpu:
             out.append(f"   memory checked: {_memory_confidence(plan)}")
-        t = plan.time
-        if t is not None:
-            out.append(f"   time: {t.rows_per_step} rows = {t.tokens_per_step:,.0f} tokens per {t.unit}, "
-                       f"{t.flops_per_token / 1e9:.1f} GFLOP/token executed, GPU busy {t.hfu:.0%} of peak in compute")
-            exchange = (f" (sequence exchange {_duration(t.sequence_exchange_s)})" if t.sequence_exchange_s else "")
-            terms = ", ".join(f"{name} {_duration(seconds)}" for name, seconds in t.compute_terms.items() if seconds)
-            out.append(f"         {t.unit} {_duration(t.step_s)} (compute {_duration(t.compute_s)}: {terms}; optimizer "
-                       f"{_duration(t.optimizer_s)}, communication {_duration(t.communication_s)}{exchange} of which exposed "
-                       f"{_duration(t.exposed_communication_s)}, offload {_duration(t.offload_s)}): "
-                       f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%}")
-            total = (f"{t.steps} steps = {_duration(t.total_s)}" if t.total_s is not None
-                     else "rows unknown: give rows for a total")
-            pre = f" (incl. {_duration(t.precompute_s_per_1000_rows)} reference precompute)" \
-                if t.precompute_s_per_1000_rows else ""
-            out.append(f"         {_duration(t.seconds_per_1000_rows)} per 1000 rows{pre}; {total}")
-            out.append(f"         rates: {t.calibration or 'built in (no calibration file for this GPU: python -m pipeline calibrate)'}")
-            for source in t.sources:
-                out.append(f"           {source}")
-        for warning in plan.warnings:
-            out.append(f"   warning: {warning}")
-        if plan.without:
-            out.append("   why these settings (the stage re-estimated without each):")
-            for s in plan.without:
-                out.append(f"     {s.description}")
-                out.append(f"        -> {_verdict(s.estimate.memory)}; {_summary(s.estimate)}")
-        if plan.suggestions:
-            fitting = any(s.estimate.fits for s in plan.suggestions)
-            out.append("   would fit with (cheapest first):" if fitting else "   nothing tried fits; closest:")
-            for n, s in enumerate(plan.suggestions, 1):
-                flag = " [changes the training]" if s.changes_training else ""
-                out.append(f"     {n}. {s.description}{flag}")
-                out.append(f"        -> {_verdict(s.estimate.memory)}; {_summary(s.estimate)}")
+        if plan.time is not None:
+            out += _time_lines(plan.time)
+        out += _advice_lines(plan)
         out.append("")
     return "\n".join(out)
+
+
+def _setting_lines(plan: StagePlan) -> list[str]:
+    """Where the stage runs, its model and the settings the estimate is for."""
+    out: list[str] = []
+    k, hw = plan.knobs, plan.hardware
+    gpu_name = hw.gpu.name if hw.gpu else ("CPU" if not hw.on_gpu else "unknown GPU")
+    sharing = (f" (sequence_parallel {k.sequence_parallel}: {plan.data_parallel} data-parallel groups of "
+               f"{k.sequence_parallel} sharing each sequence)" if k.sequence_parallel > 1 else "")
+    out.append(f"== stage '{plan.stage}' ({plan.kind}) on {k.nodes} node{'s' if k.nodes > 1 else ''} x "
+               f"{hw.processes_per_node} {gpu_name} = {plan.world} processes{sharing}")
+    out.append(f"   model {plan.model}: {plan.shape.describe()}")
+    lora = f", LoRA r={k.lora_rank}" if k.lora_rank else ""
+    ref = f", reference {k.reference or 'none (kl_coef 0)'}" if k.stage_kind.frozen_reference else ""
+    out.append(f"   {k.precision}, ZeRO-{k.zero_stage}{' + optimizer offload' if k.offloads else ''}"
+               f"{', gradient checkpointing' if k.gradient_checkpointing else ''}"
+               f"{' (inputs offloaded to the host)' if k.checkpoint_offload else ''}, attention {k.attention}{lora}"
+               f"{ref}, max_len {k.max_len}, micro batch {k.micro_batch_size}")
+    out.append(f"   trained parameters {count_text(plan.trained_params)} of {count_text(plan.total_params)} held")
+    return out
+
+
+def _memory_lines(m: Memory) -> list[str]:
+    """GPU memory per GPU and host RAM per node: each peak, and the items phase by phase."""
+    out: list[str] = []
+    for where, title, capacity in (("gpu", "GPU memory per GPU", m.gpu_capacity),
+                                   ("host", "host RAM per node", m.host_capacity)):
+        rows = [i for i in m.items if i.where == where]
+        if not rows:
+            continue
+        peak, phase = m.peak(where)
+        source = f" ({m.host_capacity_source})" if where == "host" and m.host_capacity_source else ""
+        moment = "at rest" if phase == "always" else f"during {phase}"
+        out.append(f"   {title}: peak {_gib(peak)} {moment}, available {_gib(capacity)}{source}")
+        for phase_name in ["always"] + sorted({i.phase for i in rows} - {"always"}):
+            for item in (i for i in rows if i.phase == phase_name):
+                tag = "" if phase_name == "always" else f"  [{phase_name}]"
+                out.append(f"     {_size(m.total_bytes(item))}  {item.name}{tag}")
+    return out
+
+
+def _time_lines(t: TimeEstimate) -> list[str]:
+    """The time of a step or rollout, its terms, the total and where each rate comes from."""
+    out: list[str] = []
+    out.append(f"   time: {t.rows_per_step} rows = {t.tokens_per_step:,.0f} tokens per {t.unit}, "
+               f"{t.flops_per_token / 1e9:.1f} GFLOP/token executed, GPU busy {t.hfu:.0%} of peak in compute")
+    exchange = (f" (sequence exchange {_duration(t.sequence_exchange_s)})" if t.sequence_exchange_s else "")
+    terms = ", ".join(f"{name} {_duration(seconds)}" for name, seconds in t.compute_terms.items() if seconds)
+    out.append(f"         {t.unit} {_duration(t.step_s)} (compute {_duration(t.compute_s)}: {terms}; optimizer "
+               f"{_duration(t.optimizer_s)}, communication {_duration(t.communication_s)}{exchange} of which exposed "
+               f"{_duration(t.exposed_communication_s)}, offload {_duration(t.offload_s)}): "
+               f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%}")
+    total = (f"{t.steps} steps = {_duration(t.total_s)}" if t.total_s is not None
+             else "rows unknown: give rows for a total")
+    pre = f" (incl. {_duration(t.precompute_s_per_1000_rows)} reference precompute)" \
+        if t.precompute_s_per_1000_rows else ""
+    out.append(f"         {_duration(t.seconds_per_1000_rows)} per 1000 rows{pre}; {total}")
+    rates = t.calibration or "built in (no calibration file for this GPU: python -m pipeline calibrate)"
+    out.append(f"         rates: {rates}")
+    for source in t.sources:
+        out.append(f"           {source}")
+    return out
+
+
+def _advice_lines(plan: StagePlan) -> list[str]:
+    """The plan's warnings, what each chosen setting saves, and the suggestions that would fit."""
+    out: list[str] = []
+    for warning in plan.warnings:
+        out.append(f"   warning: {warning}")
+    if plan.without:
+        out.append("   why these settings (the stage re-estimated without each):")
+        for s in plan.without:
+            out.append(f"     {s.description}")
+            out.append(f"        -> {_verdict(s.estimate.memory)}; {_summary(s.estimate)}")
+    if plan.suggestions:
+        fitting = any(s.estimate.fits for s in plan.suggestions)
+        out.append("   would fit with (cheapest first):" if fitting else "   nothing tried fits; closest:")
+        for n, s in enumerate(plan.suggestions, 1):
+            flag = " [changes the training]" if s.changes_training else ""
+            out.append(f"     {n}. {s.description}{flag}")
+            out.append(f"        -> {_verdict(s.estimate.memory)}; {_summary(s.estimate)}")
+    return out
 
 
 def _memory_confidence(plan: StagePlan) -> str:

@@ -173,85 +173,36 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
     """
     if not hw.on_gpu or hw.gpu is None:
         return None
-    gpu, b = hw.gpu, knobs.weight_bytes
     rates = rates_for(knobs, hw, models, workload)
     trained = next((use for use in models if use.trained), models[0])
     kernel = attention_kernel(knobs.attention, hw.on_gpu, trained.shape)
     world = knobs.nodes * hw.processes_per_node
-    peak = rates.peak_flops
-    notes: list[str] = []
-    if any(use.shape.is_moe for use in models):
-        notes.append("mixture of experts: each token's experts and the router are timed at the dense matmul rate "
-                     "(no GPU record has run experts: their smaller products and the tokens' dispatch are not timed)")
-    if knobs.precision == "bf16" and gpu.bf16_tflops is None:
-        notes.append(f"{gpu.name} has no bf16 tensor cores: bf16 runs at its fp32 rate; use precision fp16")
+    notes = _rate_caveats(models, knobs, hw.gpu)
     ring = (world - 1) / world if world > 1 else 0.0
     bandwidth = link_bandwidth(rates, hw, across_nodes=knobs.nodes > 1)
     rollout = workload.rows_per_rollout is not None
     work = (_rollout_work(models, workload, knobs, world) if rollout
             else _step_work(models, knobs, batches, rates, kernel))
-
-    comm_bytes = offload_bytes = host_adam_params = gpu_stepped = 0.0
-    for use in models:
-        n_all = use.shape.params_with_head(use.head)
-        if use.trained:
-            n_trained = sum(trainable_tensors(use, knobs)[0])
-            if knobs.zero_stage in (0, 1):
-                comm_bytes += 2 * b * n_trained * ring * work.optimizer_steps
-            elif knobs.zero_stage == 2:
-                comm_bytes += b * n_trained * ring * (work.train_micro + work.optimizer_steps)
-            else:
-                comm_bytes += (2 * b * n_all + b * n_trained) * ring * work.train_micro
-            if knobs.offloads:
-                offload_bytes += b * n_trained / world * (work.train_micro + work.optimizer_steps)
-                host_adam_params += n_trained / world * work.optimizer_steps
-            else:
-                stepped = n_trained / world if knobs.zero_stage >= 1 else n_trained
-                gpu_stepped += stepped * work.optimizer_steps
-        elif use.placement != "precompute":
-            if knobs.zero_stage == 3:
-                comm_bytes += b * n_all * ring * work.scoring_micro
-            if use.placement == "offload":
-                share = n_all / world if knobs.zero_stage == 3 else n_all
-                offload_bytes += b * share * work.scoring_micro
-
+    traffic = _traffic(models, knobs, work, world, ring)
     terms = compute_seconds(work.busiest, rates, kernel, knobs.zero_stage)
     compute_s = sum(terms.values())
     step_bytes = rates.step_bytes_per_param[min(knobs.zero_stage, 2)].value
-    optimizer_s = gpu_stepped * step_bytes / rates.hbm_bytes_per_s.value
-    comm_s = comm_bytes / bandwidth if world > 1 else 0.0
+    optimizer_s = traffic.gpu_stepped * step_bytes / rates.hbm_bytes_per_s.value
+    comm_s = traffic.comm_bytes / bandwidth if world > 1 else 0.0
     exposed = max(0.0, comm_s - COMM_OVERLAP * compute_s)
-    exchange_s = 0.0
-    if knobs.sequence_parallel > 1:
-        across = knobs.sequence_parallel > max(hw.gpus_per_node, 1)
-        exchange_s = work.busiest.exchanged_bytes / link_bandwidth(rates, hw, across_nodes=across)
-        comm_s += exchange_s
-        exposed += exchange_s
-        notes.append(f"sequence_parallel {knobs.sequence_parallel}: attention's all-to-all exchanges "
-                     f"({_seconds(exchange_s)} per step, over the "
-                     f"{'inter-node network' if across else 'GPU links'}) are counted as exposed communication, "
-                     f"not overlapped with compute")
-    copies_s = (offload_bytes + work.busiest.checkpoint_bytes) / rates.host_link_bytes_per_s.value
-    offload_s = copies_s + host_adam_params / rates.host_adam_params_per_s.value
+    exchange_s = _sequence_exchange_s(work, knobs, hw, rates, notes)
+    comm_s += exchange_s  # attention waits for sequence parallel's exchanges: all exposed
+    exposed += exchange_s
+    copies_s = (traffic.offload_bytes + work.busiest.checkpoint_bytes) / rates.host_link_bytes_per_s.value
+    offload_s = copies_s + traffic.host_adam_params / rates.host_adam_params_per_s.value
     unit_s = compute_s + optimizer_s + exposed + offload_s
     if rollout:
         unit_s += _generation_s(models, workload, knobs, rates, world, ring, bandwidth, hw)
-        notes.append("generation time assumes memory-bound decoding (weights read once per new token)"
-                     + (f"; vLLM: each process reads 1/{knobs.vllm_tensor_parallel} of them per token step, plus "
-                        "the KV cache, and the weights are synced after every update" if knobs.samples_with_vllm
-                        else ""))
-
-    per_1000 = unit_s * 1000 / work.rows
+        notes.append(_generation_note(knobs))
     precompute_s = sum(compute_seconds(work.precompute, rates, kernel, knobs.zero_stage).values()) / world
     pre_per_1000 = precompute_s / work.rows * 1000
-    steps = total = None
-    if rows is not None:
-        units = max(1, knobs.epochs * rows // work.rows)
-        steps = int(units * work.optimizer_steps)
-        total = units * unit_s + pre_per_1000 * rows / 1000
-    if knobs.max_steps:
-        steps = knobs.max_steps
-        total = knobs.max_steps / work.optimizer_steps * unit_s + (pre_per_1000 * rows / 1000 if rows else 0.0)
+    steps, total = _steps_and_total(rows, knobs, work, unit_s, pre_per_1000)
+    peak = rates.peak_flops
     busiest_flops = work.busiest.matmul_flops + work.busiest.attention_flops
     return TimeEstimate(
         unit="rollout" if rollout else "optimizer step", rows_per_step=work.rows, tokens_per_step=work.real_tokens,
@@ -262,15 +213,100 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
         offload_s=offload_s, step_s=unit_s, mfu=work.model / (unit_s * world * peak),
         tokens_per_s=work.real_tokens / unit_s,
         token_efficiency=None if rollout else work.real_tokens / work.processed_tokens,
-        seconds_per_1000_rows=per_1000 + pre_per_1000, precompute_s_per_1000_rows=pre_per_1000,
+        seconds_per_1000_rows=unit_s * 1000 / work.rows + pre_per_1000, precompute_s_per_1000_rows=pre_per_1000,
         sequence_exchange_s=exchange_s, rows=rows,
         steps=steps, total_s=total, compute_terms=terms,
-        work={**vars(work.busiest), "gpu_stepped_params": gpu_stepped, "host_adam_params": host_adam_params,
-              "host_copies_s": copies_s},
+        work={**vars(work.busiest), "gpu_stepped_params": traffic.gpu_stepped,
+              "host_adam_params": traffic.host_adam_params, "host_copies_s": copies_s},
         sources=rates.sources(kernel, knobs.zero_stage, knobs.offloads, world, bool(knobs.lora_rank)),
         calibration=rates.calibration,
         notes=notes,
     )
+
+
+def _rate_caveats(models: list[ModelUse], knobs: Knobs, gpu) -> list[str]:
+    """What the rates cannot time as they run: experts' products, bf16 without bf16 tensor cores."""
+    notes: list[str] = []
+    if any(use.shape.is_moe for use in models):
+        notes.append("mixture of experts: each token's experts and the router are timed at the dense matmul rate "
+                     "(no GPU record has run experts: their smaller products and the tokens' dispatch are not timed)")
+    if knobs.precision == "bf16" and gpu.bf16_tflops is None:
+        notes.append(f"{gpu.name} has no bf16 tensor cores: bf16 runs at its fp32 rate; use precision fp16")
+    return notes
+
+
+@dataclass
+class _Traffic:
+    """Per unit of work: bytes over the GPU links and to the host, parameters the host's Adam steps
+    and parameters the GPU steps (each process's share)."""
+
+    comm_bytes: float = 0.0
+    offload_bytes: float = 0.0
+    host_adam_params: float = 0.0
+    gpu_stepped: float = 0.0
+
+
+def _traffic(models: list[ModelUse], knobs: Knobs, work: _Work, world: int, ring: float) -> _Traffic:
+    """What ZeRO's stage, offload and each model's placement move and step per unit of work."""
+    b = knobs.weight_bytes
+    out = _Traffic()
+    for use in models:
+        n_all = use.shape.params_with_head(use.head)
+        if use.trained:
+            n_trained = sum(trainable_tensors(use, knobs)[0])
+            if knobs.zero_stage in (0, 1):
+                out.comm_bytes += 2 * b * n_trained * ring * work.optimizer_steps
+            elif knobs.zero_stage == 2:
+                out.comm_bytes += b * n_trained * ring * (work.train_micro + work.optimizer_steps)
+            else:
+                out.comm_bytes += (2 * b * n_all + b * n_trained) * ring * work.train_micro
+            if knobs.offloads:
+                out.offload_bytes += b * n_trained / world * (work.train_micro + work.optimizer_steps)
+                out.host_adam_params += n_trained / world * work.optimizer_steps
+            else:
+                stepped = n_trained / world if knobs.zero_stage >= 1 else n_trained
+                out.gpu_stepped += stepped * work.optimizer_steps
+        elif use.placement != "precompute":
+            if knobs.zero_stage == 3:
+                out.comm_bytes += b * n_all * ring * work.scoring_micro
+            if use.placement == "offload":
+                share = n_all / world if knobs.zero_stage == 3 else n_all
+                out.offload_bytes += b * share * work.scoring_micro
+    return out
+
+
+def _sequence_exchange_s(work: _Work, knobs: Knobs, hw: Hardware, rates: rate_table.Rates, notes: list[str]) -> float:
+    """Seconds of sequence parallel's all-to-all exchanges per unit (0 without it), all exposed; says so in notes."""
+    if knobs.sequence_parallel <= 1:
+        return 0.0
+    across = knobs.sequence_parallel > max(hw.gpus_per_node, 1)
+    exchange_s = work.busiest.exchanged_bytes / link_bandwidth(rates, hw, across_nodes=across)
+    notes.append(f"sequence_parallel {knobs.sequence_parallel}: attention's all-to-all exchanges "
+                 f"({_seconds(exchange_s)} per step, over the "
+                 f"{'inter-node network' if across else 'GPU links'}) are counted as exposed communication, "
+                 f"not overlapped with compute")
+    return exchange_s
+
+
+def _generation_note(knobs: Knobs) -> str:
+    return ("generation time assumes memory-bound decoding (weights read once per new token)"
+            + (f"; vLLM: each process reads 1/{knobs.vllm_tensor_parallel} of them per token step, plus "
+               "the KV cache, and the weights are synced after every update" if knobs.samples_with_vllm
+               else ""))
+
+
+def _steps_and_total(rows: Optional[int], knobs: Knobs, work: _Work, unit_s: float,
+                     pre_per_1000: float) -> tuple[Optional[int], Optional[float]]:
+    """(optimizer steps, seconds) of the whole stage: its epochs over `rows`, or max_steps where set."""
+    steps = total = None
+    if rows is not None:
+        units = max(1, knobs.epochs * rows // work.rows)
+        steps = int(units * work.optimizer_steps)
+        total = units * unit_s + pre_per_1000 * rows / 1000
+    if knobs.max_steps:
+        steps = knobs.max_steps
+        total = knobs.max_steps / work.optimizer_steps * unit_s + (pre_per_1000 * rows / 1000 if rows else 0.0)
+    return steps, total
 
 
 def link_bandwidth(rates: rate_table.Rates, hw: Hardware, across_nodes: bool) -> float:
