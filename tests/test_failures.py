@@ -417,6 +417,7 @@ def score(prompts, completions, labels):
 
 
 @pytest.mark.slow
+@pytest.mark.stack_free
 def test_a_training_process_killed_by_a_signal_is_named_not_the_ranks_that_lost_it(workdir):
     (workdir / "reward.py").write_text(REWARD_THAT_KILLS_RANK_1)
     spec = tiny_pipeline(stages=[tiny_rl_stage({"rules": [{"function": "reward.py:score"}]})])

@@ -39,6 +39,7 @@ def echo_pipeline(workdir):
 
 
 @pytest.mark.slow
+@pytest.mark.stack_free
 def test_a_kind_declared_in_one_file_is_validated_planned_and_run(workdir, plugin_path):
     config = echo_pipeline(workdir)
     planned = run_cli("plan", config, cwd=workdir)
@@ -116,6 +117,8 @@ def simpo_plugin():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.stack_free
 def test_a_supervised_kind_in_one_file_learns_to_prefer_the_chosen_answers(workdir, simpo_plugin):
     stage = {"name": "simpo", "kind": "simpo", "model": "builtin:tiny-llama", "max_steps": 30,
              "learning_rate": 1.0e-3, "data": {"path": "builtin:digits", "eval_split": "eval", "max_rows": 256}}
@@ -196,6 +199,7 @@ def test_a_second_rl_kinds_layout_and_data_are_refused_in_its_own_field_names(wo
 
 
 @pytest.mark.slow
+@pytest.mark.stack_free
 @pytest.mark.e2e  # two RL stages run whole: the plan and validate above are in `make test`
 def test_a_second_rl_kind_loads_its_data_and_trains_as_ppo_does(workdir, rl_plugin):
     done = run_cli("run", rl_pipeline(workdir, REINFORCE, AS_PPO), cwd=workdir)

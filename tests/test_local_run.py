@@ -46,6 +46,7 @@ def stage_status(config: Path, workdir: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.stack_free
 def test_a_local_run_holds_its_folder_and_its_stage_processes_end_with_it(workdir):
     spec = tiny_pipeline(cluster={"tasks_per_node": 1}, defaults={"log_interval": 1})
     spec["stages"][0]["max_steps"] = 100_000  # trains until stopped

@@ -16,7 +16,7 @@ from core import measured
 from core import metrics as records
 from tests.conftest import SECRET_MARKERS, read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.stack_free]
 
 STAGES = ("sft", "rm", "dpo", "rl")
 

@@ -102,6 +102,7 @@ def test_run_says_so_and_keeps_its_outcome_when_the_report_cannot_be_written(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.stack_free
 def test_a_run_whose_stage_failed_ends_with_the_report_of_what_there_is(tmp_path):
     from tests.test_divergence import diverging_run
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import read_metrics, read_result, run_cli, tiny_pipeline, write_pipeline
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.stack_free]
 
 # Put first on PYTHONPATH: every process of the run (the stage processes too) sees
 # TEST_CPU_COUNT cores, and the next sitecustomize on sys.path still runs (tests/pinned_shims,

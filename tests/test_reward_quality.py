@@ -106,6 +106,7 @@ def test_the_stage_warns_when_allowed(workdir):
 
 
 @pytest.mark.slow
+@pytest.mark.stack_free
 def test_the_rl_stage_itself_refuses_before_loading_anything(workdir):
     """On Slurm every stage is submitted before the reward model has run: the stage job checks."""
     config = write_pipeline(workdir, chain(workdir))

@@ -177,6 +177,7 @@ SLEEPS = ("import time\ndef score(prompts, completions, labels):\n"
 
 
 @pytest.mark.slow
+@pytest.mark.stack_free
 def test_a_reward_function_that_sleeps_stops_every_rank_of_an_rl_stage_naming_itself_and_the_row(workdir):
     (workdir / "sleeps.py").write_text(SLEEPS)
     spec = tiny_pipeline(stages=[tiny_rl_stage({"rules": [{"function": "sleeps.py:score"}], "timeout_s": 2})])

@@ -96,6 +96,7 @@ def fake_scheduler():
 
 
 @pytest.mark.slow
+@pytest.mark.stack_free
 def test_a_scheduler_in_one_package_runs_a_stage_requeued_at_its_own_signal(workdir, fake_scheduler, monkeypatch):
     from tests.fake_scheduler import node, submit
 

@@ -71,7 +71,7 @@ ZERO2 = {"zero_stage": 2, "precision": "fp32", "optimizer_offload": False, "save
     [pytest.param(ZERO2, id="zero2"),  # `make test`'s one whole training run (the others read it too)
      pytest.param({"zero_stage": 3, "precision": "fp32", "optimizer_offload": False}, id="zero3", marks=pytest.mark.e2e),
      pytest.param({"zero_stage": 3, "precision": "bf16", "optimizer_offload": False}, id="zero3-bf16",
-                  marks=pytest.mark.e2e),
+                  marks=[pytest.mark.e2e, pytest.mark.stack_free]),
      pytest.param({"zero_stage": 2, "precision": "fp32", "optimizer_offload": True}, id="zero2-offload",
                   marks=pytest.mark.e2e)],
 )
@@ -174,6 +174,7 @@ def test_a_finished_stage_leaves_no_deepspeed_buffers_in_shared_memory(trained):
 
 
 @pytest.mark.e2e
+@pytest.mark.stack_free
 def test_a_finished_stage_is_skipped_and_a_changed_one_starts_over(trained, workdir):
     finished = trained(**ZERO2)
     again = run_pipeline(finished.workdir, finished.spec)
@@ -191,6 +192,7 @@ def test_a_finished_stage_is_skipped_and_a_changed_one_starts_over(trained, work
 
 
 @pytest.mark.e2e
+@pytest.mark.stack_free
 def test_rows_left_with_nothing_to_learn_are_dropped_and_counted_in_the_result(workdir):
     import json
 

@@ -140,6 +140,7 @@ def test_a_hang_is_said_with_its_phase_and_step():
 
 
 @pytest.mark.slow
+@pytest.mark.stack_free
 def test_a_hang_in_evaluation_is_requeued_then_fails_and_the_console_says_hang(workdir):
     stage = {"name": "sft", "kind": "sft_sleeping_eval", "sleep_s": 600, "model": "builtin:tiny-llama",
              "data": {"path": "builtin:digits", "eval_split": "eval"}, "max_steps": 2, "hang_first_s": 10}
