@@ -1,5 +1,6 @@
 """The training engine every stage shares: DeepSpeed config and start-up, the
-training loop, metrics, and export to Hugging Face format (checkpoints: stages/checkpoints.py).
+training loop, metrics and the optimizer step (checkpoints: stages/checkpoints.py; export to Hugging Face
+format: stages/export.py).
 
 Every trainable stage runs on one loop (`run`): resume, metrics, the log, eval and
 save intervals, save-and-requeue at a signal, the phases the hang watchdog times
@@ -11,16 +12,11 @@ update (stages/ppo.py).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import json
 import logging
 import math
-import os
-import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -32,9 +28,7 @@ from core.batching import accumulation_steps
 from core.checkpoints import newest_intact
 from core.deepspeed_settings import bucket_elements, offloads_optimizer, persistence_threshold, reduce_bucket_elements
 from core.errors import Diverged, InvalidInput
-from core.failure import saving
-from core.runfolder import temporary
-from stages import collectives, preemption, pretrained, tracking, watchdog
+from stages import collectives, preemption, tracking, watchdog
 from stages.checkpoints import Checkpoints
 
 log = logging.getLogger("stages")
@@ -555,76 +549,3 @@ def _device_peak_flops(ctx) -> Optional[float]:
 
     gpu = gpu_for_device(torch.cuda.get_device_name(ctx.device))
     return gpu.peak_tflops(ctx.task.stage.precision) * 1e12 if gpu else None
-
-
-# --------------------------------------------------------------------------- export
-
-
-def gather_state_dict(module, is_main: bool) -> Optional[dict]:
-    """Full weights on rank 0 (CPU), one parameter at a time so ZeRO-3 never holds the
-    whole model on a GPU; None on the other ranks."""
-    import deepspeed
-
-    state = {}
-    for name, param in module.named_parameters():
-        sharded = hasattr(param, "ds_id")
-        context = deepspeed.zero.GatheredParameters([param], modifier_rank=None) if sharded else contextlib.nullcontext()
-        with context:
-            if is_main:
-                state[name] = param.detach().to("cpu", copy=True)
-    for name, buffer in module.named_buffers():
-        if is_main and name in module.state_dict():
-            state[name] = buffer.detach().to("cpu", copy=True)
-    return state if is_main else None
-
-
-def merge_lora_state_dict(state: dict, scaling: float, adapter: str = "default") -> dict:
-    """peft-named weights -> plain model weights with W + scaling * B @ A folded in.
-
-    `base_model.model.` prefixes and `.base_layer` infixes are dropped, and a
-    module trained in full next to the adapters (modules_to_save) replaces the
-    original.
-    """
-    out: dict = {}
-    for name, tensor in state.items():
-        if ".lora_A." in name or ".lora_B." in name or ".original_module." in name:
-            continue
-        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        plain = plain.replace(f".modules_to_save.{adapter}.", ".")
-        if name.endswith(".base_layer.weight"):
-            stem = name.removesuffix(".base_layer.weight")
-            a = state[f"{stem}.lora_A.{adapter}.weight"].float()
-            b = state[f"{stem}.lora_B.{adapter}.weight"].float()
-            tensor = (tensor.float() + scaling * (b @ a)).to(tensor.dtype)
-        out[plain] = tensor
-    return out
-
-
-@watchdog.phase(watchdog.EXPORT)
-def export(engine, tokenizer, stage, out_dir: Path, is_main: bool, extra_files: dict | None = None) -> None:
-    """Write model/ in Hugging Face format (LoRA merged unless kept), atomically."""
-    module = engine.module
-    if engine.zero_optimization_stage() == 3:
-        # An evaluation forward (no backward) leaves parameters prefetched for the training
-        # trace in flight; gathering one of them then fails with "Cannot partition a param in
-        # flight" (ZeRO-3 on an H100, after the final evaluation). Settle them first.
-        engine.empty_partition_cache()
-    state = gather_state_dict(module, is_main)
-    if is_main:
-        tmp = temporary(out_dir)
-        shutil.rmtree(tmp, ignore_errors=True)
-        is_peft = hasattr(module, "peft_config")
-        with saving(tmp, "the exported model"):
-            # The config as the model came, not as loading adapted it (e.g. positions capped).
-            with pretrained.exported_config(module):
-                if is_peft and stage.lora.merge:
-                    base = module.get_base_model()
-                    base.save_pretrained(tmp, state_dict=merge_lora_state_dict(state, stage.lora.alpha / stage.lora.rank))
-                else:
-                    module.save_pretrained(tmp, state_dict=state)
-            tokenizer.save_pretrained(tmp)
-            for name, content in (extra_files or {}).items():
-                (tmp / name).write_text(json.dumps(content, indent=2))
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
-    dist.barrier()

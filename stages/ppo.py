@@ -40,7 +40,7 @@ from core.rewards import RuleReward
 from core.schemas.ppo import PPOStage
 from core.schemas.reward import RULES_NEEDING_LABELS
 from core.task import StageTask
-from stages import collectives, data, engine, generation, models, phases, sequence_parallel
+from stages import collectives, data, engine, export, generation, models, phases, sequence_parallel
 from stages import policy_losses as L
 from stages.rollout import Models, Prompt, Rollout, RolloutMaker, TrainBatch, entropy_of, logprobs_of, values_of
 from stages.vllm_engine import VllmEngine
@@ -69,9 +69,9 @@ def run(task: StageTask, ctx: StageContext) -> dict:
     outcome = engine.run(rollouts, stage, ctx)
     rollouts.clock.close()
     rollouts.maker.rules.close()  # the reward functions' processes
-    engine.export(rl_models.actor, tokenizer, stage, ctx.folder.model, ctx.is_main)
+    export.export(rl_models.actor, tokenizer, stage, ctx.folder.model, ctx.is_main)
     if rl_models.critic is not None:
-        engine.export(rl_models.critic, tokenizer, critic_stage(stage), ctx.folder.critic, ctx.is_main)
+        export.export(rl_models.critic, tokenizer, critic_stage(stage), ctx.folder.critic, ctx.is_main)
     return {
         "initial_reward": outcome["initial"]["reward"],
         "final_reward": outcome["final"]["reward"],

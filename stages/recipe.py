@@ -26,7 +26,7 @@ from core.batching import MicroBatch, Step
 from core.flops import sequence_flops
 from core.kinds import StageKind
 from core.task import StageTask
-from stages import collectives, data, engine, models
+from stages import collectives, data, engine, export, models
 
 if TYPE_CHECKING:
     from stages.runner import StageContext
@@ -75,7 +75,7 @@ class Recipe:
                            steps=self.train_set.steps, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
                            flops=self.flops)
         outcome = engine.train(self.ds, loop, stage, ctx)
-        engine.export(self.ds, self.tokenizer, stage, ctx.folder.model, ctx.is_main,
+        export.export(self.ds, self.tokenizer, stage, ctx.folder.model, ctx.is_main,
                       extra_files=self.export_files(outcome))
         return {**self.result(outcome), "truncation": self.tokenized.record()}
 

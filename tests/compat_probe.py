@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from core.schemas.sft import SFTStage  # noqa: E402
 from core.errors import InvalidInput  # noqa: E402
-from stages import compat, distributed, engine, models, rotary_fp32  # noqa: E402
+from stages import compat, distributed, engine, export, models, rotary_fp32  # noqa: E402
 
 
 def stage(max_len: int, precision: str = "bf16") -> SFTStage:
@@ -90,7 +90,7 @@ def train_step(folder: str) -> dict:
     with deepspeed.zero.GatheredParameters([first]):
         changed = (first.detach().float() - before).abs().max().item()
     out = Path(tempfile.mkdtemp(prefix="compat-export-"))
-    engine.export(ds, models.load_tokenizer(folder), spec, out / "model", is_main=True)
+    export.export(ds, models.load_tokenizer(folder), spec, out / "model", is_main=True)
     models._live_ds_configs.clear()  # ZeRO-3 off again: reload with plain transformers
     exported = AutoModelForCausalLM.from_pretrained(out / "model")
     with torch.no_grad():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from core.schemas.sft import SFTStage
-from stages import engine
+from stages import engine, export
 from tests.conftest import REPO
 
 
@@ -153,7 +153,7 @@ def test_lora_merge_matches_peft_merge_and_unload(tmp_path):
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_()
-    merged = engine.merge_lora_state_dict(dict(model.state_dict()), scaling=8 / 4)
+    merged = export.merge_lora_state_dict(dict(model.state_dict()), scaling=8 / 4)
     reference = model.merge_and_unload().state_dict()
     assert set(merged) == set(reference)
     for name, tensor in reference.items():

@@ -255,7 +255,7 @@ from pathlib import Path
 from core import failure, tiny
 from core.checkpoints import newest_intact
 from core.runfolder import StageFolder
-from stages import compat, distributed, engine, models
+from stages import compat, distributed, engine, export, models
 from tests.test_engine import stage
 from tests.test_failures import fill
 
@@ -273,7 +273,7 @@ model = AutoModelForCausalLM.from_pretrained(model_dir)
 ds = engine.initialize(model, spec, engine.deepspeed_config(spec, 1, 64, on_gpu=False), total_steps=10)
 checkpoints = engine.Checkpoints(folder, keep=2, is_main=True)
 checkpoints.save(ds, 1, {"step": 1})
-engine.export(ds, tokenizer, spec, folder.model, is_main=True)
+export.export(ds, tokenizer, spec, folder.model, is_main=True)
 exported = sorted(p.name for p in folder.model.iterdir())
 failure.reserve(folder, 0)
 
@@ -287,7 +287,7 @@ def outcome(action):
 
 seen = {}
 for name, action in (("checkpoint", lambda: checkpoints.save(ds, 2, {"step": 2})),
-                     ("export", lambda: engine.export(ds, tokenizer, spec, folder.model, is_main=True))):
+                     ("export", lambda: export.export(ds, tokenizer, spec, folder.model, is_main=True))):
     fill(work)  # again: each failed save frees what it had written
     seen[name] = outcome(action)
 try:
