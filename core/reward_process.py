@@ -30,7 +30,6 @@ import time
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Optional
 
 import schedulers
 
@@ -58,10 +57,10 @@ class FunctionProcess:
 
     def __init__(self, reference: str):
         self.reference = reference
-        self.child: Optional[subprocess.Popen] = None
-        self.connection: Optional[Connection] = None
+        self.child: subprocess.Popen | None = None
+        self.connection: Connection | None = None
 
-    def start(self, timeout_s: Optional[float]) -> tuple:
+    def start(self, timeout_s: float | None) -> tuple:
         """Start the child and wait (at most timeout_s) for it to load the function: (VALUES, None),
         or its INVALID or RAISED answer (a missing file, an import that fails)."""
         self.close()  # a child that ended
@@ -77,7 +76,7 @@ class FunctionProcess:
         self.connection = ours
         return self._answer(timeout_s)
 
-    def call(self, samples, timeout_s: Optional[float]) -> tuple:
+    def call(self, samples, timeout_s: float | None) -> tuple:
         """The child's answer on `samples`: (VALUES, numbers), (INVALID, message) or (RAISED, text);
         TimedOut when it has not answered within timeout_s (None: no limit)."""
         started = time.monotonic()
@@ -92,7 +91,7 @@ class FunctionProcess:
             pass
         return self._answer(left)
 
-    def _answer(self, timeout_s: Optional[float]) -> tuple:
+    def _answer(self, timeout_s: float | None) -> tuple:
         try:
             ready = self.connection.poll(None if timeout_s is None else max(timeout_s, 0.0))
             if ready:

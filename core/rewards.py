@@ -32,9 +32,9 @@ import inspect
 import math
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 from core.errors import InvalidInput
 from core.reward_process import INVALID, RAISED, FunctionProcess, Raised, TimedOut, said
@@ -57,14 +57,14 @@ class Samples:
     prompts: list[str]
     completions: list[str]
     rows: list[dict]  # every column of each completion's data row
-    labels: list[Optional[str]]  # the rows' label column (label_key)
+    labels: list[str | None]  # the rows' label column (label_key)
     lengths: list[int]  # tokens of each completion, eos included
     names: list[str]  # how an error names each row, e.g. "train row 17"
 
     def __len__(self) -> int:
         return len(self.completions)
 
-    def one(self, i: int) -> "Samples":
+    def one(self, i: int) -> Samples:
         return Samples(*([getattr(self, f)[i]] for f in ("prompts", "completions", "rows", "labels", "lengths",
                                                          "names")))
 
@@ -86,7 +86,7 @@ class Samples:
 
 def exact_match(prompts, completions, labels) -> list[float]:
     """1 when the completion (stripped) equals the row's label, else 0."""
-    return [float(c.strip() == (l or "").strip()) for c, l in zip(completions, labels)]
+    return [float(c.strip() == (label or "").strip()) for c, label in zip(completions, labels)]
 
 
 def numeric_match(prompts, completions, labels, tolerance: float = 1e-6) -> list[float]:
@@ -202,7 +202,7 @@ class FunctionTerm:
     """A user's function as a term: called in its own child process (core/reward_process.py), each
     call stopped after timeout_s (None: no limit). Loading it stops the stage as a call would."""
 
-    def __init__(self, reference: str, timeout_s: Optional[float]):
+    def __init__(self, reference: str, timeout_s: float | None):
         self.reference, self.timeout_s = reference, timeout_s
         self.process = FunctionProcess(reference)
         try:
@@ -214,7 +214,7 @@ class FunctionTerm:
         except Raised as err:
             raise RewardError(f"reward function {reference}: loading it failed: {err}") from None
 
-    def __call__(self, samples: Samples, timeout_s: Optional[float] = None) -> list:
+    def __call__(self, samples: Samples, timeout_s: float | None = None) -> list:
         """The function's numbers (checked); TimedOut past timeout_s (default: the term's own)."""
         return self._values(self.process.call(samples, self.timeout_s if timeout_s is None else timeout_s))
 
@@ -248,7 +248,7 @@ class RuleReward:
         self.terms = terms  # (name, term on Samples, weight)
 
     @classmethod
-    def from_specs(cls, specs, timeout_s: Optional[float] = None) -> "RuleReward":
+    def from_specs(cls, specs, timeout_s: float | None = None) -> RuleReward:
         """From the pipeline file's reward rules (objects with rule/function, weight, options);
         a user function's calls are stopped after timeout_s (reward.timeout_s; None: never)."""
         terms = []
@@ -381,7 +381,7 @@ class RunningMoments:
     def std(self) -> float:
         return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
 
-    def normalize(self, values: Sequence[float], clip: Optional[float] = None) -> list[float]:
+    def normalize(self, values: Sequence[float], clip: float | None = None) -> list[float]:
         out = [(v - self.mean) / (self.std + 1e-8) for v in values]
         if clip:
             out = [max(-clip, min(clip, v)) for v in out]

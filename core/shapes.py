@@ -22,11 +22,10 @@ import json
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Optional
 
-from core.families import PATCHED_FAMILIES  # noqa: F401  (stages/compat.py reads it from here)
 from core.families import (
     FAMILIES,
+    PATCHED_FAMILIES,  # noqa: F401  (stages/compat.py reads it from here)
     Family,
     LatentAttention,
     biases,
@@ -57,7 +56,7 @@ class ModelShape:
     tied_embeddings: bool = False
     qkv_bias: bool = False
     model_type: str = "llama"
-    head_dim_override: Optional[int] = None
+    head_dim_override: int | None = None
     o_bias: bool = False
     mlp_bias: bool = False
     # mixture of experts: routed experts per expert layer (0: dense), how many each token goes
@@ -67,9 +66,9 @@ class ModelShape:
     expert_intermediate: int = 0
     shared_expert_intermediate: int = 0
     dense_layers: tuple = ()
-    latent: Optional[LatentAttention] = None
+    latent: LatentAttention | None = None
     # Not a size (so not part of a shape's equality): kept so a scale model (pipeline/scale.py) has the real one.
-    rope_theta: Optional[float] = field(default=None, compare=False)
+    rope_theta: float | None = field(default=None, compare=False)
     source: str = field(default="", compare=False)
 
     # ------------------------------------------------------------ family
@@ -319,7 +318,7 @@ class ModelShape:
                 tensors += [rank * self.vocab, self.hidden * rank]
         return tensors
 
-    def trained_tensors(self, head: str, lora_rank: Optional[int] = None, lora_targets=()) -> list[int]:
+    def trained_tensors(self, head: str, lora_rank: int | None = None, lora_targets=()) -> list[int]:
         """numel of every tensor a stage trains of this model: all of them, or with LoRA its adapters
         (and a reward or value model's scalar head, which peft trains in full: modules_to_save)."""
         if not lora_rank:
@@ -438,7 +437,7 @@ def to_config_json(shape: ModelShape) -> dict:
     return config
 
 
-def builtin_config(hub_id: str) -> Optional[dict]:
+def builtin_config(hub_id: str) -> dict | None:
     """The config.json of a hub id of the built-in table: as published (the experts'), or written
     from its shape (to_config_json); None for a hub id not in the table."""
     shape = _builtin_lookup(hub_id)
@@ -448,13 +447,13 @@ def builtin_config(hub_id: str) -> Optional[dict]:
     return dict(published) if published else to_config_json(shape)
 
 
-def _head_dim_override(config: dict, hidden: int, heads: int) -> Optional[int]:
+def _head_dim_override(config: dict, hidden: int, heads: int) -> int | None:
     """config.json's head_dim when it differs from hidden / heads (e.g. Gemma), else None."""
     head_dim = config.get("head_dim")
     return int(head_dim) if head_dim and int(head_dim) != hidden // heads else None
 
 
-def _rope_theta(config: dict) -> Optional[float]:
+def _rope_theta(config: dict) -> float | None:
     """rope_theta at the top (transformers 4.x) or under rope_parameters (5.x)."""
     theta = config.get("rope_theta")
     if theta is None and isinstance(config.get("rope_parameters"), dict):
@@ -532,7 +531,7 @@ def tiny_llama_shape() -> ModelShape:
 # --------------------------------------------------------------------------- resolving a name
 
 
-def cached_config(hub_id: str, hub_cache: Optional[Path]) -> Optional[Path]:
+def cached_config(hub_id: str, hub_cache: Path | None) -> Path | None:
     """config.json of a hub model in the hub cache (the snapshot refs/main names, else the newest)."""
     if hub_cache is None or hub_id.count("/") != 1:
         return None
@@ -549,12 +548,12 @@ def cached_config(hub_id: str, hub_cache: Optional[Path]) -> Optional[Path]:
     return configs[0] if configs else None
 
 
-def _builtin_lookup(model: str) -> Optional[ModelShape]:
+def _builtin_lookup(model: str) -> ModelShape | None:
     lowered = {k.lower(): v for k, v in BUILTIN_SHAPES.items()}
     return lowered.get(model.lower())
 
 
-def resolve_shape(model: str, hub_cache: Optional[Path] = None) -> ModelShape:
+def resolve_shape(model: str, hub_cache: Path | None = None) -> ModelShape:
     """The shape of what a stage's `model:` names: builtin:NAME, a local folder, a hub id
     in the hub cache (pipeline/hfcache.py says where; None: none is looked at), or a hub id
     in the built-in table (in that order)."""
@@ -579,7 +578,7 @@ def resolve_shape(model: str, hub_cache: Optional[Path] = None) -> ModelShape:
     )
 
 
-def _shape_of_folder(path: Path, name: str, hub_cache: Optional[Path]) -> ModelShape:
+def _shape_of_folder(path: Path, name: str, hub_cache: Path | None) -> ModelShape:
     if path.is_file():
         return read_config_json(path)
     config = path / "config.json"

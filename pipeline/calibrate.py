@@ -17,7 +17,6 @@ import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from core import calibration, hardware, kinds, runfolder
 from core.calibration import Calibration
@@ -97,7 +96,7 @@ class Request:
     processes_per_node: int  # the pipeline's: a stage process's share of the cores is cores // this
     sizes: Sizes
     require_gpu: bool  # refuse (InvalidInput) rather than measure only the CPU when no GPU is visible
-    offload: Optional[OffloadSlice] = None  # None: the offloaded step is not measured (request says why)
+    offload: OffloadSlice | None = None  # None: the offloaded step is not measured (request says why)
 
 
 def gemms(spec: PipelineSpec) -> list[Gemm]:
@@ -136,7 +135,7 @@ def gemms(spec: PipelineSpec) -> list[Gemm]:
 SLICE_VOCAB = 256
 
 
-def offload_slice(spec: PipelineSpec, sizes: Sizes) -> Optional[OffloadSlice]:
+def offload_slice(spec: PipelineSpec, sizes: Sizes) -> OffloadSlice | None:
     """The slice of the model of the file's first stage that offloads its optimizer (else its first
     stage) whose offloaded step calibrate times; None where the model's config.json is not here."""
     cache = hf_cache(spec)
@@ -156,7 +155,7 @@ def offload_slice(spec: PipelineSpec, sizes: Sizes) -> Optional[OffloadSlice]:
     return OffloadSlice(model, config, layers, params, stage.precision, stage.zero_stage or 2)
 
 
-def _config_json(model: str, cache) -> Optional[dict]:
+def _config_json(model: str, cache) -> dict | None:
     """A model's config.json: its folder's (local or in the hub cache), the built-in table's."""
     folder = model_folder(model, cache)
     if folder is not None and (folder / "config.json").is_file():
@@ -177,7 +176,7 @@ def request(spec: PipelineSpec, quick: bool, require_gpu: bool) -> Request:
 
 
 def calibrate(spec: PipelineSpec, executor, quick: bool = False, require_gpu: bool = False,
-              out: Optional[Path] = None, echo=print) -> tuple[Calibration, Path]:
+              out: Path | None = None, echo=print) -> tuple[Calibration, Path]:
     """Measure where `executor` (pipeline/executors/) runs the stages: this machine, or one job
     of the cluster; write the file (`out`, else <runs_dir>/calibration/<GPU>.json) and return
     it with its path."""
@@ -262,7 +261,7 @@ def summary(result: Calibration, path: Path, spec: PipelineSpec) -> str:
     return "\n".join(lines + [f"  note: {note}" for note in notes])
 
 
-def _rate(value: Optional[float], unit: str) -> str:
+def _rate(value: float | None, unit: str) -> str:
     """A rate to three significant figures; "-" for one not measured (or not in the catalogue)."""
     if not value:
         return "-"

@@ -14,14 +14,21 @@ import functools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from core import kinds
 from core.batching import accumulation_steps, rows_per_step
 from core.config import RULES_NEEDING_LABELS, PipelineSpec
 from core.errors import InvalidInput
-from core.rows import (SUPPORTED_DATA, dataset_folder, eval_copies, hold_out, is_row_file, read_rows,
-                       required_columns, select_rows)
+from core.rows import (
+    SUPPORTED_DATA,
+    dataset_folder,
+    eval_copies,
+    hold_out,
+    is_row_file,
+    read_rows,
+    required_columns,
+    select_rows,
+)
 from pipeline.hub import FILE_SUFFIXES, Hub, dataset_cached, looks_like_path
 
 
@@ -29,7 +36,7 @@ from pipeline.hub import FILE_SUFFIXES, Hub, dataset_cached, looks_like_path
 class DataFound:
     """What the checks learned of a stage's data, for the checks that follow."""
 
-    rows: Optional[int] = None  # usable rows of data.path (its split): None when not known here
+    rows: int | None = None  # usable rows of data.path (its split): None when not known here
     held_out: bool = False  # the evaluation rows are taken out of them (no eval_split)
     source: str = ""
     records: list = field(default_factory=list)  # (source, usable rows as dicts) read here

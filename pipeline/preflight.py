@@ -31,12 +31,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 from core import failure, kinds, reward_quality, rollout_engine, sequence_parallel
-from core.families import attention_kernel, attention_refusal, installed_transformers
 from core.config import BUILTIN_PREFIX, PipelineSpec
 from core.errors import InvalidInput
+from core.families import attention_kernel, attention_refusal, installed_transformers
 from core.shapes import ShapeNotFound, cached_config, resolve_shape
 from core.task import is_finished
 from pipeline import graph, truncation, weightnames
@@ -146,7 +145,7 @@ def root_model(spec: PipelineSpec, stage) -> str:
     return stage.model
 
 
-def model_folder(name: str, cache: HFCache) -> Optional[Path]:
+def model_folder(name: str, cache: HFCache) -> Path | None:
     """The folder holding a model's files on this machine: a local folder or a cached hub snapshot."""
     if name.startswith(BUILTIN_PREFIX):
         return None
@@ -323,7 +322,7 @@ def check_reward_model(spec: PipelineSpec, stage, where: str) -> None:
 IMPORT_CODE = "import sys; from core.rewards import load_function; load_function(sys.argv[1])"
 
 
-def import_problem(reference: str, timeout_s: float = REWARD_IMPORT_TIMEOUT_S) -> Optional[str]:
+def import_problem(reference: str, timeout_s: float = REWARD_IMPORT_TIMEOUT_S) -> str | None:
     """Why `path.py:function` does not import as the stage imports it (None when it does),
     found in a child process that is killed after timeout_s."""
     from core.rewards import split_reference

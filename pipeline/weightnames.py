@@ -16,9 +16,9 @@ the stage's own check (stages/loaded_weights.py) finds the rest when it loads th
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 from core.shapes import ModelShape, from_config_json
 
@@ -58,7 +58,7 @@ NAMINGS = {**dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen3", "ge
                             "granite"), LLAMA_STYLE), "gpt2": GPT2}
 
 
-def mismatch(config: dict, tensors: dict[str, tuple[list[int], Path]]) -> Optional[str]:
+def mismatch(config: dict, tensors: dict[str, tuple[list[int], Path]]) -> str | None:
     """What in `tensors` (name: shape, file) config.json (parsed) contradicts; None when nothing,
     or when it cannot tell."""
     naming = NAMINGS.get(config.get("model_type"))

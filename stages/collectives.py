@@ -17,14 +17,15 @@ sums it in place.
 
 from __future__ import annotations
 
-from typing import Sequence, TypeVar, Union
+from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from stages import sequence_parallel
 
-Numbers = TypeVar("Numbers", bound=Union[Sequence[float], torch.Tensor])
+Numbers = TypeVar("Numbers", bound=Sequence[float] | torch.Tensor)
 
 
 def sum_once_per_group(values: Numbers) -> Numbers:

@@ -436,7 +436,7 @@ class Batch:
         out = torch.full((self.n_sequences,), -1, dtype=torch.long, device=flat.device)
         return out.scatter_reduce(0, flat[keep], index[keep], reduce="amax")
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         moved = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in vars(self).items()}
         return Batch(**moved)
 

@@ -33,7 +33,6 @@ import sysconfig
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
 
 ENV = "TORCH_EXTENSIONS_DIR"
 # What each op is, and about how long it takes to compile on an idle 2-core machine (the
@@ -158,7 +157,7 @@ def _announcing(run_ninja_build):
     return run
 
 
-def pending(build_directory: Path) -> Optional[str]:
+def pending(build_directory: Path) -> str | None:
     """Why ninja would compile something in `build_directory` (its dry run, explained), or None
     when it has nothing to do or cannot say (then the real run reports its own errors)."""
     had_log = (build_directory / ".ninja_log").exists()  # a dry run may remove one it cannot read

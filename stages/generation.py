@@ -37,8 +37,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -59,7 +59,7 @@ class Sampled:
     completions none (None)."""
 
     ids: list[list[int]]
-    logprobs: Optional[list[list[float]]] = None
+    logprobs: list[list[float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def engine_for(stage, module, device) -> str:
 
 
 def generate(actor, prompts: Sequence, *, tokenizer, stage, device, greedy: bool = False,
-             clock=None, decoding: Optional[str] = None) -> list[list[int]]:
+             clock=None, decoding: str | None = None) -> list[list[int]]:
     """Response token ids for each prompt (objects with `.ids`, the prompt's token ids). Every process
     must call this as often as the others, with any number of prompts (ZeRO-3 gathers collectively).
     `clock` (stages/phases.py), if given, is told the seconds spent gathering and releasing the
@@ -172,7 +172,7 @@ def _static_failed(err: Exception) -> None:
         "slower). Please report it with this log", _static_broken, exc_info=True)
 
 
-_static_broken: Optional[str] = None  # why the static loop failed in this process, if it did
+_static_broken: str | None = None  # why the static loop failed in this process, if it did
 
 
 def padded_decoding(device, zero_stage: int) -> str:

@@ -32,8 +32,8 @@ group's numbers once (stages/collectives.py sum_once_per_group).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ class Prompt:
     text: str
     ids: list[int]  # the prompt's token ids
     row: dict  # every column of the data row (reward functions see them all)
-    label: Optional[str]  # the label column (label_key), what exact_match compares with
+    label: str | None  # the label column (label_key), what exact_match compares with
 
     @property
     def name(self) -> str:
@@ -69,11 +69,11 @@ class Models:
     reference and the reward model are frozen (stages/models.py FrozenModel)."""
 
     actor: object
-    reference: Optional[object]  # None without a KL term (kl_coef 0): not loaded, never run
+    reference: object | None  # None without a KL term (kl_coef 0): not loaded, never run
     tokenizer: object
-    critic: Optional[object] = None  # gae only
-    reward_model: Optional[object] = None
-    reward_tokenizer: Optional[object] = None
+    critic: object | None = None  # gae only
+    reward_model: object | None = None
+    reward_tokenizer: object | None = None
 
 
 @dataclass
@@ -86,11 +86,11 @@ class TrainBatch:
     tokens: data.Batch
     mask: torch.Tensor  # response tokens that train
     old_logprobs: torch.Tensor
-    ref_logprobs: Optional[torch.Tensor]  # None without a reference
+    ref_logprobs: torch.Tensor | None  # None without a reference
     advantages: torch.Tensor
-    returns: Optional[torch.Tensor]  # gae
-    values: Optional[torch.Tensor]  # gae: the critic's values at sampling time
-    sampler_weights: Optional[torch.Tensor] = None  # truncated importance weights (samples from vLLM)
+    returns: torch.Tensor | None  # gae
+    values: torch.Tensor | None  # gae: the critic's values at sampling time
+    sampler_weights: torch.Tensor | None = None  # truncated importance weights (samples from vLLM)
 
 
 @dataclass
@@ -121,18 +121,18 @@ class Rollout:
     old_logprobs: torch.Tensor  # (S, W-1) the actor's at sampling time (temperature applied)
     # Without a reference (no KL term) both are None: nothing to compare with, rather than zeros
     # that would read as "the policy has not moved".
-    ref_logprobs: Optional[torch.Tensor]  # (S, W-1) the reference's
-    kl: Optional[torch.Tensor]  # (S, W-1) KL estimate per response token (kl_estimator)
+    ref_logprobs: torch.Tensor | None  # (S, W-1) the reference's
+    kl: torch.Tensor | None  # (S, W-1) KL estimate per response token (kl_estimator)
     scores: torch.Tensor  # (S,) reward of each sequence after normalisation and clipping
     advantages: torch.Tensor  # (S, W-1)
-    returns: Optional[torch.Tensor]  # (S, W-1) gae: the critic's targets
-    values: Optional[torch.Tensor]  # (S, W-1) gae: the critic's values at sampling time
+    returns: torch.Tensor | None  # (S, W-1) gae: the critic's targets
+    values: torch.Tensor | None  # (S, W-1) gae: the critic's values at sampling time
     processed_tokens: int = 0  # tokens the scoring passes processed here, padding included
-    stats: Optional[RolloutStats] = None
+    stats: RolloutStats | None = None
     # Samples from another engine (vLLM): its log-prob of each token, aligned as old_logprobs (0 off
     # the mask), and the truncated importance weights of the policy loss (None: no correction).
-    sampler_logprobs: Optional[torch.Tensor] = None
-    sampler_weights: Optional[torch.Tensor] = None
+    sampler_logprobs: torch.Tensor | None = None
+    sampler_weights: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -188,8 +188,8 @@ class _Drawn:
     terms: dict = field(default_factory=dict)  # reward term -> its value's mean, once per sample
     logprobs: list = field(default_factory=list)  # the sampler's token log-probs per sample (vLLM), or None
 
-    def add(self, prompts, responses, rewards, trains: bool = True, terms: Optional[dict] = None,
-            logprobs: Optional[list] = None) -> None:
+    def add(self, prompts, responses, rewards, trains: bool = True, terms: dict | None = None,
+            logprobs: list | None = None) -> None:
         self.prompts += list(prompts)
         self.responses += list(responses)
         self.logprobs += list(logprobs) if logprobs is not None else [None] * len(prompts)
@@ -203,7 +203,7 @@ class RolloutMaker:
     """Makes one rollout after another; holds the running reward statistics (checkpointed)."""
 
     def __init__(self, stage, ctx, models: Models, rules: RuleReward, generate_fn: Callable = generate,
-                 clock: Optional[Clock] = None):
+                 clock: Clock | None = None):
         self.stage, self.ctx, self.models, self.rules = stage, ctx, models, rules
         self.generate_fn = generate_fn
         self.clock = clock if clock is not None else Clock()
@@ -419,7 +419,7 @@ def _as_sampled(out) -> Sampled:
     return out if isinstance(out, Sampled) else Sampled(out)
 
 
-def sampler_logprobs(drawn: _Drawn, sequences: list[list[int]], shape, device) -> Optional[torch.Tensor]:
+def sampler_logprobs(drawn: _Drawn, sequences: list[list[int]], shape, device) -> torch.Tensor | None:
     """The sampler's log-prob of each response token (S, W-1), aligned as old_logprobs (entry t is
     about token t + 1; responses cut to max_len as their sequences are), or None where the samples
     came without them (a transformers engine, the same as the trainer's)."""

@@ -18,13 +18,11 @@ Torch-free, and light: it lives as long as the task.
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import schedulers
 from core import failure
@@ -70,7 +68,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def oom_kill_count() -> Optional[int]:
+def oom_kill_count() -> int | None:
     """How many processes the kernel's out-of-memory killer has ended in this process's memory
     cgroup (v2 memory.events, v1 memory.oom_control); None where it cannot be read."""
     try:

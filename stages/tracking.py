@@ -14,7 +14,6 @@ import logging
 import os
 import sys
 import time
-from typing import Optional
 
 from core import metrics as records
 from core.failure import writing
@@ -80,7 +79,7 @@ class Metrics:
 
     # ---- outputs
 
-    def _open(self, purge_from: Optional[int]) -> None:
+    def _open(self, purge_from: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         if self._tensorboard is not None:

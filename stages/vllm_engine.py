@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ class VllmEngine:
         self.stage, self.on_gpu = stage, ctx.on_gpu
         n = stage.vllm.tensor_parallel
         self.group = _tensor_parallel_group(ctx.rank, ctx.world_size, n)
-        self.synced_step: Optional[int] = None  # the actor's optimizer steps at the last sync
+        self.synced_step: int | None = None  # the actor's optimizer steps at the last sync
         self.sleeping = False
         self.sync_bytes = 0  # handed over at the last sync, by this process
         started = time.perf_counter()

@@ -11,7 +11,8 @@ import shlex
 import pytest
 import torch
 
-from core import calibration, config as config_module
+from core import calibration
+from core import config as config_module
 from core.errors import InvalidInput
 from pipeline import calibrate, cli
 from schedulers.slurm import submit as slurm
@@ -197,7 +198,7 @@ def test_a_reward_model_has_no_vocabulary_head_to_time_and_each_precision_gets_i
     assert [(g.m, g.dtype) for g in references] == [(8192, "fp32")]
 
 
-def test_the_slurm_job_is_one_task_with_the_clusters_section_and_every_core_of_the_stages_processes(login_node):
+def test_the_slurm_job_is_one_task_with_the_clusters_section_and_every_core_of_the_stages_processes(login_node):  # noqa: F811 -- the imported login_node fixture
     (login_node / "containers").mkdir()
     (login_node / "containers" / "pinned.sif").write_text("")
     spec = config_module.load_pipeline("llama34b_dpo")  # slurm, partition gpu, 8 GPUs x 12 cpus, a container

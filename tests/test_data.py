@@ -52,7 +52,7 @@ def test_the_digits_task_rejected_answers_are_wrong_and_chosen_are_right(tmp_pat
     for row in rows[:200]:
         assert tiny.digits_answer_is_correct(row["prompt"], row["chosen"])
         assert not tiny.digits_answer_is_correct(row["prompt"], row["rejected"])
-    eval_prompts = {json.loads(l)["prompt"] for l in (folder / "eval.jsonl").read_text().splitlines()}
+    eval_prompts = {json.loads(line)["prompt"] for line in (folder / "eval.jsonl").read_text().splitlines()}
     assert not eval_prompts & {r["prompt"] for r in rows}
 
 

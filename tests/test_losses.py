@@ -15,16 +15,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from stages import losses as L  # noqa: E402
-from stages.losses import (  # noqa: E402
+from stages import losses as L
+from stages.losses import (
     AdaptiveKLController,
     AdvantageInputs,
     AdvantageSettings,
     FixedKLController,
     aggregate_loss,
     dpo_loss,
-    estimate_advantages,
     entropy_from_logits,
+    estimate_advantages,
     gae,
     grpo_advantages,
     kl_penalty,

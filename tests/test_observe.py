@@ -276,8 +276,8 @@ def test_report_and_status_agree_on_each_stage_after_a_cancel_a_kill_and_before_
 
     from core.config import load_pipeline
     from pipeline import state
-    from schedulers.local.submit import LocalExecutor
     from pipeline.graph import build_tasks
+    from schedulers.local.submit import LocalExecutor
 
     sft = {"kind": "sft", "model": "builtin:tiny-llama", "data": {"path": "builtin:digits"}, "max_steps": 40}
     config = write_pipeline(workdir, tiny_pipeline(stages=[{"name": n, **sft} for n in ("cancelled", "killed", "later")]))

@@ -174,7 +174,7 @@ def test_gradient_checkpointing_recomputes_packed_attention_on_autograd_s_own_th
         compat.enable_checkpointing(model)
         failures = []
 
-        def backward(loss):
+        def backward(loss, failures=failures):
             try:
                 loss.backward()
             except Exception as err:  # noqa: BLE001 -- reported below, in the test's thread

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from pipeline.plan import rates
 from benchmarks.gpu import records
+from pipeline.plan import rates
 
 RECORDS = records.records()
 

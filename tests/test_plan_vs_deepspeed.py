@@ -382,7 +382,7 @@ def bucket_worker(model_dir: str, out_dir: str) -> None:
         if config["zero_stage"] < 3:
             setup = ds.optimizer.setup_buckets
 
-            def recording_setup(setup=setup):
+            def recording_setup(setup=setup, allocated=allocated, ds=ds):
                 setup()
                 allocated.append(_bucket_bytes(ds.optimizer))
 

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from core.runfolder import StageFolder
 from stages.preemption import MOST_STEPS_BETWEEN_CHECKS
 from tests.conftest import (
     processes_with,
@@ -147,7 +148,6 @@ class FourStepUnits:
 def test_units_of_several_optimizer_steps_log_evaluate_and_save_by_step_and_resume_at_the_next_unit(
         one_process_group, tmp_path):
     from core import metrics as records
-    from core.runfolder import StageFolder
     from stages import engine
 
     folder = StageFolder(tmp_path / "rl")
@@ -177,10 +177,8 @@ def test_units_of_several_optimizer_steps_log_evaluate_and_save_by_step_and_resu
     assert [(r["step"], r["unit"]) for r in records.read(folder.metrics) if "lr" in r] == [(4, 0), (8, 1), (10, 2)]
 
 
-def events_folder(tmp_path, *events) -> "StageFolder":
+def events_folder(tmp_path, *events) -> StageFolder:
     """A stage folder whose events.jsonl holds `events` (dicts), one second apart."""
-    from core.runfolder import StageFolder
-
     folder = StageFolder(tmp_path / "sft")
     folder.path.mkdir(parents=True)
     folder.events.write_text("".join(json.dumps({"time": 1000.0 + k, **e}) + "\n" for k, e in enumerate(events)))
@@ -251,7 +249,6 @@ def test_the_requeue_signal_is_a_time_limit_only_near_the_limit():
 
 def test_the_stage_names_the_signal_its_local_run_got_not_the_sigint_it_was_stopped_with(tmp_path):
     from core import timeline
-    from core.runfolder import StageFolder
     from stages.preemption import Signals
 
     folder = StageFolder(tmp_path / "sft")

@@ -12,14 +12,11 @@ import sys
 import pytest
 
 from core.config import load_pipeline
-from core.config import load_pipeline
-from core.errors import InvalidInput
 from core.errors import InvalidInput
 from core.rows import read_rows
-from pipeline import preflight
+from pipeline import preflight, weightnames
 from pipeline.executors import executor_for
 from pipeline.hfcache import hf_cache
-from pipeline import weightnames
 from pipeline.modelfiles import BadModelFile, check_weights, weights_in
 from tests.conftest import tiny_pipeline, write_pipeline
 

@@ -22,7 +22,7 @@ from tests.conftest import run_cli, tiny_pipeline, tiny_rl_stage, write_pipeline
 def samples(prompts, completions, labels=None, rows=None, lengths=None) -> Samples:
     n = len(completions)
     labels = labels if labels is not None else [None] * n
-    rows = rows if rows is not None else [{"prompt": p, "label": l} for p, l in zip(prompts, labels)]
+    rows = rows if rows is not None else [{"prompt": p, "label": label} for p, label in zip(prompts, labels)]
     return Samples(prompts=list(prompts), completions=list(completions), rows=rows, labels=list(labels),
                    lengths=lengths or [len(c) for c in completions], names=[f"train row {10 + i}" for i in range(n)])
 

@@ -145,7 +145,7 @@ def events(stage_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def scale_runs(slurm_cluster, tmp_path_factory):
+def scale_runs(slurm_cluster, tmp_path_factory):  # noqa: F811 -- the imported slurm_cluster fixture
     if len(slurm_cluster["nodes"]) < 2:
         pytest.fail(f"the test cluster has one node ({slurm_cluster['nodes']}); bring it up with --nodes 2")
     runs = {}

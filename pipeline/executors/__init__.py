@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import schedulers
 from core.errors import InvalidInput
@@ -41,7 +40,7 @@ def executor_for(name: str) -> Executor:
     return executor_class(name)()
 
 
-def holding(running: Optional[state.Holder]) -> Optional[Executor]:
+def holding(running: state.Holder | None) -> Executor | None:
     """The executor of the `run` holding the run folder's lock, by what it says it is doing;
     None when no `run` holds it (or one that has not said yet)."""
     if running is None:
@@ -59,7 +58,7 @@ class LiveJob:
     executor: Executor
 
 
-def _seen(run_state: Optional[state.RunState]) -> dict[str, object]:
+def _seen(run_state: state.RunState | None) -> dict[str, object]:
     """stage -> what the executor of its recorded job knows of that job now (absent: nothing),
     one question per executor."""
     if run_state is None:
@@ -74,7 +73,7 @@ def _seen(run_state: Optional[state.RunState]) -> dict[str, object]:
     return seen
 
 
-def live_jobs(run_state: Optional[state.RunState]) -> list[LiveJob]:
+def live_jobs(run_state: state.RunState | None) -> list[LiveJob]:
     """Every recorded job that is still pending or running."""
     seen = _seen(run_state)
     live = []
@@ -118,8 +117,8 @@ def _by_executor(live: list[LiveJob]) -> list[tuple[Executor, list[str]]]:
     return list(groups.values())
 
 
-def stage_statuses(tasks: list[StageTask], run_state: Optional[state.RunState],
-                   running: Optional[state.Holder] = None) -> list[state.StageStatus]:
+def stage_statuses(tasks: list[StageTask], run_state: state.RunState | None,
+                   running: state.Holder | None = None) -> list[state.StageStatus]:
     """Each stage's state: its folder first (finished?), then what the executor of its recorded
     job says (`running`: the `run` holding the folder now), then the record."""
     records = run_state.stages if run_state else {}

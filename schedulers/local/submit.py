@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from core import failure, timeline
 from core.checkpoints import newest_intact
@@ -52,7 +51,7 @@ class LocalExecutor(Executor):
     def check_validate(self, spec: PipelineSpec) -> None:
         check_gpus(spec)
 
-    def check_before_run(self, spec, force, refuse_live, echo) -> Optional[list]:
+    def check_before_run(self, spec, force, refuse_live, echo) -> list | None:
         plans = check_fits(spec, force)
         check_gpus(spec)
         refuse_live()  # a Slurm chain training into the same folders
@@ -180,7 +179,7 @@ class _Stops:
     def name(self) -> str:
         return signal.Signals(self.received[0]).name
 
-    def __enter__(self) -> "_Stops":
+    def __enter__(self) -> _Stops:
         self.previous = {sig: signal.signal(sig, self._note) for sig in self.SIGNALS}
         return self
 

@@ -17,7 +17,6 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
 
 from core import runfolder
 from core.checkpoints import newest_intact
@@ -52,10 +51,10 @@ class SlurmExecutor(Executor):
     def runs_this_python(self, spec: PipelineSpec) -> bool:
         return not spec.container
 
-    def time_limit_min(self, spec: PipelineSpec, stage) -> Optional[int]:
+    def time_limit_min(self, spec: PipelineSpec, stage) -> int | None:
         return time_to_minutes(stage.time or spec.cluster.time)
 
-    def check_before_run(self, spec, force, refuse_live, echo) -> Optional[list]:
+    def check_before_run(self, spec, force, refuse_live, echo) -> list | None:
         check_ready(spec)
         refuse_live()  # before the download, which may take long
         try:
@@ -84,10 +83,10 @@ class SlurmExecutor(Executor):
     def look(self, job_ids: list[str]) -> dict[str, slurm_jobs.JobInfo]:
         return slurm_jobs.job_info(job_ids) if job_ids else {}
 
-    def stage_status(self, task, record, seen: Optional[slurm_jobs.JobInfo], run_state, running):
+    def stage_status(self, task, record, seen: slurm_jobs.JobInfo | None, run_state, running):
         return _job_status(self, task, record, seen, run_state)
 
-    def note_finished(self, status: state.StageStatus, seen: Optional[slurm_jobs.JobInfo]) -> None:
+    def note_finished(self, status: state.StageStatus, seen: slurm_jobs.JobInfo | None) -> None:
         if seen is not None:
             status.job_state, status.restarts, status.source = seen.state, seen.restarts, self.name
 
@@ -181,7 +180,7 @@ def submit_chain(executor: SlurmExecutor, spec: PipelineSpec, planned: list[Plan
 
 
 def _job_status(executor: SlurmExecutor, task: StageTask, record: state.StageRecord,
-                info: Optional[slurm_jobs.JobInfo], run_state: state.RunState) -> state.StageStatus:
+                info: slurm_jobs.JobInfo | None, run_state: state.RunState) -> state.StageStatus:
     """An unfinished stage's status from what Slurm knows of its job, else from its record."""
     base = dict(name=task.name, run_dir=task.run_dir, job_id=record.job_id)
     older = "" if record.spec_hash == task.spec_hash else " (an older spec of this stage)"
@@ -385,7 +384,7 @@ def bind_list(spec: PipelineSpec, paths: list[Path]) -> list[str]:
     return [str(p) for p in kept] + list(spec.apptainer.binds)
 
 
-def code_root() -> Optional[Path]:
+def code_root() -> Path | None:
     """This project's source checkout, when it runs from one (not from an installed wheel)."""
     root = Path(__file__).resolve().parents[2]
     return root if (root / "pyproject.toml").is_file() and (root / "stages").is_dir() else None
