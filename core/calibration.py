@@ -2,8 +2,9 @@
 
 The planner's time model needs rates of the machine a stage runs on: matmul TFLOP/s at the
 shapes the models multiply, GPU memory and host<->GPU copy bandwidth, one process's CPU Adam
-rate and the host work of a whole offloaded optimizer step, NCCL's collective bandwidth. core/hardware.py holds datasheet numbers for them;
-a calibration file holds what a node really did (measured by stages/calibrate.py).
+rate and the host work of a whole offloaded optimizer step, NCCL's collective bandwidth. core/hardware.py
+holds datasheet numbers for them; a calibration file holds what a node really did (measured by
+stages/calibrate.py).
 
     {"version": 1, "node": "gpu07", "date": "2026-11-26T05:50:00+00:00",
      "gpu": {"device_name": "NVIDIA H100 80GB HBM3", "catalogue": "h100-80gb", "count": 8, "memory_gib": 79.2},

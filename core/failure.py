@@ -128,7 +128,8 @@ def describe(err: BaseException) -> tuple[str, str, bool]:
                 f"{detail}{_place(err)}. {PLAN_HINT} in host RAM; give the job more (cluster.mem) "
                 "or run fewer processes per node"), False
         if code in (errnos.ENOSPC, errnos.EDQUOT):
-            return DISK_FULL, _write_message(cause, code, "Free space there, or set runs_dir to a disk with room"), False
+            return (DISK_FULL, _write_message(cause, code, "Free space there, or set runs_dir to a disk with room"),
+                    False)
         if code == errnos.EFBIG:
             return FILE_TOO_LARGE, _write_message(cause, code, (
                 "Raise the limit (`ulimit -f unlimited` in the shell or job script that starts the run; on a "
@@ -233,7 +234,8 @@ def _first_line(err: BaseException) -> str:
 def _place(err: BaseException) -> str:
     """' at FILE:LINE in FUNCTION': the innermost frame of the deepest cause that is not
     Python's or an installed package's code (a stage file, or the user's reward file)."""
-    library = tuple(filter(None, {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}))
+    paths = sysconfig.get_paths()
+    library = tuple(filter(None, {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}))
     for cause in reversed(list(causes(err))):
         frames = [f for f in traceback.extract_tb(cause.__traceback__) if not f.filename.startswith(library)]
         if frames:
@@ -433,7 +435,8 @@ def died(rank: int, returncode: int, oom_killed: bool, log: str | None) -> Failu
             message += (": the kernel's out-of-memory killer sends it when host RAM runs out (see `dmesg`), "
                         "or a person or the scheduler killed it")
     else:
-        message = f"the process exited with code {returncode} without a Python error (a crash in native code, or os._exit)"
+        message = (f"the process exited with code {returncode} without a Python error (a crash in native code, "
+                   "or os._exit)")
     return Failure(rank=rank, host=socket.gethostname(), kind=HOST_OUT_OF_MEMORY if oom_killed else PROCESS_DIED,
                    message=message, log=log, job_id=task_job_id(), time=time.time())
 

@@ -25,7 +25,8 @@ def stack_problem(field: str = "sequence_parallel", off: str = "leave sequence_p
     from packaging.version import Version
 
     have = {name: importlib.metadata.version(name) for name in ("transformers", "deepspeed")}
-    if Version(have["transformers"]) >= Version(MIN_TRANSFORMERS) and Version(have["deepspeed"]) >= Version(MIN_DEEPSPEED):
+    if (Version(have["transformers"]) >= Version(MIN_TRANSFORMERS)
+            and Version(have["deepspeed"]) >= Version(MIN_DEEPSPEED)):
         return None
     return (f"{field} needs transformers >= {MIN_TRANSFORMERS} and DeepSpeed >= {MIN_DEEPSPEED} (for "
             f"sequence_parallel: DeepSpeed's Ulysses attention, {ULYSSES_MODULE}); this stack has transformers "

@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
+from typing import Any
 
 from core.families import (
     FAMILIES,
@@ -381,7 +382,8 @@ def from_config_json(config: dict, source: str = "") -> ModelShape:
     heads = _first(config, "num_attention_heads", "n_head")
     vocab = _first(config, "vocab_size")
     missing = [name for name, value in
-               (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads), ("vocab_size", vocab))
+               (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
+                ("vocab_size", vocab))
                if value is None]
     if missing:
         raise ValueError(f"{source or 'config.json'} has no {', '.join(missing)}; is it a decoder language model?")
@@ -474,19 +476,31 @@ def read_config_json(path: Path) -> ModelShape:
 # --------------------------------------------------------------------------- built-in shapes
 
 # From the models' published config.json files (MODELS.md).
-_TABLE = {
-    "meta-llama/Llama-2-7b-hf": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=32000, max_positions=4096, rope_theta=1e4),
-    "meta-llama/Llama-2-13b-hf": dict(hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40, vocab=32000, max_positions=4096, rope_theta=1e4),
-    "meta-llama/Llama-2-70b-hf": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=32000, max_positions=4096, rope_theta=1e4),
-    "codellama/CodeLlama-34b-hf": dict(hidden=8192, intermediate=22016, layers=48, heads=64, kv_heads=8, vocab=32000, max_positions=16384, rope_theta=1e6),
-    "01-ai/Yi-34B": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000, max_positions=4096, rope_theta=5e6),
-    "01-ai/Yi-34B-200K": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000, max_positions=200000, rope_theta=1e7),
-    "meta-llama/Meta-Llama-3-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, max_positions=8192, rope_theta=5e5),
-    "meta-llama/Llama-3.1-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, max_positions=131072, rope_theta=5e5),
-    "meta-llama/Meta-Llama-3-70B": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256, max_positions=8192, rope_theta=5e5),
-    "mistralai/Mistral-7B-v0.1": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=32000, max_positions=32768, model_type="mistral", rope_theta=1e4),
-    "Qwen/Qwen1.5-7B": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=151936, max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),
-    "Qwen/Qwen1.5-1.8B": dict(hidden=2048, intermediate=5504, layers=24, heads=16, kv_heads=16, vocab=151936, max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),
+_TABLE: dict[str, dict[str, Any]] = {
+    "meta-llama/Llama-2-7b-hf": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=32000,
+        max_positions=4096, rope_theta=1e4),
+    "meta-llama/Llama-2-13b-hf": dict(hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40, vocab=32000,
+        max_positions=4096, rope_theta=1e4),
+    "meta-llama/Llama-2-70b-hf": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=32000,
+        max_positions=4096, rope_theta=1e4),
+    "codellama/CodeLlama-34b-hf": dict(hidden=8192, intermediate=22016, layers=48, heads=64, kv_heads=8, vocab=32000,
+        max_positions=16384, rope_theta=1e6),
+    "01-ai/Yi-34B": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000,
+        max_positions=4096, rope_theta=5e6),
+    "01-ai/Yi-34B-200K": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000,
+        max_positions=200000, rope_theta=1e7),
+    "meta-llama/Meta-Llama-3-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
+        max_positions=8192, rope_theta=5e5),
+    "meta-llama/Llama-3.1-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
+        max_positions=131072, rope_theta=5e5),
+    "meta-llama/Meta-Llama-3-70B": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256,
+        max_positions=8192, rope_theta=5e5),
+    "mistralai/Mistral-7B-v0.1": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=32000,
+        max_positions=32768, model_type="mistral", rope_theta=1e4),
+    "Qwen/Qwen1.5-7B": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=151936,
+        max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),
+    "Qwen/Qwen1.5-1.8B": dict(hidden=2048, intermediate=5504, layers=24, heads=16, kv_heads=16, vocab=151936,
+        max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),
 }
 # Mixtures of experts, as their published config.json files give them (the fields that size them).
 _EXPERT_CONFIGS = {

@@ -118,7 +118,8 @@ def build_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_core_tokenizer(), bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        tokenizer_object=build_core_tokenizer(), bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>",
         # As Llama's tokenizer says; transformers 4.x would otherwise add token_type_ids,
         # which Llama's forward and generate reject.
         model_input_names=["input_ids", "attention_mask"],

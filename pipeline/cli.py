@@ -128,7 +128,8 @@ def cmd_status(args) -> int:
                     print(f"      | {line}")
         if superseded:
             total = sum(n for _, n in superseded)
-            print(f"  superseded outputs, kept ({_gib(total)}; `python -m pipeline clean {target(args)}` removes them):")
+            print(f"  superseded outputs, kept ({_gib(total)}; "
+                  f"`python -m pipeline clean {target(args)}` removes them):")
             for path, n in superseded:
                 print(f"    {path.name:<40} {_gib(n)}")
     return 1 if any(s.failed for s in statuses) else 0
@@ -273,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{scale.DEFAULT_HEAD_DIM})")
         p.set_defaults(func=func)
     commands["run"].add_argument("--executor", help="override cluster.executor (local, slurm, or a plug-in's)")
-    commands["run"].add_argument("--force", action="store_true", help="run even where the plan says a stage does not fit")
+    commands["run"].add_argument("--force", action="store_true",
+                                 help="run even where the plan says a stage does not fit")
     commands["run"].add_argument("--rerun", action="append", default=[], metavar="STAGE",
                                  help="run STAGE (and what starts from it) again from scratch even if finished; "
                                  "repeat or comma-separate; `all` for every stage")

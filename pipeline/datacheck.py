@@ -68,7 +68,8 @@ def check_data(stage, where: str, hub: Hub) -> DataFound:
     if found.records:
         source, rows = found.records[0]
         found.rows, found.source = len(rows), source
-        found.chats = kinds.get(stage.kind).rows == "completion" and any(data.prompt_key not in r or data.response_key not in r for r in rows)
+        found.chats = kinds.get(stage.kind).rows == "completion" and any(
+            data.prompt_key not in r or data.response_key not in r for r in rows)
     return found
 
 
@@ -157,7 +158,8 @@ def _check_dataset_folder(stage, path: Path, where: str, found: DataFound) -> No
         found.columns.append((source, columns))
         if found.rows is None:
             found.rows, found.source = count, source
-            found.chats = kinds.get(stage.kind).rows == "completion" and not {data.prompt_key, data.response_key} <= set(columns)
+            found.chats = (kinds.get(stage.kind).rows == "completion"
+                           and not {data.prompt_key, data.response_key} <= set(columns))
 
 
 def check_step_rows(spec: PipelineSpec, stage, where: str, found: DataFound) -> None:

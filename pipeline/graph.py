@@ -95,7 +95,8 @@ def build_tasks(spec: PipelineSpec, digests: Digests | None = None) -> list[Stag
     return tasks
 
 
-def plan_actions(tasks: list[StageTask], dry_run: bool = False, rerun: frozenset[str] = frozenset()) -> list[PlannedStage]:
+def plan_actions(tasks: list[StageTask], dry_run: bool = False,
+                 rerun: frozenset[str] = frozenset()) -> list[PlannedStage]:
     """What to do with each stage, and why; moves stale outputs aside unless dry_run.
     `rerun`: stage names to run again from scratch even if finished ("all": every stage)."""
     planned = []

@@ -53,7 +53,8 @@ def run(spec: PipelineSpec, config: str, executor: str | None = None, force: boo
         digests.save()
         planned = graph.plan_actions(tasks, rerun=rerun)
         refuse_unresumable(planned)
-        measured.save_plans(planned, None if plans is None else plan.plan_to_json(plans))  # each result.json compares itself with it
+        # each result.json compares itself with it
+        measured.save_plans(planned, None if plans is None else plan.plan_to_json(plans))
         return Outcome(where, planned, where.submit(spec, planned, config, echo))
 
 

@@ -258,7 +258,8 @@ class TokenizedSplits:
         parts = [self.train.truncation, self.eval.truncation]
         measured, rows = sum(t.measured for t in parts), sum(t.rows for t in parts)
         sample = f", measured on a random {measured} of {rows} rows" if measured < rows else ""
-        return f"max_len {self.max_len}{sample} (nothing to learn: {NOTHING_TO_LEARN[kinds.get(kind).rows]}): " + "; ".join(
+        nothing = NOTHING_TO_LEARN[kinds.get(kind).rows]
+        return f"max_len {self.max_len}{sample} (nothing to learn: {nothing}): " + "; ".join(
             f"{name}: {t.cut} of {t.measured} rows lose tokens, {t.dropped} have nothing to learn"
             for name, t in zip(("train", "eval"), parts))
 

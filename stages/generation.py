@@ -232,8 +232,9 @@ def static_padded(module, prompts: list[list[int]], *, tokenizer, stage, device,
                   compiled: bool) -> list[list[int]]:
     """The padded engine's chunks decoded by its own loop on a static KV cache (transformers' StaticCache):
     a prefill of the left-padded chunk, then one fixed-shape step per token (the whole cache's mask,
-    one token per row; the cache's length rounded up to CACHE_ROUNDING), the token picked on the device; nothing comes back to the host but every
-    CHECK_EVERY steps whether all rows have ended. `compiled`: the step goes through torch.compile
+    one token per row; the cache's length rounded up to CACHE_ROUNDING), the token picked on the device;
+    nothing comes back to the host but every CHECK_EVERY steps whether all rows have ended. `compiled`:
+    the step goes through torch.compile
     (no CUDA graphs: under ZeRO-3 the gathered weights are new tensors at every call, which a
     captured graph would still point at). Greedy completions equal `padded`'s (tests/test_generation.py);
     samples are drawn from a generator seeded from torch's, one draw per chunk, so a resumed run

@@ -162,7 +162,8 @@ class Signals:
 
     def _stop_after(self, step: int | None) -> None:
         """A user's stop: every rank exits with STOPPED_EXIT_CODE, no requeue."""
-        since = f"{time.time() - self.received_at:.1f} s after the signal" if self.received_at else "on another rank's signal"
+        since = (f"{time.time() - self.received_at:.1f} s after the signal" if self.received_at
+                 else "on another rank's signal")
         if step is not None:
             log.warning("checkpoint at step %d saved %s: stopping (%s); the next run resumes from it", step, since,
                         self.said(STOP))
@@ -177,7 +178,8 @@ class Signals:
 
     def requeue(self, rank: int, step: int) -> None:
         """After the checkpoint: rank 0 requeues through its scheduler and exits; the others exit."""
-        since = f"{time.time() - self.received_at:.1f} s after the signal" if self.received_at else "on another rank's signal"
+        since = (f"{time.time() - self.received_at:.1f} s after the signal" if self.received_at
+                 else "on another rank's signal")
         log.warning("checkpoint at step %d saved %s: requeueing", step, since)
         sys.stdout.flush()
         sys.stderr.flush()

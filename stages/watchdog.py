@@ -203,8 +203,10 @@ class Watchdog:
 
     def _hang(self, inner: Open, entry: Open, now: float, limit: float, why: str) -> None:
         seconds = _seconds(entry.without_progress(now))
-        how = f"has run {seconds}" if entry.progress == entry.started else f"has gone {seconds} since a part of it ended"
-        said = f"hang in {inner.where()}: rank {self.rank}'s {entry.path[-1]} {how}, more than {_seconds(limit)} ({why})"
+        how = (f"has run {seconds}" if entry.progress == entry.started
+               else f"has gone {seconds} since a part of it ended")
+        said = (f"hang in {inner.where()}: rank {self.rank}'s {entry.path[-1]} {how}, "
+                f"more than {_seconds(limit)} ({why})")
         print(f"{said}; the Python stacks of its threads:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
@@ -222,7 +224,8 @@ class Watchdog:
                        f"({self.max_retries}): failing")
             print(f"hang in {inner.where()}: {failing}", file=sys.stderr, flush=True)
             _fail(self.folder, self.rank, f"{said}. {failing[0].upper()}{failing[1:]}; {stacks}{_advice(why)}")
-        print(f"hang in {inner.where()}: requeueing ({hangs + 1} of cluster.max_retries {self.max_retries})", flush=True)
+        print(f"hang in {inner.where()}: requeueing ({hangs + 1} of cluster.max_retries {self.max_retries})",
+              flush=True)
         if self.runtime is not None:
             self.runtime.hush_requeue()  # the lines above say what it is: not a preemption
         from stages import preemption

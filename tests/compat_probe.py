@@ -61,7 +61,8 @@ def rotary(folder: str) -> dict:
     pairs = list(zip(rotaries(reference), rotaries(ds.module)))
     worst = 0.0
     for want_module, got_module in pairs:
-        for want, got in zip(compat.rotary_cos_sin(want_module, positions), compat.rotary_cos_sin(got_module, positions)):
+        for want, got in zip(compat.rotary_cos_sin(want_module, positions),
+                             compat.rotary_cos_sin(got_module, positions)):
             worst = max(worst, (want - got).abs().max().item())
     return {"max_error": worst, "rotary_modules": len(pairs), "positions": positions,
             "signature": compat.rotary_signature(type(pairs[0][1]))}

@@ -63,7 +63,8 @@ def test_calibrate_on_a_cpu_writes_the_cpu_adam_rate_and_null_gpu_fields_saying_
     assert result.cpu_adam.params == calibrate.QUICK.cpu_adam_params
     # DeepSpeed's own offloaded step on tiny.yaml's model (its 2 layers: fewer than QUICK's parameters)
     step = result.offload_step
-    assert (step.model, step.layers, step.zero_stage, step.threads) == ("builtin:tiny-llama", 2, 2, result.cpu_adam.threads)
+    assert (step.model, step.layers, step.zero_stage, step.threads) == (
+        "builtin:tiny-llama", 2, 2, result.cpu_adam.threads)
     assert step.params == calibrate.offload_slice(config_module.load_pipeline("tiny"), calibrate.QUICK).params
     assert step.params_per_s == pytest.approx(step.params / step.step_s, rel=0.01) and step.copies_s == 0
     assert "offloaded optimizer step (DeepSpeed, ZeRO-2, 2 layers of builtin:tiny-llama)" in done.stdout

@@ -141,7 +141,8 @@ def test_validate_measures_a_proportional_sample_of_large_data_and_says_so(tmp_p
 def test_a_stage_warns_in_its_log_when_evaluation_rows_are_training_rows(tmp_path, caplog):
     rows = [{"prompt": f"{n}", "response": "cd"} for n in range(20)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4] + [{"prompt": "x", "response": "y"}]))
+    eval_rows = rows[:4] + [{"prompt": "x", "response": "y"}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in eval_rows))
     stage = SFTStage(name="sft", kind="sft", model="builtin:tiny-llama",
                      data={"path": str(tmp_path / "train.jsonl"), "eval_split": str(tmp_path / "eval.jsonl")})
     with caplog.at_level("WARNING", logger="stages"):

@@ -66,7 +66,8 @@ def test_a_signal_is_noted_in_the_loop_and_handed_to_the_previous_handler_after(
     seen = []
     before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
     try:
-        ctx = SimpleNamespace(device=torch.device("cpu"), rank=0, folder=None, task=SimpleNamespace(time_limit_min=None))
+        ctx = SimpleNamespace(device=torch.device("cpu"), rank=0, folder=None,
+                              task=SimpleNamespace(time_limit_min=None))
         with preemption.Signals(ctx) as signals:
             assert signals.requested(1, 1.0, last=False) is None
             os.kill(os.getpid(), signal.SIGUSR2)
@@ -292,7 +293,8 @@ def chain() -> dict:
     # RL with the state a resume must carry: the reward normaliser's statistics, the adaptive KL
     # coefficient, and every rank's sampler (each rank samples differently).
     rl = {**stage, "name": "rl", "kind": "ppo", "max_steps": RL_ROLLOUTS, "advantage": "grpo",
-          "reward": {"rules": [{"rule": "exact_match"}, {"rule": "length", "options": {"target": 4}}], "normalize": True},
+          "reward": {"rules": [{"rule": "exact_match"}, {"rule": "length", "options": {"target": 4}}],
+                     "normalize": True},
           "kl_target": 0.5, "n_samples_per_prompt": 4, "rollout_batch_size": 8, "micro_rollout_batch_size": 32,
           "max_new_tokens": 6, "micro_batch_size": 16, "global_batch_size": 32}
     return tiny_pipeline(stages=[{"name": "sft", "kind": "sft", **stage}, rl],

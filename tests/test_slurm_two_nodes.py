@@ -64,7 +64,8 @@ def test_four_ranks_spread_over_both_nodes(two_node_stage):
     assert {r: (lay["host"], lay["local"]) for r, lay in layouts.items()} == {
         0: (hosts[0], 0), 1: (hosts[0], 1), 2: (hosts[1], 0), 3: (hosts[1], 1)
     }
-    assert all(lay["world"] == 4 and lay["local_world"] == 2 and lay["source"] == "submitit" for lay in layouts.values())
+    assert all(lay["world"] == 4 and lay["local_world"] == 2 and lay["source"] == "submitit"
+               for lay in layouts.values())
 
 
 def test_every_rank_meets_at_the_first_node_of_the_job(two_node_stage):

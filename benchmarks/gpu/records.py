@@ -205,8 +205,10 @@ FITTED = (
     ("LOSS_BYTES_PER_LOGIT", "B", lambda w, r, k: w["logits"] / r.hbm_bytes_per_s.value),
     ("ZERO3_LAYER_PASS_S", "s", lambda w, r, k: w["layer_passes"] * (w["zero_stage"] == 3)),
     ("LORA_BYTES_PER_ELEMENT", "B", lambda w, r, k: w["lora_elements"] / r.hbm_bytes_per_s.value),
-    ("STEP_BYTES_PER_PARAM[0]", "B", lambda w, r, k: w["gpu_stepped_params"] * (w["zero_stage"] == 0) / r.hbm_bytes_per_s.value),
-    ("STEP_BYTES_PER_PARAM[1,2]", "B", lambda w, r, k: w["gpu_stepped_params"] * (w["zero_stage"] != 0) / r.hbm_bytes_per_s.value),
+    ("STEP_BYTES_PER_PARAM[0]", "B",
+     lambda w, r, k: w["gpu_stepped_params"] * (w["zero_stage"] == 0) / r.hbm_bytes_per_s.value),
+    ("STEP_BYTES_PER_PARAM[1,2]", "B",
+     lambda w, r, k: w["gpu_stepped_params"] * (w["zero_stage"] != 0) / r.hbm_bytes_per_s.value),
     ("HOST_ADAM_PARAMS_PER_S_PER_CORE", "1/x", lambda w, r, k: w["host_adam_params"] / w["cores"]),
 )
 
