@@ -68,6 +68,7 @@ def epoch_steps(n_rows: int, *, rows_per_step: int, micro_batch_size: int, rank:
         if token_budget is None:
             mine = round_robin(rows, micro_batch_size, rank, world_size)
         else:
+            assert lengths is not None, "packing needs each row's token length"
             mine = pack_rows(rows, lengths, world_size, token_budget)[rank]
         steps.append(Step(tuple(mine), tuple(rows)))
     return steps
@@ -80,6 +81,7 @@ def eval_micro_batches(n_rows: int, *, micro_batch_size: int, rank: int, world_s
     the same number of passes on every process (fillers have weight 0)."""
     rows = list(range(n_rows))
     if token_budget is not None:
+        assert lengths is not None, "packing needs each row's token length"
         return list(pack_rows(rows, lengths, world_size, token_budget)[rank])
     per_round = micro_batch_size * world_size
     total = -(-n_rows // per_round) * per_round

@@ -106,7 +106,7 @@ def checksums(folder: Path, mine: list[Block], threads: int) -> dict[tuple[str, 
 
 def manifest(step: int, sizes: dict[str, int], crcs: dict[tuple[str, int], str]) -> dict:
     """A checkpoint's manifest: its step, and each file's size and block checksums."""
-    listed = {name: {"bytes": size, "crc32": []} for name, size in sorted(sizes.items())}
+    listed: dict[str, dict] = {name: {"bytes": size, "crc32": []} for name, size in sorted(sizes.items())}
     for block in blocks(sizes):
         listed[block.file]["crc32"].append(crcs[block.file, block.index])
     return {"step": step, "checksum": CHECKSUM, "files": listed}

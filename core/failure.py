@@ -90,10 +90,11 @@ class WriteFailed(OSError):
 def causes(err: BaseException) -> Iterator[BaseException]:
     """The error and what it was raised from (explicitly, or while handling), outermost first."""
     seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        yield cause
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
 
 
 def error_number(err: BaseException) -> int | None:
@@ -153,7 +154,7 @@ def _write_message(err: BaseException, code: int, advice: str) -> str:
     text += _why(code, path, err)
     text += f". {advice}"
     if isinstance(err, WriteFailed):
-        text += f"; then `run` again: {_intact(Path(path))}"
+        text += f"; then `run` again: {_intact(Path(err.filename))}"
     return text
 
 

@@ -107,6 +107,7 @@ def expert_fields(config: dict, fam: Family, layers: int, intermediate: int) -> 
     if not fam.experts:
         return {}
     experts = _count(config, *EXPERT_KEYS)
+    dense: tuple[int, ...]
     if fam.experts == "all":
         dense = ()
     elif fam.experts == "first_dense":

@@ -123,7 +123,8 @@ def run_summary(tasks) -> dict | None:
     None unless every stage finished."""
     if not all(is_finished(t) for t in tasks):
         return None
-    results = [(t, read_json(t.folder.result)) for t in tasks]
+    # every stage finished, so each has its result.json
+    results = [(t, read_json(t.folder.result) or {}) for t in tasks]
     devices = results[0][1].get("devices") or {}
     world = results[0][1].get("world_size")
     if devices.get("type") == "cuda":

@@ -85,6 +85,7 @@ class FunctionProcess:
             if loaded[0] != VALUES:
                 return loaded
         left = None if timeout_s is None else timeout_s - (time.monotonic() - started)
+        assert self.connection is not None  # started
         try:
             self.connection.send(samples)
         except OSError:  # the child is gone: _answer says how it ended
@@ -92,6 +93,7 @@ class FunctionProcess:
         return self._answer(left)
 
     def _answer(self, timeout_s: float | None) -> tuple:
+        assert self.child is not None and self.connection is not None  # started
         try:
             ready = self.connection.poll(None if timeout_s is None else max(timeout_s, 0.0))
             if ready:
@@ -105,6 +107,7 @@ class FunctionProcess:
         """Have the child write its Python stack to the log, then kill it."""
         print(f"reward function {self.reference} is past its time: stopping it; its Python stack:", file=sys.stderr,
               flush=True)
+        assert self.child is not None  # started
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.child.pid, signal.SIGUSR1)
             time.sleep(STACK_WAIT_S)
@@ -113,7 +116,7 @@ class FunctionProcess:
 
     def close(self) -> None:
         """End the child: it leaves when its pipe closes (killed if it does not within a second)."""
-        if self.child is None:
+        if self.child is None or self.connection is None:  # never started (the two are set together)
             return
         self.connection.close()
         try:

@@ -78,9 +78,9 @@ def check(stage, pipeline_dir, where: str = "") -> str | None:
     to say (no reward model, not finished yet, better than chance). `where` names the stage in
     the pipeline file (validate's "stages[3] (rl)"); a stage job names itself already."""
     rl = kinds.rollouts_of(stage)
-    name = rl.reward_model if rl is not None else None
-    if name is None:
+    if rl is None or rl.reward_model is None:
         return None
+    name = rl.reward_model
     result_file = StageFolder.of(pipeline_dir, name).result
     try:
         result = json.loads(result_file.read_text())

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from core.errors import InvalidInput
 from core.reward_process import INVALID, RAISED, FunctionProcess, Raised, TimedOut, said
@@ -173,6 +174,7 @@ def load_function(reference: str) -> RewardFn:
     check_function(reference)
     path, name = split_reference(reference)
     spec = importlib.util.spec_from_file_location(f"reward_fn_{path.stem}", path)
+    assert spec is not None and spec.loader is not None  # a .py file, checked above
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return getattr(module, name)
@@ -251,7 +253,7 @@ class RuleReward:
     def from_specs(cls, specs, timeout_s: float | None = None) -> RuleReward:
         """From the pipeline file's reward rules (objects with rule/function, weight, options);
         a user function's calls are stopped after timeout_s (reward.timeout_s; None: never)."""
-        terms = []
+        terms: list[tuple[str, Callable[[Samples], list], float]] = []
         for spec in specs:
             if spec.function:
                 check_function(spec.function)
@@ -283,7 +285,7 @@ class RuleReward:
             except RewardError:  # already says whose it was, and on which row
                 raise
             except TimedOut:
-                raise _timed_out(name, term, samples) from None
+                raise _timed_out(name, cast(FunctionTerm, term), samples) from None  # only a function times out
             except Exception as err:  # a user's function: say whose it was, and on which row
                 raise _failure(name, term, samples, err) from err
             values = checked(name, values, samples)
@@ -308,6 +310,7 @@ def _timed_out(name: str, term: FunctionTerm, samples: Samples) -> RewardError:
     """A call past reward.timeout_s, stopped. Names the row it was on: called on one completion at
     a time, within one more timeout_s in all, the one still running when that time is up."""
     limit = term.timeout_s
+    assert limit is not None  # it timed out, so it has a limit
     head = f"reward function {name} did not return within reward.timeout_s ({limit:g} s)"
     advice = ("It was stopped; its Python stack then is in the stage's .err log. Make it return sooner (e.g. give "
               "what it waits on a timeout of its own), or raise reward.timeout_s")

@@ -192,8 +192,10 @@ class ModelShape:
             elif name == "o_proj" and self.o_bias:
                 tensors.append(b)
             if name == "q_a_proj":
+                assert lat is not None  # the low-rank projections are latent attention's
                 tensors.append(lat.q_rank)  # q_a_layernorm
             elif name == "kv_a_proj_with_mqa":
+                assert lat is not None
                 tensors.append(lat.kv_rank)  # kv_a_layernorm
         if fam.qk_norm == "head":
             tensors += [self.head_dim, self.head_dim]

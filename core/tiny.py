@@ -74,7 +74,7 @@ def digits_splits(seed: int = 1234):
     rng = random.Random(seed)
     seen: set[str] = set()
     for split, count in DIGITS_SPLITS.items():
-        rows = []
+        rows: list[dict] = []
         while len(rows) < count:
             row = digits_row(rng)
             if row["prompt"] not in seen:
@@ -140,7 +140,8 @@ def write_tiny_llama(dest: Path, seed: int = 0) -> None:
 
     def write(tmp: Path):
         tokenizer = build_tokenizer()
-        config = LlamaConfig(
+        # rope_theta: a field on transformers 4.x; on 5.x a legacy keyword turned into rope_parameters.
+        config = LlamaConfig(  # type: ignore[call-arg]
             vocab_size=len(tokenizer),
             hidden_size=64,
             intermediate_size=176,

@@ -218,7 +218,7 @@ def summary(result: Calibration, path: Path, spec: PipelineSpec) -> str:
         rates = [r for r in result.matmul if r.dtype == dtype]
         for r in (r for r in rates if not r.model):  # the reference square
             rows.append((f"matmul {dtype} {r.m}x{r.k}x{r.n}", _rate(r.tflops, "TFLOP/s"),
-                         _rate(sheet and sheet.peak_tflops(dtype), "TFLOP/s"), took))
+                         _rate(sheet.peak_tflops(dtype) if sheet else None, "TFLOP/s"), took))
             took = ""
         shaped = sorted(r.tflops for r in rates if r.model)
         if shaped:
@@ -228,21 +228,23 @@ def summary(result: Calibration, path: Path, spec: PipelineSpec) -> str:
         collective = result.collective
         rows += [
             ("GPU memory copy (read + write)", _rate(result.memory_bandwidth_gbs, "GB/s"),
-             _rate(sheet and sheet.memory_bandwidth_gbs, "GB/s"), _seconds(result, "memory_bandwidth")),
-            ("host -> GPU, pinned", _rate(result.host_to_gpu_gbs, "GB/s"), _rate(sheet and sheet.host_link_gbs, "GB/s"),
+             _rate(sheet.memory_bandwidth_gbs if sheet else None, "GB/s"), _seconds(result, "memory_bandwidth")),
+            ("host -> GPU, pinned", _rate(result.host_to_gpu_gbs, "GB/s"),
+             _rate(sheet.host_link_gbs if sheet else None, "GB/s"),
              _seconds(result, "host_copies")),
             ("GPU -> host, pinned", _rate(result.gpu_to_host_gbs, "GB/s"), "", ""),
-            ("all-gather, bus", _rate(collective and collective.all_gather_gbs, "GB/s"),
-             _rate(sheet and sheet.link_gbs, "GB/s"), _seconds(result, "collective")),
-            ("reduce-scatter, bus", _rate(collective and collective.reduce_scatter_gbs, "GB/s"), "", ""),
+            ("all-gather, bus", _rate(collective.all_gather_gbs if collective else None, "GB/s"),
+             _rate(sheet.link_gbs if sheet else None, "GB/s"), _seconds(result, "collective")),
+            ("reduce-scatter, bus", _rate(collective.reduce_scatter_gbs if collective else None, "GB/s"), "", ""),
         ]
     adam = result.cpu_adam
-    if adam:
+    per_node = result.cpu_adam_params_per_s_per_node
+    if adam and per_node is not None:  # the node's rate is there whenever one process's is
         threads = f"{adam.threads} thread{'s' if adam.threads > 1 else ''}"
         rows += [(f"CPU Adam ({adam.optimizer}), 1 process, {threads}", _rate(adam.params_per_s / 1e9, "G params/s"),
                   "", _seconds(result, "cpu_adam")),
                  (f"  x {result.processes_per_node} processes (node)",
-                  _rate(result.cpu_adam_params_per_s_per_node / 1e9, "G params/s"), "", "")]
+                  _rate(per_node / 1e9, "G params/s"), "", "")]
     step = result.offload_step
     if step:
         rows.append((f"offloaded optimizer step (DeepSpeed, ZeRO-{step.zero_stage}, {step.layers} layer"

@@ -149,12 +149,12 @@ def cmd_cancel(args) -> int:
     pipeline_dir = spec.run_dir.resolve()
     running = state.holder(pipeline_dir)
     holder = executors.holding(running)
-    stopped = holder.stop_run(running, spec.name) if holder is not None else None
+    stopped = holder.stop_run(running, spec.name) if holder is not None and running is not None else None
     if stopped is not None:  # a `run` that runs the chain itself, stopped
         return stopped
     run_state = state.load(pipeline_dir)
     live = executors.live_jobs(run_state)
-    if not live:
+    if run_state is None or not live:
         print(f"pipeline '{spec.name}': no live Slurm job or local run to cancel ({pipeline_dir})")
         return 0
     executors.cancel(live)

@@ -214,7 +214,9 @@ def check_eval_copies(stage, where: str, found: DataFound) -> None:
 def check_labels(stage, where: str, found: DataFound) -> None:
     """An RL stage's rules that compare with a label need the label column in every row."""
     rl = kinds.rollouts_of(stage)
-    rules = [r.rule for r in rl.reward.rules if r.rule in RULES_NEEDING_LABELS] if rl is not None else []
+    if rl is None:
+        return
+    rules = [r.rule for r in rl.reward.rules if r.rule in RULES_NEEDING_LABELS]
     if not rules:
         return
     key = rl.label_key

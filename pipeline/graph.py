@@ -64,7 +64,9 @@ def build_tasks(spec: PipelineSpec, digests: Digests | None = None) -> list[Stag
     digests = digests or Digests(pipeline_dir)
     hashes: dict[str, str] = {}
     tasks = []
-    for stage in topological_order(spec.stages):
+    ordered = topological_order(spec.stages)
+    assert ordered is not None, "a validated pipeline has no cycle"
+    for stage in ordered:
         upstream_dirs = {up: str(StageFolder.of(pipeline_dir, up).model) for up in stage.upstream}
         if stage.from_:
             init_model = upstream_dirs[stage.from_]

@@ -119,7 +119,7 @@ def _row_lengths(rows: list[dict], kind: str, data, count) -> list[tuple[int, ..
                 chats.append(r[data.messages_key])
         prompts = count([r[data.prompt_key] for r in plain], True)
         responses = count([r[data.response_key] for r in plain], False)
-        out = [(p + n + 1,) for p, n in zip(prompts, responses)]  # + eos
+        out: list[tuple[int, ...]] = [(p + n + 1,) for p, n in zip(prompts, responses)]  # + eos
         for messages in chats:
             contents = count([text(m.get("content")) for m in messages if isinstance(m, dict)], False)
             turns = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")

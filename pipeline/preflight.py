@@ -235,6 +235,7 @@ def check_rollout_engine(stage, where: str, stack_is_here: bool) -> None:
     rl = kinds.rollouts_of(stage)
     if rl is None or rl.engine != "vllm" or not stack_is_here:
         return
+    assert rl.fields.engine is not None  # a kind whose rollouts name an engine has the field
     problem = rollout_engine.stack_problem(rl.fields.engine)
     if problem:
         raise InvalidInput(f"{where}.{problem}")
@@ -291,6 +292,7 @@ def check_reward_functions(stage, where: str, imported: bool = True) -> None:
     from core.rewards import RewardError, check_function, split_reference
 
     rl = kinds.rollouts_of(stage)
+    assert rl is not None, "checked for RL stages only"
     imported_files = set()
     for j, rule in enumerate(rl.reward.rules):
         if not rule.function:
@@ -311,7 +313,9 @@ def check_reward_functions(stage, where: str, imported: bool = True) -> None:
 def check_reward_model(spec: PipelineSpec, stage, where: str) -> None:
     """A reward model stage that has already finished with this spec, and ranked its held-out pairs no
     better than chance, is refused here rather than when the RL stage starts (core/reward_quality.py)."""
-    name = kinds.rollouts_of(stage).reward_model
+    rl = kinds.rollouts_of(stage)
+    assert rl is not None, "checked for RL stages only"
+    name = rl.reward_model
     if name is None:
         return
     tasks = {t.name: t for t in graph.build_tasks(spec)}

@@ -267,6 +267,7 @@ def _phases_figure(rollouts: list[dict], alt: str) -> str:
 
 def _timeline_figure(stages: list[_StageData]) -> str:
     import matplotlib.pyplot as plt
+    from matplotlib.artist import Artist
     from matplotlib.patches import Patch
 
     rows = [s for s in stages if s.timeline.segments]
@@ -285,7 +286,7 @@ def _timeline_figure(stages: list[_StageData]) -> str:
     ax.set_yticks(range(len(rows)), [s.name for s in reversed(rows)])
     ax.set_xlabel("minutes since the first submission")
     ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(color=c, label=s) for s, c in COLORS.items()]
+    handles: list[Artist] = [Patch(color=c, label=s) for s, c in COLORS.items()]
     handles.append(plt.Line2D([], [], marker="D", color="#55a868", linestyle="", label=timeline.DONE))
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.01), fontsize=8, ncol=5, frameon=False)
     return _embed(fig, "timeline")

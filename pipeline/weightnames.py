@@ -61,7 +61,7 @@ NAMINGS = {**dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen3", "ge
 def mismatch(config: dict, tensors: dict[str, tuple[list[int], Path]]) -> str | None:
     """What in `tensors` (name: shape, file) config.json (parsed) contradicts; None when nothing,
     or when it cannot tell."""
-    naming = NAMINGS.get(config.get("model_type"))
+    naming = NAMINGS.get(config.get("model_type") or "")
     if naming is None or config.get("quantization_config") or not tensors:
         return None
     try:
@@ -78,8 +78,8 @@ def mismatch(config: dict, tensors: dict[str, tuple[list[int], Path]]) -> str | 
                 f"layers ({naming.prefix}{naming.layer} for N in {held or 'none'})")
     for name, (expected, fields) in naming.shapes(shape).items():
         if name in own and tensors[own[name]][0] != expected:
-            held, file = tensors[own[name]]
-            return f"{own[name]} in {file.name} is {held}, but config.json's {fields} make it {expected}"
+            held_shape, file = tensors[own[name]]
+            return f"{own[name]} in {file.name} is {held_shape}, but config.json's {fields} make it {expected}"
     return None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import schedulers
 from core.errors import InvalidInput
@@ -58,7 +59,7 @@ class LiveJob:
     executor: Executor
 
 
-def _seen(run_state: state.RunState | None) -> dict[str, object]:
+def _seen(run_state: state.RunState | None) -> dict[str, Any]:
     """stage -> what the executor of its recorded job knows of that job now (absent: nothing),
     one question per executor."""
     if run_state is None:
@@ -66,7 +67,7 @@ def _seen(run_state: state.RunState | None) -> dict[str, object]:
     jobs: dict[str, dict[str, str]] = {}  # executor -> stage -> job id
     for name, record in run_state.stages.items():
         jobs.setdefault(record.executor, {})[name] = record.job_id
-    seen: dict[str, object] = {}
+    seen: dict[str, Any] = {}
     for executor, stages in jobs.items():
         found = executor_for(executor).look(list(stages.values()))
         seen.update({name: found[job] for name, job in stages.items() if job in found})
@@ -75,6 +76,8 @@ def _seen(run_state: state.RunState | None) -> dict[str, object]:
 
 def live_jobs(run_state: state.RunState | None) -> list[LiveJob]:
     """Every recorded job that is still pending or running."""
+    if run_state is None:
+        return []
     seen = _seen(run_state)
     live = []
     for name, info in seen.items():
@@ -90,6 +93,8 @@ def refuse_if_live(pipeline_dir: Path, config: str, tasks: list[StageTask]) -> N
     A job whose stage already wrote its result is only exiting: it does not count."""
     finished = {(t.name, t.spec_hash) for t in tasks if is_finished(t)}
     run_state = state.load(pipeline_dir)
+    if run_state is None:  # nothing recorded: nothing live
+        return
     live = [job for job in live_jobs(run_state) if (job.stage, run_state.stages[job.stage].spec_hash) not in finished]
     if live:
         jobs = ", ".join(f"{job.stage} (job {job.job_id}, {job.state})" for job in live)
@@ -130,11 +135,13 @@ def stage_statuses(tasks: list[StageTask], run_state: state.RunState | None,
         info = seen.get(task.name)
         if is_finished(task):
             status = state.StageStatus(task.name, state.FINISHED, state.result_summary(task), task.run_dir)
-            if record is not None and record.spec_hash == task.spec_hash:
+            if executor is not None and record is not None and record.spec_hash == task.spec_hash:
                 executor.note_finished(status, info)
-        elif record is None or (record.spec_hash != task.spec_hash and not executor.is_live(info)):
+        elif record is None or executor is None or (record.spec_hash != task.spec_hash
+                                                    and not executor.is_live(info)):
             status = state.from_folder(task)
         else:
+            assert run_state is not None  # it holds the record
             status = executor.stage_status(task, record, info, run_state, running)
         if record is not None and status.job_id is None and record.spec_hash == task.spec_hash:
             status.job_id = record.job_id

@@ -25,7 +25,7 @@ import shlex
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from core import failure, runfolder
 from core.config import PipelineSpec
@@ -86,21 +86,23 @@ class Executor(ABC):
     def say_done(self, spec: PipelineSpec, planned: list[PlannedStage], jobs: dict[str, str], target: str) -> None:
         """What `run` prints last: the results, or the jobs submitted and how to follow them."""
 
-    def look(self, job_ids: list[str]) -> dict[str, object]:
+    # What `look` found of a job is each executor's own type (a Slurm JobInfo, a local process's):
+    # Any here, so each executor's methods take the type its `look` returns.
+    def look(self, job_ids: list[str]) -> dict[str, Any]:
         """What the scheduler knows of each job now; a job it does not know is absent."""
         return {}
 
-    def is_live(self, seen: object | None) -> bool:
+    def is_live(self, seen: Any) -> bool:
         """A job (as `look` saw it) that may still run."""
         return seen is not None and seen.live
 
     @abstractmethod
-    def stage_status(self, task: StageTask, record: state.StageRecord, seen: object | None,
+    def stage_status(self, task: StageTask, record: state.StageRecord, seen: Any,
                      run_state: state.RunState, running: state.Holder | None) -> state.StageStatus:
         """The status of an unfinished stage recorded as a job of this executor: `seen` is what
         `look` found of it, `running` the `run` holding the folder now."""
 
-    def note_finished(self, status: state.StageStatus, seen: object | None) -> None:  # noqa: B027 -- a hook
+    def note_finished(self, status: state.StageStatus, seen: Any) -> None:  # noqa: B027 -- a hook
         """Add what the scheduler knows of a finished stage's job to its status."""
 
     def stop_run(self, running: state.Holder, pipeline: str) -> int | None:
@@ -137,6 +139,7 @@ class Executor(ABC):
             if cause not in status.detail:  # a local run's record already says it
                 status.detail = f"{status.detail}: {cause}" if status.detail else cause
             first = failure.explaining(records)
+            assert first is not None  # there is a cause, so a record explains it
             status.log = first.log or _text(self.runtime.task_log(logs, record.job_id, first.rank))
             return status
         chosen = self.runtime.task_log(logs, record.job_id, 0)

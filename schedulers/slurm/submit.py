@@ -17,6 +17,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from core import runfolder
 from core.checkpoints import newest_intact
@@ -93,7 +94,9 @@ class SlurmExecutor(Executor):
     def deaths(self, record: state.StageRecord) -> list[Failure]:
         """The tasks srun says died, in the batch script's stderr (rank 0's log: srun writes there too)."""
         batch_err = self.runtime.task_log(Path(record.logs), record.job_id, 0)
-        return slurm_jobs.srun_deaths(batch_err.read_text(errors="replace")) if batch_err.is_file() else []
+        if batch_err is None or not batch_err.is_file():  # Slurm's runtime always names it
+            return []
+        return slurm_jobs.srun_deaths(batch_err.read_text(errors="replace"))
 
     def cancel(self, job_ids: list[str]) -> None:
         slurm_jobs.cancel(job_ids)
@@ -182,7 +185,7 @@ def submit_chain(executor: SlurmExecutor, spec: PipelineSpec, planned: list[Plan
 def _job_status(executor: SlurmExecutor, task: StageTask, record: state.StageRecord,
                 info: slurm_jobs.JobInfo | None, run_state: state.RunState) -> state.StageStatus:
     """An unfinished stage's status from what Slurm knows of its job, else from its record."""
-    base = dict(name=task.name, run_dir=task.run_dir, job_id=record.job_id)
+    base: dict[str, Any] = dict(name=task.name, run_dir=task.run_dir, job_id=record.job_id)
     older = "" if record.spec_hash == task.spec_hash else " (an older spec of this stage)"
     if info is None:
         # Slurm (and accounting, if any) no longer knows the job, and it left no result.
@@ -353,6 +356,7 @@ def container_command(spec: PipelineSpec, binds: list[str]) -> list[str]:
         # The job unpickles the stage with the same code that submitted it.
         command += ["--env", f"PYTHONPATH={code}"]
     command += list(spec.apptainer.options)
+    assert spec.container is not None, "a container stage's command"
     command.append(str(Path(spec.container).expanduser().resolve()))
     return command
 
