@@ -50,7 +50,7 @@ class Checkpoints:
         lost mid-save) removes its tag folder there, so `latest` keeps naming the
         previous checkpoint and nothing half-written stays; the error says why."""
         tag = self.stage_folder.checkpoint_tag(step)
-        with saving(self.folder / tag, f"checkpoint {tag}", like=self.last and self.folder / self.last):
+        with saving(self.folder / tag, f"checkpoint {tag}", like=self.folder / self.last if self.last else None):
             engine.save_checkpoint(str(self.folder), tag=tag, client_state=client_state, save_latest=False)
             for name, other in (others or {}).items():
                 other.save_checkpoint(str(self.folder / tag), tag=name, save_latest=False)

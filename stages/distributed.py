@@ -36,7 +36,7 @@ def detect() -> DistEnv:
     """Read (and export, for torch's env:// rendezvous) the distributed layout."""
     runtime = schedulers.runtime()
     layout = runtime.layout() if runtime is not None else None
-    if layout is not None:
+    if layout is not None and runtime is not None:  # a layout comes from a runtime
         source = runtime.via
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         source = "torchrun"

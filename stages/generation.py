@@ -345,7 +345,7 @@ def continuous(module, prompts: list[list[int]], *, tokenizer, stage, greedy: bo
             # draws) do not depend on thread timing: the same seed gives the same samples.
             request_ids = manager.add_requests(inputs=prompts, max_new_tokens=stage.max_new_tokens)
             manager.start()
-            results = {}
+            results: dict = {}
             while len(results) < len(request_ids):
                 result = manager.get_result(timeout=1)
                 if result is not None and result.is_finished():

@@ -10,6 +10,7 @@ import logging
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -178,7 +179,7 @@ def tile_mlps(model, tiles: int) -> int:
     (tiled_mlp); LoRA adapters added later are inside it. Returns the MLPs tiled."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = getattr(base.get_decoder(), "layers", None)
-    mlps = [getattr(layer, "mlp", None) for layer in layers or ()]
+    mlps: list[Any] = [getattr(layer, "mlp", None) for layer in layers or ()]
     if not mlps or any(mlp is None for mlp in mlps):
         raise InvalidInput(f"mlp_tiles: {type(base).__name__} has no `mlp` in each decoder layer to tile (Llama-"
                            "style models have); leave mlp_tiles out")
@@ -259,7 +260,7 @@ def score_head(model):
 
 
 class _Output:
-    value = None
+    value: Any = None
 
 
 @contextlib.contextmanager

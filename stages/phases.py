@@ -46,14 +46,14 @@ class Clock:
     def __init__(self, read_busy: Callable[[], float] | None = None, sample_s: float = SAMPLE_S):
         self.seconds: dict[str, float] = {}
         self.readings: dict[str, list[float]] = {}
-        self._read, self._sample_s = read_busy, sample_s
+        self._sample_s = sample_s
         self._stack: list[str] = []  # the phases entered and not left, innermost last
         self._since = 0.0  # when the innermost phase was last entered or resumed
         self._lock = threading.Lock()  # the sampling thread files readings while `take` reads them
         self._stop = threading.Event()
         self._thread = None
         if read_busy is not None:
-            self._thread = threading.Thread(target=self._sample, name="gpu-busy", daemon=True)
+            self._thread = threading.Thread(target=self._sample, args=(read_busy,), name="gpu-busy", daemon=True)
             self._thread.start()
 
     @contextlib.contextmanager
@@ -99,14 +99,14 @@ class Clock:
         if self._thread is not None:
             self._thread.join(timeout=1.0)
 
-    def _sample(self) -> None:
+    def _sample(self, read: Callable[[], float]) -> None:
         while not self._stop.wait(self._sample_s):
             try:
                 name = self._stack[-1]
             except IndexError:  # between phases
                 continue
             try:
-                value = self._read()
+                value = read()
             except Exception as err:  # noqa: BLE001 -- NVML gone mid-run: stop reading rather than guess
                 log.warning("GPU busy share: NVML reading failed (%s); no more readings", err)
                 return

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,14 +67,15 @@ class Prompt:
 @dataclass
 class Models:
     """The four models of an RL stage: actor and critic are DeepSpeed engines that train; the
-    reference and the reward model are frozen (stages/models.py FrozenModel)."""
+    reference and the reward model are frozen (stages/models.py FrozenModel). Any: DeepSpeed's and
+    transformers' objects, which carry no types."""
 
-    actor: object
-    reference: object | None  # None without a KL term (kl_coef 0): not loaded, never run
-    tokenizer: object
-    critic: object | None = None  # gae only
-    reward_model: object | None = None
-    reward_tokenizer: object | None = None
+    actor: Any
+    reference: Any | None  # None without a KL term (kl_coef 0): not loaded, never run
+    tokenizer: Any
+    critic: Any | None = None  # gae only
+    reward_model: Any | None = None
+    reward_tokenizer: Any | None = None
 
 
 @dataclass
@@ -189,7 +191,7 @@ class _Drawn:
     logprobs: list = field(default_factory=list)  # the sampler's token log-probs per sample (vLLM), or None
 
     def add(self, prompts, responses, rewards, trains: bool = True, terms: dict | None = None,
-            logprobs: list | None = None) -> None:
+            logprobs: Sequence | None = None) -> None:
         self.prompts += list(prompts)
         self.responses += list(responses)
         self.logprobs += list(logprobs) if logprobs is not None else [None] * len(prompts)
@@ -254,7 +256,8 @@ class RolloutMaker:
             wanted = len(batch)
             with self.clock.phase("generate_s"):
                 sampled = self.sample(batch)
-            responses, logprobs = sampled.ids, sampled.logprobs or [None] * len(batch)
+            responses = sampled.ids
+            logprobs: Sequence[list[float] | None] = sampled.logprobs or [None] * len(batch)
             with self.clock.phase("score_s"):
                 rewards, terms = self.score(batch, responses)
             every.add(batch, responses, rewards, terms=terms, logprobs=logprobs)
@@ -286,7 +289,7 @@ class RolloutMaker:
             return _as_sampled(self.generate(prompts, greedy))
         part = len(prompts) // layout.size  # callers give a multiple of the group's processes
         mine = _as_sampled(self.generate(prompts[layout.rank * part : (layout.rank + 1) * part], greedy)).ids
-        everyone = [None] * layout.size
+        everyone: list = [None] * layout.size
         dist.all_gather_object(everyone, mine, group=layout.group)
         return Sampled([response for responses in everyone for response in responses])
 
@@ -301,7 +304,9 @@ class RolloutMaker:
         samples = Samples(prompts=[p.text for p in prompts], completions=completions, rows=[p.row for p in prompts],
                           labels=[p.label for p in prompts], lengths=[len(r) for r in responses],
                           names=[p.name for p in prompts])
-        failure, total, terms = None, [0.0] * len(responses), {}
+        failure: RewardError | None = None
+        total = [0.0] * len(responses)
+        terms: dict[str, float] = {}
         # The functions bound their own calls; the others wait here for the slowest (the watchdog: as long).
         with watchdog.phase(watchdog.REWARD_FUNCTIONS, at_least_s=self.rules.longest_s):
             try:
@@ -323,6 +328,7 @@ class RolloutMaker:
     def _reward_model_scores(self, samples: Samples) -> list[float]:
         """Re-tokenised with the reward model's tokenizer, formatted as it was trained."""
         stage, tokenizer = self.stage, self.models.reward_tokenizer
+        assert tokenizer is not None  # loaded with the reward model
         rows = []
         for text, completion in zip(samples.prompts, samples.completions):
             ids = (data.encode_prompt(tokenizer, text, stage.data)
@@ -343,7 +349,7 @@ class RolloutMaker:
         reward.clip: clipped."""
         stage = self.stage
         if stage.reward.normalize:
-            everyone = [None] * self.ctx.world_size
+            everyone: list = [None] * self.ctx.world_size
             dist.all_gather_object(everyone, drawn)
             # The processes of a sharing group (consecutive ranks) drew the same: one of each group.
             self.moments.update([r for part in everyone[:: sequence_parallel.layout().size] for r in part])

@@ -117,7 +117,7 @@ def _shard_aware(core):
             exchanges[key_] = _exchange(core, module.config, query.shape[0])
         return exchanges[key_](module, query, key, value, attention_mask, *args, **kwargs)
 
-    attention._ulysses = True
+    attention._ulysses = True  # type: ignore[attr-defined]  # marks the wrapped attention
     return attention
 
 
@@ -218,6 +218,6 @@ def _padded_to(batch, size: int):
                        widen(batch.loss_mask, 0), widen(batch.sequence, -1), batch.packed, batch.lengths)
 
 
-def shard(batch) -> object:
+def shard(batch: data.Batch) -> data.Batch:
     """This process's part of a micro batch (the batch itself without sharing)."""
     return ShardedBatch.of(batch, _layout) if _layout.size > 1 else batch

@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     ended_well = (0, *STOPPED) + ((runtime.requeue_exit_code,) if runtime is not None else ())
     if code not in ended_well and (recorded is None or recorded.job_id != failure.task_job_id()):
         after = oom_kill_count()
-        oom_killed = code == -signal.SIGKILL and None not in (oom_kills, after) and after > oom_kills
+        oom_killed = code == -signal.SIGKILL and oom_kills is not None and after is not None and after > oom_kills
         log = runtime.task_log(folder.logs, runtime.job_id(), rank) if runtime is not None else None
         failure.write(folder, failure.died(rank, code, oom_killed, log=str(log) if log else None))
     return 128 - code if code < 0 else code

@@ -96,7 +96,7 @@ class VllmEngine:
         """Every process of this engine's group's requests, in rank order."""
         if self.group is None:
             return [mine]
-        everyone = [None] * dist.get_world_size(self.group)
+        everyone: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, mine, group=self.group)
         return everyone
 
@@ -175,7 +175,7 @@ def _job_own_shared_memory() -> None:
         ranks = "-".join(str(rank) for rank in communicator.ranks)
         return f"post-train-{token[0]}-{communicator.unique_name}-[{ranks}]-cpushm"
 
-    cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(job_group_name)
+    cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(job_group_name)  # type: ignore[method-assign]
 
 
 def _kv_shape(config) -> rollout_engine.KvShape:
