@@ -176,7 +176,7 @@ def inner_command(args) -> int:
                 hf_trl.run(case, folder, settings, info)
     except SystemExit:
         raise
-    except BaseException:
+    except BaseException:  # noqa: BLE001 -- any failure of a case (an interrupt too) is its result: 1
         traceback.print_exc()
         return 1
     return 0

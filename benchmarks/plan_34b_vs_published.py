@@ -262,7 +262,8 @@ def report() -> str:
             f"{_pct(off['on the GPU at rest'], gpu_off - largest_mem)} vs 2N/8 | both keep only the bf16 "
             f"shard; DeepSpeed adds its largest-layer term (above) |",
             f"| 1 node, offload, host RAM: model states | {_gb(8 * off['in host RAM'])} (18 N) | "
-            f"{_gb(cpu_off)} = 16 N x 1.5; {_gb(cpu_off / 1.5)} without 1.5 | {_pct(8 * off['in host RAM'], cpu_off / 1.5)}"
+            f"{_gb(cpu_off)} = 16 N x 1.5; {_gb(cpu_off / 1.5)} without 1.5 | "
+            f"{_pct(8 * off['in host RAM'], cpu_off / 1.5)}"
             f" vs 16 N | the planner adds the 16-bit gradient partition, which DeepSpeed 0.19 pins in host "
             f"RAM with offload (stage3.py: `grad_partitions_flat_buffer` on `self.device` = cpu): 2 N = "
             f"{_gb(2 * n)}; measured on CPU, benchmarks/plan_vs_deepspeed.md `sft-bf16-zero3-offload` |",
@@ -325,12 +326,14 @@ def report() -> str:
                 f"| {name}: logits | {tokens:,} | {_gb(logits)} | {_gb(korthikanti_logits(tokens))} | "
                 f"Korthikanti 4.3: 4sbV (fp32 logits) | {_pct(logits, korthikanti_logits(tokens))} | the project "
                 f"keeps bf16 logits and their bf16 gradient (4sV, the same bytes) and adds the loss's fp32 "
-                f"log-prob chunks (at most 2^25 elements, four alive in the backward: {_gb(16 * 2**25 // VOCAB * VOCAB)}) "
+                f"log-prob chunks (at most 2^25 elements, four alive in the backward: "
+                f"{_gb(16 * 2**25 // VOCAB * VOCAB)}) "
                 f"(stages/losses.py) |"]
     peak_sft, peak_dpo = sft_mem.peak("gpu")[0], dpo_mem.peak("gpu")[0]
     out += ["", f"GPU peak of the shipped plan: SFT {peak_sft / GiB:.1f} GiB, DPO {peak_dpo / GiB:.1f} GiB of "
             f"79.3 GiB; without offload {p['sft no offload'].memory.gpu_peak / GiB:.1f} / "
-            f"{p['dpo no offload'].memory.gpu_peak / GiB:.1f} GiB (fits, {p['dpo no offload'].memory.gpu_headroom / GiB:.1f} "
+            f"{p['dpo no offload'].memory.gpu_peak / GiB:.1f} GiB (fits, "
+            f"{p['dpo no offload'].memory.gpu_headroom / GiB:.1f} "
             f"GiB spare for DPO: with the reference precomputed, CONTEXT.md's 'or reference log-probs computed "
             f"ahead of time'); two nodes without offload {p['sft 2 nodes'].memory.gpu_peak / GiB:.1f} / "
             f"{p['dpo 2 nodes'].memory.gpu_peak / GiB:.1f} GiB.", ""]
@@ -338,7 +341,8 @@ def report() -> str:
     # ---- time
     anchor = tokens_per_gpu_s_at_full_mfu(CONTEXT_PARAMS)
     out += ["## 6. Step time and throughput (A100, 312 TFLOP/s bf16)", "",
-            "| plan | tokens/s per GPU | MFU (plan) | 6N tokens/s ÷ anchor | GPU busy (HFU) in compute | offload share of a step |",
+            "| plan | tokens/s per GPU | MFU (plan) | 6N tokens/s ÷ anchor | GPU busy (HFU) in compute "
+            "| offload share of a step |",
             "|---|---:|---:|---:|---:|---:|"]
     for key in ("sft", "dpo", "sft global batch 8", "sft 2 nodes", "dpo 2 nodes"):
         t, world = p[key].time, p[key].knobs.nodes * 8
@@ -353,7 +357,8 @@ def report() -> str:
             f"72% of the A100's datasheet (what H100 and H200 records measured at 8192^3; no A100 record), flash "
             f"attention at 50% (FlashAttention-2's published figures; no record ran it), ZeRO-3's fetch and "
             f"release hooks at 5.9 ms per layer pass and the host's Adam at 8.2e7 parameters/s per core x 12 cores "
-            f"per process (`cpus_per_task`; both fitted to the one-GPU records), PCIe and NVLink at their datasheet rates. The "
+            f"per process (`cpus_per_task`; both fitted to the one-GPU records), PCIe and NVLink at their "
+            f"datasheet rates. The "
             f"shipped SFT step: {_terms(p['sft'].time)}.",
             f"- 'Fine-tuning stacks with offload often run at a few %' (CONTEXT.md): the plan gives "
             f"{p['sft'].time.mfu:.0%}-{p['dpo'].time.mfu:.0%} for the shipped global batch 64 (8 micro batches per "

@@ -57,8 +57,8 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, GenerationMixin
 
-    from core.config import load_pipeline
     from core import batching, tiny
+    from core.config import load_pipeline
     from stages import compat, data, generation, models
 
     stage = next(s for s in load_pipeline("tiny").stages if s.kind == "ppo")

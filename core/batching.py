@@ -24,8 +24,8 @@ that cannot help, run a filler pass whose loss counts zero (`weight` 0).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ def steps_per_epoch(n_rows: int, rows_per_step: int) -> int:
 
 
 def epoch_steps(n_rows: int, *, rows_per_step: int, micro_batch_size: int, rank: int, world_size: int,
-                seed: int, epoch: int, lengths: Optional[Sequence[int]] = None,
-                token_budget: Optional[int] = None) -> list[Step]:
+                seed: int, epoch: int, lengths: Sequence[int] | None = None,
+                token_budget: int | None = None) -> list[Step]:
     """This process's steps of one epoch. Packed when a token budget (and each row's
     token length) is given, padded micro batches of micro_batch_size rows otherwise."""
     order = shuffled(n_rows, seed, epoch)
@@ -68,18 +68,20 @@ def epoch_steps(n_rows: int, *, rows_per_step: int, micro_batch_size: int, rank:
         if token_budget is None:
             mine = round_robin(rows, micro_batch_size, rank, world_size)
         else:
+            assert lengths is not None, "packing needs each row's token length"
             mine = pack_rows(rows, lengths, world_size, token_budget)[rank]
         steps.append(Step(tuple(mine), tuple(rows)))
     return steps
 
 
 def eval_micro_batches(n_rows: int, *, micro_batch_size: int, rank: int, world_size: int,
-                       lengths: Optional[Sequence[int]] = None,
-                       token_budget: Optional[int] = None) -> list[MicroBatch]:
+                       lengths: Sequence[int] | None = None,
+                       token_budget: int | None = None) -> list[MicroBatch]:
     """This process's share of the evaluation rows: every row once over all processes,
     the same number of passes on every process (fillers have weight 0)."""
     rows = list(range(n_rows))
     if token_budget is not None:
+        assert lengths is not None, "packing needs each row's token length"
         return list(pack_rows(rows, lengths, world_size, token_budget)[rank])
     per_round = micro_batch_size * world_size
     total = -(-n_rows // per_round) * per_round
@@ -203,13 +205,13 @@ def data_parallel(processes: int, sequence_parallel: int = 1) -> int:
     return processes // sequence_parallel
 
 
-def rows_per_step(global_batch_size: Optional[int], micro_batch_size: int, processes: int) -> int:
+def rows_per_step(global_batch_size: int | None, micro_batch_size: int, processes: int) -> int:
     """Rows (a rollout kind: sequences) in one optimizer step over all processes: global_batch_size,
     else one micro batch per process."""
     return global_batch_size or micro_batch_size * processes
 
 
-def accumulation_steps(global_batch_size: Optional[int], micro_batch_size: int, processes: int) -> int:
+def accumulation_steps(global_batch_size: int | None, micro_batch_size: int, processes: int) -> int:
     """Micro batches each process adds up per optimizer step; ValueError when global_batch_size
     does not split into whole micro batches over the processes (the data-parallel ones:
     `data_parallel`)."""
@@ -254,7 +256,7 @@ class RolloutSchedule:
 
     @classmethod
     def of(cls, n_prompts: int, *, prompts: int, samples_per_prompt: int, passes: int, groups: int,
-           sequences_per_step: int, epochs: int, max_steps: Optional[int], seed: int) -> "RolloutSchedule":
+           sequences_per_step: int, epochs: int, max_steps: int | None, seed: int) -> RolloutSchedule:
         """`sequences_per_step`: a group's sequences per optimizer step (micro batch size x gradient
         accumulation); `max_steps` (optimizer steps) caps the epochs. ValueError when n_prompts
         are fewer than one rollout takes."""

@@ -2,8 +2,9 @@
 
 The planner's time model needs rates of the machine a stage runs on: matmul TFLOP/s at the
 shapes the models multiply, GPU memory and host<->GPU copy bandwidth, one process's CPU Adam
-rate and the host work of a whole offloaded optimizer step, NCCL's collective bandwidth. core/hardware.py holds datasheet numbers for them;
-a calibration file holds what a node really did (measured by stages/calibrate.py).
+rate and the host work of a whole offloaded optimizer step, NCCL's collective bandwidth. core/hardware.py
+holds datasheet numbers for them; a calibration file holds what a node really did (measured by
+stages/calibrate.py).
 
     {"version": 1, "node": "gpu07", "date": "2026-11-26T05:50:00+00:00",
      "gpu": {"device_name": "NVIDIA H100 80GB HBM3", "catalogue": "h100-80gb", "count": 8, "memory_gib": 79.2},
@@ -33,7 +34,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError
 
@@ -54,7 +55,7 @@ class GPUInfo:
     """The GPUs the measuring process saw."""
 
     device_name: str  # as torch names device 0 (torch.cuda.get_device_name), e.g. "NVIDIA H100 80GB HBM3"
-    catalogue: Optional[str]  # its core/hardware.py entry (gpu_for_device); None for a GPU the catalogue lacks
+    catalogue: str | None  # its core/hardware.py entry (gpu_for_device); None for a GPU the catalogue lacks
     count: Count  # GPUs visible to the process (CUDA_VISIBLE_DEVICES), the collective's world
     memory_gib: Positive  # device 0's total memory as torch reports it (GiB), for telling variants apart
 
@@ -116,18 +117,18 @@ class Calibration:
     version: int  # the schema version: VERSION
     node: str  # hostname of the node measured
     date: str  # when (ISO 8601, UTC)
-    gpu: Optional[GPUInfo]  # None: no GPU was visible
+    gpu: GPUInfo | None  # None: no GPU was visible
     cores_available: Count  # cores the measuring process could run on (os.sched_getaffinity)
     cores_per_process: Count  # cores_available // processes_per_node: a stage process's share
     processes_per_node: Count  # the pipeline's processes per node (cluster.tasks_per_node or gpus_per_node)
-    versions: dict[str, Optional[str]]  # torch, deepspeed, cuda (None: not installed, or a CPU build)
+    versions: dict[str, str | None]  # torch, deepspeed, cuda (None: not installed, or a CPU build)
     matmul: tuple[MatmulRate, ...]  # empty without a GPU
-    memory_bandwidth_gbs: Optional[Positive]  # device-to-device copy: bytes read + bytes written per second
-    host_to_gpu_gbs: Optional[Positive]  # pinned host memory -> GPU copy
-    gpu_to_host_gbs: Optional[Positive]  # GPU -> pinned host memory copy
-    cpu_adam: Optional[CpuAdamRate]
-    collective: Optional[CollectiveRate]  # None with one GPU, or none
-    offload_step: Optional[OffloadStepRate] = None  # None: not measured (a note says why; files before it)
+    memory_bandwidth_gbs: Positive | None  # device-to-device copy: bytes read + bytes written per second
+    host_to_gpu_gbs: Positive | None  # pinned host memory -> GPU copy
+    gpu_to_host_gbs: Positive | None  # GPU -> pinned host memory copy
+    cpu_adam: CpuAdamRate | None
+    collective: CollectiveRate | None  # None with one GPU, or none
+    offload_step: OffloadStepRate | None = None  # None: not measured (a note says why; files before it)
     settings: dict[str, Any] = field(default_factory=dict)  # sizes and repeats each measurement used
     seconds: dict[str, float] = field(default_factory=dict)  # wall time each measurement took
     notes: tuple[str, ...] = ()  # what was not measured and why; anything unusual seen
@@ -140,7 +141,7 @@ class Calibration:
             return CPU_ONLY
         return self.gpu.catalogue or re.sub(r"[^a-z0-9.]+", "-", self.gpu.device_name.lower()).strip("-")
 
-    def matmul_tflops(self, m: int, k: int, n: int, dtype: str, what: Optional[str] = None) -> Optional[float]:
+    def matmul_tflops(self, m: int, k: int, n: int, dtype: str, what: str | None = None) -> float | None:
         """The measured rate of the recorded GEMM nearest to m x k x n (by the sum of squared log
         ratios of the three dimensions: a GEMM twice as long in one dimension is as far as one
         half as long) in `dtype`, among the products of the same pass when `what` names one
@@ -159,7 +160,7 @@ class Calibration:
         return min(rates, key=distance).tflops
 
     @property
-    def cpu_adam_params_per_s_per_node(self) -> Optional[float]:
+    def cpu_adam_params_per_s_per_node(self) -> float | None:
         """The node's CPU Adam rate, the quantity pipeline/plan/timing.py's CPU_ADAM_PARAMS_PER_S
         stands for: one process's rate x processes_per_node, each stepping its own shard on its
         own cores at once. An upper bound: the processes share the node's memory bandwidth."""

@@ -28,10 +28,10 @@ from __future__ import annotations
 import json
 import zipfile
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Union
 
 from core.runfolder import MANIFEST_FILE, TEMPORARY_SUFFIX, StageFolder
 
@@ -106,7 +106,7 @@ def checksums(folder: Path, mine: list[Block], threads: int) -> dict[tuple[str, 
 
 def manifest(step: int, sizes: dict[str, int], crcs: dict[tuple[str, int], str]) -> dict:
     """A checkpoint's manifest: its step, and each file's size and block checksums."""
-    listed = {name: {"bytes": size, "crc32": []} for name, size in sorted(sizes.items())}
+    listed: dict[str, dict] = {name: {"bytes": size, "crc32": []} for name, size in sorted(sizes.items())}
     for block in blocks(sizes):
         listed[block.file]["crc32"].append(crcs[block.file, block.index])
     return {"step": step, "checksum": CHECKSUM, "files": listed}
@@ -118,7 +118,7 @@ def manifest_text(content: dict) -> str:
     return f'{{"step": {content["step"]}, "checksum": {json.dumps(content["checksum"])}, "files": {{\n{listed}\n}}}}\n'
 
 
-def read_manifest(path: Path) -> Union[dict, str, None]:
+def read_manifest(path: Path) -> dict | str | None:
     """The manifest at `path`; None if there is none; why it cannot be used (a str) if it is damaged."""
     try:
         content = json.loads(path.read_text())
@@ -199,7 +199,7 @@ def step_of(tag: str) -> int:
 class Found:
     """What checkpoints/ holds, read once (the stage's rank 0 reads it and hands it to the others)."""
 
-    latest: Optional[str]  # the tag the `latest` marker names
+    latest: str | None  # the tag the `latest` marker names
     tags: list[str]  # the checkpoint folders, oldest first
     manifests: dict = field(default_factory=dict)  # tag -> its manifest, or why it cannot be used; none: absent
     unmanifested: dict = field(default_factory=dict)  # tag -> torch_file_problems, for the older ones without one
@@ -221,9 +221,9 @@ def look(folder: StageFolder) -> Found:
 class Verdict:
     """Where a stage resumes, and what it found on the way."""
 
-    tag: Optional[str] = None  # the newest intact checkpoint; None: none
+    tag: str | None = None  # the newest intact checkpoint; None: none
     unchecked: bool = False  # written before manifests: taken as the `latest` marker made it complete
-    gone: Optional[str] = None  # the tag `latest` names, whose folder is not there
+    gone: str | None = None  # the tag `latest` names, whose folder is not there
     damaged: dict = field(default_factory=dict)  # tag -> what is wrong with it, newest first (all newer than `tag`)
     unfinished: list = field(default_factory=list)  # saves that did not finish: no manifest, newer than `latest`
     latest_intact: bool = False  # `tag` is as new as what `latest` names or newer: the unfinished ones are leftovers

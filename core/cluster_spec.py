@@ -4,13 +4,12 @@ scheduler accepts (Slurm's time syntax, the sbatch options it sets itself) is it
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Union
+from typing import Any
 
 from pydantic import Field, field_validator
 
 import schedulers
 from core.strict import Strict
-
 
 # Environment variables that hold credentials (HF_TOKEN, WANDB_API_KEY, ...): read from the
 # environment only, never written into a file the pipeline makes.
@@ -37,11 +36,11 @@ class ClusterSpec(Strict):
         "'slurm' submits each stage as a Slurm job; a scheduler a plug-in declares runs them its way "
         "(schedulers/).",
     )
-    partition: Optional[str] = Field(None, description="Slurm partition (sbatch --partition).")
-    account: Optional[str] = Field(None, description="Slurm account (sbatch --account).")
-    qos: Optional[str] = Field(None, description="Slurm quality of service (sbatch --qos).")
-    constraint: Optional[str] = Field(None, description="Slurm node features (sbatch --constraint).")
-    gpu: Optional[str] = Field(
+    partition: str | None = Field(None, description="Slurm partition (sbatch --partition).")
+    account: str | None = Field(None, description="Slurm account (sbatch --account).")
+    qos: str | None = Field(None, description="Slurm quality of service (sbatch --qos).")
+    constraint: str | None = Field(None, description="Slurm node features (sbatch --constraint).")
+    gpu: str | None = Field(
         None, description="GPU type of the nodes (e.g. a100-80gb, h100-80gb, rtx4090), used to plan memory."
     )
     gpus_per_node: int = Field(
@@ -52,18 +51,18 @@ class ClusterSpec(Strict):
         "executor takes them from this machine (from CUDA_VISIBLE_DEVICES when it is set); validate and run "
         "refuse more than torch sees here.",
     )
-    tasks_per_node: Optional[int] = Field(
+    tasks_per_node: int | None = Field(
         None,
         ge=1,
         le=64,
         description="Processes per node. Defaults to gpus_per_node, or 1 without GPUs; "
         "set it to run several CPU processes (e.g. 2, so ZeRO really shards on CPU).",
     )
-    cpus_per_task: Optional[int] = Field(
+    cpus_per_task: int | None = Field(
         None, ge=1, description="CPU cores per process (sbatch --cpus-per-task). A stage on the CPU computes with this "
         "many torch threads per process (1 when unset), whatever the machine's core count: the thread count changes "
         "its numbers.")
-    mem: Optional[str] = Field(
+    mem: str | None = Field(
         None, pattern=r"^\d+[KMGT]?$", description="Host memory per node, Slurm syntax (e.g. 500G, 0 = all)."
     )
     time: str = Field("4:00:00", description="Wall-clock limit per stage job on Slurm, Slurm syntax (e.g. "
@@ -72,12 +71,12 @@ class ClusterSpec(Strict):
         default_factory=list, description="Shell lines run in the job before the stage starts (e.g. module load ...)."
     )
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables set for every stage job.")
-    sbatch: dict[str, Union[str, int, bool]] = Field(
+    sbatch: dict[str, str | int | bool] = Field(
         default_factory=dict,
         description="Extra sbatch options for every stage job, by long name without dashes "
         "(e.g. {exclusive: true, reservation: my-res, gres: 'gpu:8'}); true writes a bare flag.",
     )
-    requeue_signal_s: Optional[int] = Field(
+    requeue_signal_s: int | None = Field(
         None,
         ge=10,
         le=3600,
@@ -95,7 +94,7 @@ class ClusterSpec(Strict):
     max_retries: int = Field(
         2, ge=0, le=100, description="How many times a stage job that hangs (see hang_factor), or that Slurm "
         "requeues after its node failed, is started again before it fails.")
-    hf_home: Optional[str] = Field(
+    hf_home: str | None = Field(
         None,
         description="Hugging Face cache folder shared by the submit host and the compute nodes: `prepare` "
         "downloads hub models and datasets into it, Slurm jobs read it offline. Default: $HF_HOME, "

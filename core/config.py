@@ -19,7 +19,7 @@ import difflib
 import importlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SerializeAsAny, ValidationError, WrapValidator, field_validator, model_validator
 
@@ -56,7 +56,7 @@ class WandbSpec(Strict):
     the environment only."""
 
     project: str = Field(..., min_length=1, description="W&B project the stages log to (one run per stage).")
-    entity: Optional[str] = Field(None, description="W&B team or user; default: the API key's own.")
+    entity: str | None = Field(None, description="W&B team or user; default: the API key's own.")
     mode: Literal["offline", "online"] = Field(
         "offline",
         description="offline writes the run under runs/<pipeline>/<stage>/wandb/ (compute nodes often have no "
@@ -67,7 +67,7 @@ class WandbSpec(Strict):
 class TrackingSpec(Strict):
     """Experiment trackers besides metrics.jsonl and TensorBoard (always written)."""
 
-    wandb: Optional[WandbSpec] = Field(None, description="Log to Weights & Biases too (off when absent).")
+    wandb: WandbSpec | None = Field(None, description="Log to Weights & Biases too (off when absent).")
 
 
 # --------------------------------------------------------------------------- stages
@@ -121,7 +121,7 @@ class DataSpec(Strict):
         "hub id, or builtin:digits (the synthetic task that needs no network).",
     )
     split: str = Field("train", description="Split to train on (hub datasets and builtin:digits).")
-    eval_split: Optional[str] = Field(
+    eval_split: str | None = Field(
         None,
         description="Split to evaluate on (hub datasets, dataset folders saved with splits, builtin:digits); "
         "with a data file, a second file of evaluation rows. When absent, eval_fraction of the rows is held out.",
@@ -139,7 +139,7 @@ class DataSpec(Strict):
     chat_template: bool = Field(
         False, description="Format prompts with the tokenizer's chat template instead of plain concatenation."
     )
-    max_rows: Optional[int] = Field(None, ge=1, description="Use at most this many training rows.")
+    max_rows: int | None = Field(None, ge=1, description="Use at most this many training rows.")
     invalid_rows: Literal["error", "skip"] = Field(
         "error",
         description="A row missing a column, with an empty response, or with chosen identical to rejected: "
@@ -194,7 +194,7 @@ class TrainingKnobs(Strict):
         "sampling stays whole-sequence, each process of a group sampling 1/N of the group's prompts); needs "
         "transformers >= 4.51.3 and DeepSpeed >= 0.18 (the current stack, not the pinned one).",
     )
-    logits_tile: Optional[int] = Field(
+    logits_tile: int | None = Field(
         None, ge=1, le=1_000_000,
         description="Positions whose logits the LM head computes at once for the loss (in the forward, and "
         "again in the backward) instead of all of a micro batch's: memory for tile x vocabulary logits and "
@@ -202,7 +202,7 @@ class TrainingKnobs(Strict):
         "The same loss up to rounding; the head's matmul runs once more. sft and dpo (policy and "
         "reference); needs the current stack.",
     )
-    mlp_tiles: Optional[int] = Field(
+    mlp_tiles: int | None = Field(
         None, ge=2, le=65_536,
         description="How many tiles each decoder layer's MLP runs a micro batch's positions in (this "
         "process's positions, under sequence_parallel), in the forward and again in the backward, keeping only "
@@ -212,7 +212,7 @@ class TrainingKnobs(Strict):
         "number of calls, whatever the width of its lines. The same loss up to rounding; the MLP's forward "
         "runs once more. sft, rm and dpo (policy and reference); needs the current stack.",
     )
-    lora: Optional[LoraSpec] = Field(None, description="Train LoRA adapters instead of all parameters.")
+    lora: LoraSpec | None = Field(None, description="Train LoRA adapters instead of all parameters.")
     max_len: int = Field(
         2048, ge=8,
         description="Longest tokenised sequence; longer ones lose their last tokens, and rows left with nothing "
@@ -237,13 +237,13 @@ class TrainingKnobs(Strict):
         "sequence kept apart by its own positions and attention, so no compute goes to padding; false pads "
         "micro batches of micro_batch_size rows. Either way the loss is a mean over the whole global batch.",
     )
-    micro_batch_tokens: Optional[int] = Field(
+    micro_batch_tokens: int | None = Field(
         None, ge=8,
         description="With packing: tokens per process per forward pass. Default: micro_batch_size x max_len "
         "(x 2 for rm and dpo, whose rows are pairs). More fills a GPU better and costs activation memory "
         "(see `plan`).",
     )
-    global_batch_size: Optional[int] = Field(
+    global_batch_size: int | None = Field(
         None,
         ge=1,
         description="Rows per optimizer step over all processes; gradient accumulation = "
@@ -259,7 +259,7 @@ class TrainingKnobs(Strict):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW beta1, beta2.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = no clipping).")
     epochs: int = Field(1, ge=1, le=1000, description="Passes over the training rows (unless max_steps is set).")
-    max_steps: Optional[int] = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     eval_interval: int = Field(
         0, ge=0, description="Evaluate every N optimizer steps (0 = only before and after training)."
     )
@@ -274,7 +274,7 @@ class TrainingKnobs(Strict):
     log_interval: int = Field(10, ge=1, description="Write a metrics.jsonl line every N optimizer steps.")
     seed: int = Field(42, ge=0, description="Seed for initialisation, data order and sampling.")
     nodes: int = Field(1, ge=1, le=1024, description="Nodes this stage runs on.")
-    time: Optional[str] = Field(None, description="Wall-clock limit for this stage's Slurm job; default cluster.time.")
+    time: str | None = Field(None, description="Wall-clock limit for this stage's Slurm job; default cluster.time.")
     hang_factor: float = Field(
         20.0, ge=0, description="The hang watchdog. Every phase of a stage is timed (loading, the reference "
         "precompute, evaluation, generation, scoring, the reward functions, a training step (in RL: a rollout and "
@@ -296,7 +296,7 @@ class TrainingKnobs(Strict):
 
     @field_validator("time")
     @classmethod
-    def _check_time(cls, value: Optional[str]) -> Optional[str]:
+    def _check_time(cls, value: str | None) -> str | None:
         return value if value is None else checked_by_schedulers("time", value)
 
 
@@ -305,11 +305,12 @@ class StageDefaults(TrainingKnobs):
 
 
 class StageBase(TrainingKnobs):
-    name: str = Field(..., pattern=NAME_PATTERN, description="Unique stage name; its outputs go to runs/<pipeline>/<name>/.")
-    from_: Optional[str] = Field(
+    name: str = Field(..., pattern=NAME_PATTERN,
+                      description="Unique stage name; its outputs go to runs/<pipeline>/<name>/.")
+    from_: str | None = Field(
         None, alias="from", description="Name of the upstream stage whose exported model this stage starts from."
     )
-    model: Optional[str] = Field(
+    model: str | None = Field(
         None,
         description="Model to start from when there is no `from`: a local folder in Hugging Face format, "
         "a hub id, or builtin:tiny-llama.",
@@ -318,7 +319,7 @@ class StageBase(TrainingKnobs):
 
     @field_validator("model")
     @classmethod
-    def _check_builtin_model(cls, value: Optional[str]) -> Optional[str]:
+    def _check_builtin_model(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():
             raise ValueError(f"is empty ({json.dumps(value)}): give a model folder in Hugging Face format, a hub id or "
                              f"{BUILTIN_PREFIX}{next(iter(BUILTIN_MODELS))}; or leave `model` out and give `from`")
@@ -448,7 +449,7 @@ class PipelineSpec(Strict):
 
     name: str = Field(..., pattern=NAME_PATTERN, description="Pipeline name; outputs go to <runs_dir>/<name>/.")
     runs_dir: str = Field("runs", description="Folder that holds every pipeline's run folder.")
-    container: Optional[str] = Field(
+    container: str | None = Field(
         None,
         description="Apptainer image (.sif) the Slurm stage jobs run in; absent = the host python. "
         "The local executor always runs the host python.",

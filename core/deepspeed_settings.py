@@ -8,8 +8,6 @@ Python (no torch): the planner runs on login nodes.
 
 from __future__ import annotations
 
-from typing import Optional
-
 # ZeRO's reduce / all-gather / prefetch buckets, in elements. DeepSpeed's 5e8 default
 # suits GPUs; on CPU buckets that size make every step take seconds.
 GPU_BUCKET_ELEMENTS = int(5e8)
@@ -27,7 +25,7 @@ def bucket_elements(on_gpu: bool) -> int:
     return GPU_BUCKET_ELEMENTS if on_gpu else CPU_BUCKET_ELEMENTS
 
 
-def reduce_bucket_elements(on_gpu: bool, trained: Optional[int] = None) -> int:
+def reduce_bucket_elements(on_gpu: bool, trained: int | None = None) -> int:
     """Elements per gradient (reduce) bucket for a model that trains `trained` parameters (None:
     not known, as many as a bucket holds). DeepSpeed allocates each bucket whole at the first
     backward, two with overlap_comm, whatever fills them: LoRA on Llama-3-8B trains 168M

@@ -26,9 +26,9 @@ import socket
 import sysconfig
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 import schedulers
 from core.checkpoints import newest_intact
@@ -64,8 +64,8 @@ class Failure:
     host: str
     kind: str  # one of the names above
     message: str  # the cause and what to do
-    log: Optional[str] = None  # the rank's stderr: the full traceback
-    job_id: Optional[str] = None
+    log: str | None = None  # the rank's stderr: the full traceback
+    job_id: str | None = None
     secondary: bool = False  # a consequence of another rank's failure
     time: float = 0.0
 
@@ -80,8 +80,8 @@ class WriteFailed(OSError):
     size of an earlier complete copy of the same thing (the previous checkpoint), when known;
     `limit`, this process's file size limit (RLIMIT_FSIZE) then."""
 
-    def __init__(self, code: int, filename: str, what: str, free: Optional[str] = None,
-                 written: Optional[int] = None, largest: Optional[int] = None, like: Optional[tuple] = None):
+    def __init__(self, code: int, filename: str, what: str, free: str | None = None,
+                 written: int | None = None, largest: int | None = None, like: tuple | None = None):
         super().__init__(code, os.strerror(code), filename)
         self.what, self.free, self.written, self.largest, self.like = what, free, written, largest, like
         self.limit = file_size_limit()
@@ -90,13 +90,14 @@ class WriteFailed(OSError):
 def causes(err: BaseException) -> Iterator[BaseException]:
     """The error and what it was raised from (explicitly, or while handling), outermost first."""
     seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        yield cause
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
 
 
-def error_number(err: BaseException) -> Optional[int]:
+def error_number(err: BaseException) -> int | None:
     """The errno an error carries, as an attribute or in its text (safetensors, torch's allocator)."""
     if isinstance(err, OSError) and err.errno:
         return err.errno
@@ -128,7 +129,8 @@ def describe(err: BaseException) -> tuple[str, str, bool]:
                 f"{detail}{_place(err)}. {PLAN_HINT} in host RAM; give the job more (cluster.mem) "
                 "or run fewer processes per node"), False
         if code in (errnos.ENOSPC, errnos.EDQUOT):
-            return DISK_FULL, _write_message(cause, code, "Free space there, or set runs_dir to a disk with room"), False
+            return (DISK_FULL, _write_message(cause, code, "Free space there, or set runs_dir to a disk with room"),
+                    False)
         if code == errnos.EFBIG:
             return FILE_TOO_LARGE, _write_message(cause, code, (
                 "Raise the limit (`ulimit -f unlimited` in the shell or job script that starts the run; on a "
@@ -152,11 +154,11 @@ def _write_message(err: BaseException, code: int, advice: str) -> str:
     text += _why(code, path, err)
     text += f". {advice}"
     if isinstance(err, WriteFailed):
-        text += f"; then `run` again: {_intact(Path(path))}"
+        text += f"; then `run` again: {_intact(Path(err.filename))}"
     return text
 
 
-def _why(code: int, path: Optional[str], err: BaseException) -> str:
+def _why(code: int, path: str | None, err: BaseException) -> str:
     """The cause in words, with the sizes that matter: the file size limit and the largest file,
     the room left and what the write needed, the file system's read-only flag, the user."""
     written, largest, like = (getattr(err, name, None) for name in ("written", "largest", "like"))
@@ -197,7 +199,7 @@ def _intact(path: Path) -> str:
     return "nothing earlier was lost; the stage resumes from its newest complete checkpoint, if any"
 
 
-def file_size_limit() -> Optional[int]:
+def file_size_limit() -> int | None:
     """This process's largest writable file in bytes (RLIMIT_FSIZE, `ulimit -f`); None if unlimited."""
     import resource
 
@@ -205,7 +207,7 @@ def file_size_limit() -> Optional[int]:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def free_space(path) -> Optional[str]:
+def free_space(path) -> str | None:
     """Bytes left to this user on the file system holding `path` (its nearest existing parent)."""
     path = Path(path)
     while not path.exists() and path != path.parent:
@@ -233,7 +235,8 @@ def _first_line(err: BaseException) -> str:
 def _place(err: BaseException) -> str:
     """' at FILE:LINE in FUNCTION': the innermost frame of the deepest cause that is not
     Python's or an installed package's code (a stage file, or the user's reward file)."""
-    library = tuple(filter(None, {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}))
+    paths = sysconfig.get_paths()
+    library = tuple(filter(None, {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}))
     for cause in reversed(list(causes(err))):
         frames = [f for f in traceback.extract_tb(cause.__traceback__) if not f.filename.startswith(library)]
         if frames:
@@ -250,7 +253,7 @@ def _short(filename: str) -> str:
 
 
 @contextlib.contextmanager
-def saving(path: Path, what: str, like: Optional[Path] = None) -> Iterator[None]:
+def saving(path: Path, what: str, like: Path | None = None) -> Iterator[None]:
     """Write `what` at `path` (a file or a folder); if that fails, remove what it half wrote
     and, when the cause is the disk (full, a file size limit, read-only, not ours), raise
     WriteFailed saying so. `like`: an earlier complete copy of the same thing (the previous
@@ -289,7 +292,7 @@ def writing(path: Path, what: str) -> Iterator[None]:
         raise WriteFailed(code, str(path), what, free_space(path)) from err
 
 
-def cannot_make_in(folder: Path) -> Optional[int]:
+def cannot_make_in(folder: Path) -> int | None:
     """The errno that keeps this user from making a folder with a file in it inside `folder`
     (tried, then removed), or None: what `run` will do there, asked before it does."""
     probe = temporary(Path(folder) / f".write-probe-{os.getpid()}")
@@ -327,7 +330,7 @@ def _file_sizes(path: Path) -> list[int]:
     return sizes
 
 
-def _diagnose(path: Path, largest: int) -> Optional[int]:
+def _diagnose(path: Path, largest: int) -> int | None:
     """Why a write at `path` failed, asked of this process and the file system when the error
     carried no errno: a file that reached the file size limit (EFBIG), a read-only file system
     (EROFS), a folder this user may not write (EACCES), no room (a probe write meets ENOSPC)."""
@@ -352,7 +355,7 @@ def _nearest_folder(path: Path) -> Path:
     return folder
 
 
-def _probe(folder: Path, size: int = 1 << 20) -> Optional[int]:
+def _probe(folder: Path, size: int = 1 << 20) -> int | None:
     """Write `size` bytes in `folder` and remove them; the errno it meets, or None."""
     probe = temporary(folder / f"write-probe-{os.getpid()}")
     try:
@@ -379,7 +382,7 @@ def task_rank() -> int:
     return int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
 
 
-def task_job_id() -> Optional[str]:
+def task_job_id() -> str | None:
     """The id of the scheduler's job this process is a task of; None outside one."""
     runtime = schedulers.runtime()
     return runtime.job_id() if runtime is not None else None
@@ -413,7 +416,7 @@ def write(folder: StageFolder, failure: Failure) -> None:
         os.close(fd)
 
 
-def record_exception(folder: StageFolder, rank: int, err: BaseException, log: Optional[str]) -> Failure:
+def record_exception(folder: StageFolder, rank: int, err: BaseException, log: str | None) -> Failure:
     kind, message, secondary = describe(err)
     failure = Failure(rank=rank, host=socket.gethostname(), kind=kind, message=message, log=log,
                       job_id=task_job_id(), secondary=secondary, time=time.time())
@@ -421,7 +424,7 @@ def record_exception(folder: StageFolder, rank: int, err: BaseException, log: Op
     return failure
 
 
-def died(rank: int, returncode: int, oom_killed: bool, log: Optional[str]) -> Failure:
+def died(rank: int, returncode: int, oom_killed: bool, log: str | None) -> Failure:
     """The record of a rank whose process ended by a signal or an exit code without saying why."""
     if returncode < 0:
         name = _signal_name(-returncode)
@@ -433,7 +436,8 @@ def died(rank: int, returncode: int, oom_killed: bool, log: Optional[str]) -> Fa
             message += (": the kernel's out-of-memory killer sends it when host RAM runs out (see `dmesg`), "
                         "or a person or the scheduler killed it")
     else:
-        message = f"the process exited with code {returncode} without a Python error (a crash in native code, or os._exit)"
+        message = (f"the process exited with code {returncode} without a Python error (a crash in native code, "
+                   "or os._exit)")
     return Failure(rank=rank, host=socket.gethostname(), kind=HOST_OUT_OF_MEMORY if oom_killed else PROCESS_DIED,
                    message=message, log=log, job_id=task_job_id(), time=time.time())
 
@@ -445,14 +449,14 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def read(folder: StageFolder, job_id: Optional[str] = None) -> list[Failure]:
+def read(folder: StageFolder, job_id: str | None = None) -> list[Failure]:
     """The written records (not the blank reservations), of one job when job_id is given."""
     paths = sorted(folder.failures.glob("rank-*.json")) if folder.failures.is_dir() else []
     found = [f for f in map(read_record, paths) if f is not None]
     return [f for f in found if job_id is None or f.job_id in (None, job_id)]
 
 
-def read_record(path: Path) -> Optional[Failure]:
+def read_record(path: Path) -> Failure | None:
     """One rank's record; None while it is blank (reserved) or unreadable."""
     try:
         text = path.read_text(errors="replace").strip()
@@ -464,7 +468,7 @@ def read_record(path: Path) -> Optional[Failure]:
 # --------------------------------------------------------------------------- the message
 
 
-def explaining(failures: list[Failure]) -> Optional[Failure]:
+def explaining(failures: list[Failure]) -> Failure | None:
     """The record that explains the failure: bad input, else the first cause, else a lost connection."""
     if not failures:
         return None
@@ -474,7 +478,7 @@ def explaining(failures: list[Failure]) -> Optional[Failure]:
     return min(failures, key=lambda f: f.rank)
 
 
-def summary(failures: list[Failure]) -> Optional[str]:
+def summary(failures: list[Failure]) -> str | None:
     """The cause in one paragraph (what, on which rank and host, what to do); None without records."""
     first = explaining(failures)
     if first is None:
@@ -493,7 +497,7 @@ def summary(failures: list[Failure]) -> Optional[str]:
     return text
 
 
-def explain(stage: str, failures: list[Failure]) -> Optional[str]:
+def explain(stage: str, failures: list[Failure]) -> str | None:
     """What `run` prints for a failed stage, or None when no rank left a record."""
     first = explaining(failures)
     if first is None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ def family(model_type: str) -> Family:
     return FAMILIES.get(model_type, LLAMA_LAYOUT)
 
 
-def uncountable(config: dict, model_type: str) -> Optional[str]:
+def uncountable(config: dict, model_type: str) -> str | None:
     """Why the planner cannot count a model of an unlisted model_type (None: it can, as a Llama)."""
     if model_type in FAMILIES:
         return None
@@ -108,6 +107,7 @@ def expert_fields(config: dict, fam: Family, layers: int, intermediate: int) -> 
     if not fam.experts:
         return {}
     experts = _count(config, *EXPERT_KEYS)
+    dense: tuple[int, ...]
     if fam.experts == "all":
         dense = ()
     elif fam.experts == "first_dense":
@@ -166,7 +166,7 @@ def biases(config: dict, fam: Family) -> tuple[bool, bool]:
 KERNELS = ("flash_attention_2", "sdpa", "eager")
 
 
-def installed_transformers() -> Optional[str]:
+def installed_transformers() -> str | None:
     """The version of the transformers installed beside this python, read without importing it."""
     try:
         return metadata.version("transformers")
@@ -178,7 +178,7 @@ def _release(version: str) -> tuple:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
-def refused_kernels(model_type: str, transformers_version: Optional[str]) -> set:
+def refused_kernels(model_type: str, transformers_version: str | None) -> set:
     """The kernels the model classes of this family refuse in that transformers version (None: a
     version not known here, so every kernel any supported version refuses)."""
     return {kernel for kernel, since in family(model_type).refuses
@@ -186,7 +186,7 @@ def refused_kernels(model_type: str, transformers_version: Optional[str]) -> set
 
 
 def attention_kernel(requested: str, model_type: str, on_gpu: bool, flash_installed: bool = True,
-                     transformers_version: Optional[str] = None) -> str:
+                     transformers_version: str | None = None) -> str:
     """The attention a model of this family runs: an explicit kernel as asked (validate has refused
     one the family refuses: attention_refusal); auto the fastest it supports where it runs:
     flash_attention_2 on GPUs where flash_attn is installed (the images install it), else sdpa,
@@ -199,7 +199,7 @@ def attention_kernel(requested: str, model_type: str, on_gpu: bool, flash_instal
     return usable[0]
 
 
-def attention_refusal(requested: str, model_type: str, transformers_version: Optional[str]) -> Optional[str]:
+def attention_refusal(requested: str, model_type: str, transformers_version: str | None) -> str | None:
     """Why a model of this family cannot run the kernel asked for in that transformers version
     (None: it can, or auto)."""
     refused = refused_kernels(model_type, transformers_version)

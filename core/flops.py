@@ -21,8 +21,6 @@ kernels compute each sequence's own n^2 only.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from core.shapes import ModelShape
 
 
@@ -48,7 +46,7 @@ def forward_flops_per_token(shape: ModelShape, head: str, length: int) -> float:
     return matmul_flops_per_position(shape, head) + attention_flops(shape, length)
 
 
-def backward_flops_per_token(shape: ModelShape, head: str, length: int, lora_params: Optional[int] = None) -> float:
+def backward_flops_per_token(shape: ModelShape, head: str, length: int, lora_params: int | None = None) -> float:
     """Backward FLOPs per token: twice the forward, or with LoRA one forward (the
     activation gradients) plus the adapters' weight gradients."""
     forward = forward_flops_per_token(shape, head, length)
@@ -56,7 +54,7 @@ def backward_flops_per_token(shape: ModelShape, head: str, length: int, lora_par
 
 
 def sequence_flops(shape: ModelShape, head: str, length: int, trained: bool,
-                   lora_params: Optional[int] = None) -> float:
+                   lora_params: int | None = None) -> float:
     """Model FLOPs of one sequence: forward, plus backward when the model is trained."""
     total = forward_flops_per_token(shape, head, length)
     if trained:
@@ -65,7 +63,7 @@ def sequence_flops(shape: ModelShape, head: str, length: int, trained: bool,
 
 
 def pass_flops(shape: ModelShape, head: str, positions: int, attended: int, *, trained: bool,
-               lora_params: Optional[int] = None, recompute: bool = False) -> float:
+               lora_params: int | None = None, recompute: bool = False) -> float:
     """FLOPs a pass executes over `positions` token positions of a batch tensor (padding
     included) whose attention scores `attended` query-key pairs: the sum of width^2
     over its lines when a mask keeps packed sequences apart (sdpa, eager), of each

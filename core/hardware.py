@@ -47,7 +47,7 @@ Where the numbers come from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 GiB = 1024**3
 MATMUL_FRACTION = 0.72
@@ -61,7 +61,7 @@ class GPU:
     name: str
     description: str
     memory_gib: float
-    bf16_tflops: Optional[float]
+    bf16_tflops: float | None
     fp16_tflops: float
     fp32_tflops: float
     interconnect: Literal["nvlink", "pcie"]
@@ -70,9 +70,9 @@ class GPU:
     memory_bandwidth_gbs: float
     host_memory_gib: float
     network_gbs: float  # per node, inter-node
-    measured_matmul_tflops: Optional[float] = None
-    measured_memory_bandwidth_gbs: Optional[float] = None
-    measured_host_link_gbs: Optional[float] = None
+    measured_matmul_tflops: float | None = None
+    measured_memory_bandwidth_gbs: float | None = None
+    measured_host_link_gbs: float | None = None
 
     @property
     def copy_bandwidth_gbs(self) -> float:
@@ -146,7 +146,7 @@ _DEVICE_NAMES = (
 )
 
 
-def gpu_for_device(device_name: str) -> Optional[GPU]:
+def gpu_for_device(device_name: str) -> GPU | None:
     """The catalogue entry of a device as torch names it (e.g. 'NVIDIA H100 80GB HBM3'),
     for its datasheet peak; None for a GPU the catalogue does not hold."""
     name = device_name.lower()

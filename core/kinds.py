@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal
 
 from core import estimators, rollout_engine
 from core.batching import rollout_sequences, rows_per_step
@@ -48,10 +49,10 @@ class Rollouts:
     estimator: str  # the advantage estimator's name (core/estimators.py: whether a critic trains)
     reward: str  # the reward (core.schemas.reward.RewardSpec): a reward model stage, rules
     label_key: str  # the data column that rules needing a label compare completions with
-    reward_offload: Optional[str] = None  # the reward model waits in host RAM between uses (None: never)
-    allow_weak_reward_model: Optional[str] = None  # train against a reward model at chance (None: refused)
-    engine: Optional[str] = None  # how rollouts are sampled: auto, padded, continuous, vllm (None: auto)
-    vllm: Optional[str] = None  # the vLLM engine's settings (core.config.VllmSpec)
+    reward_offload: str | None = None  # the reward model waits in host RAM between uses (None: never)
+    allow_weak_reward_model: str | None = None  # train against a reward model at chance (None: refused)
+    engine: str | None = None  # how rollouts are sampled: auto, padded, continuous, vllm (None: auto)
+    vllm: str | None = None  # the vLLM engine's settings (core.config.VllmSpec)
 
     def of(self, stage) -> RolloutSettings:
         """The stage's rollout settings under the names every RL kind shares (`fields`: its own)."""
@@ -107,7 +108,7 @@ class RolloutSettings:
         return estimators.get(self.estimator).critic
 
     @property
-    def reward_model(self) -> Optional[str]:
+    def reward_model(self) -> str | None:
         """The upstream reward model stage that scores completions, if any."""
         return self.reward.model
 
@@ -120,12 +121,12 @@ class StageKind:
     headline: str  # the result.json key that says whether the stage worked
     trained_head: Literal["lm", "scalar"] = "lm"  # a language model, or a 1-label sequence classifier
     frozen_reference: bool = False  # keeps a frozen copy of its starting model (stage.reference says where)
-    rollouts: Optional[Rollouts] = None  # an RL kind: samples its own training sequences, a rollout at a time
+    rollouts: Rollouts | None = None  # an RL kind: samples its own training sequences, a rollout at a time
     sequence_parallel: bool = False  # its passes can share a sequence over processes (stages/sequence_parallel.py)
     tiled_logits: bool = False  # its language-model passes can run the LM head a tile of positions at a time
     tiled_mlp: bool = False  # its passes can run each decoder layer's MLP over positions in tiles (mlp_tiles)
     # run(task, ctx) -> result dict; None for a shipped kind (its run is `run` in stages/<name>.py)
-    run: Optional[Callable] = field(default=None, repr=False)
+    run: Callable | None = field(default=None, repr=False)
 
     @property
     def sequences_per_row(self) -> int:
@@ -190,7 +191,7 @@ def all_kinds() -> list[StageKind]:
     return list(_KINDS.values())
 
 
-def rollouts_of(stage) -> Optional[RolloutSettings]:
+def rollouts_of(stage) -> RolloutSettings | None:
     """An RL stage's rollout settings (its kind's `Rollouts` read on it); None for another kind."""
     declared = get(stage.kind).rollouts
     return None if declared is None else declared.of(stage)

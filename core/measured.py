@@ -12,7 +12,6 @@ import os
 import time
 from pathlib import Path
 from statistics import fmean
-from typing import Optional
 
 from core import kinds
 from core import metrics as records
@@ -24,7 +23,7 @@ GiB = 1024**3
 COMPARED = ("gpu_mem_peak_gib", "host_mem_gib", "step_s", "tokens_per_s", "mfu", "token_efficiency")
 
 
-def save_plans(planned, plan_json: Optional[dict]) -> None:
+def save_plans(planned, plan_json: dict | None) -> None:
     """Write each submitted stage's plan (`plan_json`: the planner's JSON, as `plan --json` prints
     it) into its folder. A pipeline the planner could not estimate (`plan_json` None, e.g. a model
     whose shape is not known) gets no plan.json: the run goes on, and its result.json says `planned: null`."""
@@ -57,7 +56,7 @@ def planned_numbers(plan_entry: dict) -> dict:
     }
 
 
-def _simulated_efficiency(batches: Optional[dict]) -> Optional[float]:
+def _simulated_efficiency(batches: dict | None) -> float | None:
     """Real / processed tokens of the planner's simulated micro batches (known without a GPU)."""
     if not batches or not batches.get("processed_tokens_per_step"):
         return None
@@ -102,7 +101,7 @@ def plan_vs_measured(folder: StageFolder, kind: str) -> dict:
     }
 
 
-def read_json(path: Path) -> Optional[dict]:
+def read_json(path: Path) -> dict | None:
     try:
         value = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError):
@@ -118,13 +117,14 @@ def _write_atomically(path: Path, payload: dict) -> None:
 
 # --------------------------------------------------------------------------- a whole run, in one table row
 
-def run_summary(tasks) -> Optional[dict]:
+def run_summary(tasks) -> dict | None:
     """A finished chain in a few words, from its stages' result.json (the README's measured
     columns): hardware, wall time of its stages, peak memory, each stage's headline result.
     None unless every stage finished."""
     if not all(is_finished(t) for t in tasks):
         return None
-    results = [(t, read_json(t.folder.result)) for t in tasks]
+    # every stage finished, so each has its result.json
+    results = [(t, read_json(t.folder.result) or {}) for t in tasks]
     devices = results[0][1].get("devices") or {}
     world = results[0][1].get("world_size")
     if devices.get("type") == "cuda":

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
 
 # Keys every training record carries, in every stage kind.
 MEASURED_KEYS = (
@@ -80,7 +80,7 @@ def not_finite(values: dict) -> list[str]:
             and isinstance(value, float) and not math.isfinite(value)]
 
 
-def tag(key: str) -> Optional[str]:
+def tag(key: str) -> str | None:
     """The TensorBoard tag of a record key (train/loss, eval/loss, perf/mfu, ...); None
     for bookkeeping keys."""
     if key in CLOCK_KEYS:
@@ -134,7 +134,7 @@ def evaluations(records: Iterable[dict]) -> list[dict]:
 # --------------------------------------------------------------------------- progress
 
 
-def eta_seconds(steps_done: int, elapsed_s: float, steps_left: int) -> Optional[float]:
+def eta_seconds(steps_done: int, elapsed_s: float, steps_left: int) -> float | None:
     """Seconds left at the pace so far: `steps_done` steps took `elapsed_s`. None before the first step."""
     if steps_left <= 0:
         return 0.0
@@ -143,7 +143,7 @@ def eta_seconds(steps_done: int, elapsed_s: float, steps_left: int) -> Optional[
     return elapsed_s / steps_done * steps_left
 
 
-def duration_text(seconds: Optional[float]) -> str:
+def duration_text(seconds: float | None) -> str:
     """0:42, 12:05, 3:07:15, 2d 03:07:15 — the way a log line shows a time span."""
     if seconds is None:
         return "?"
@@ -189,11 +189,11 @@ def eval_line(stage: str, record: dict) -> str:
 @dataclass
 class Progress:
     step: int
-    total_steps: Optional[int]
-    eta_s: Optional[float]
-    time: Optional[float]  # when the record was written (unix seconds)
+    total_steps: int | None
+    eta_s: float | None
+    time: float | None  # when the record was written (unix seconds)
 
-    def text(self, now: Optional[float] = None) -> str:
+    def text(self, now: float | None = None) -> str:
         """`step 40/200 (20%), ETA 1:20 as of 0:05 ago`."""
         if self.total_steps:
             out = f"step {self.step}/{self.total_steps} ({100 * self.step / self.total_steps:.0f}%)"
@@ -207,12 +207,12 @@ class Progress:
         return out
 
 
-def progress(metrics_path: Path) -> Optional[Progress]:
+def progress(metrics_path: Path) -> Progress | None:
     """Where a stage is, from the last training record of its metrics.jsonl; None before its first."""
     return progress_of(read(metrics_path))
 
 
-def progress_of(records: list[dict]) -> Optional[Progress]:
+def progress_of(records: list[dict]) -> Progress | None:
     """`progress` of records already read."""
     records = training(records)
     if not records:

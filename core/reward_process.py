@@ -30,7 +30,6 @@ import time
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Optional
 
 import schedulers
 
@@ -58,10 +57,10 @@ class FunctionProcess:
 
     def __init__(self, reference: str):
         self.reference = reference
-        self.child: Optional[subprocess.Popen] = None
-        self.connection: Optional[Connection] = None
+        self.child: subprocess.Popen | None = None
+        self.connection: Connection | None = None
 
-    def start(self, timeout_s: Optional[float]) -> tuple:
+    def start(self, timeout_s: float | None) -> tuple:
         """Start the child and wait (at most timeout_s) for it to load the function: (VALUES, None),
         or its INVALID or RAISED answer (a missing file, an import that fails)."""
         self.close()  # a child that ended
@@ -77,7 +76,7 @@ class FunctionProcess:
         self.connection = ours
         return self._answer(timeout_s)
 
-    def call(self, samples, timeout_s: Optional[float]) -> tuple:
+    def call(self, samples, timeout_s: float | None) -> tuple:
         """The child's answer on `samples`: (VALUES, numbers), (INVALID, message) or (RAISED, text);
         TimedOut when it has not answered within timeout_s (None: no limit)."""
         started = time.monotonic()
@@ -86,13 +85,15 @@ class FunctionProcess:
             if loaded[0] != VALUES:
                 return loaded
         left = None if timeout_s is None else timeout_s - (time.monotonic() - started)
+        assert self.connection is not None  # started
         try:
             self.connection.send(samples)
         except OSError:  # the child is gone: _answer says how it ended
             pass
         return self._answer(left)
 
-    def _answer(self, timeout_s: Optional[float]) -> tuple:
+    def _answer(self, timeout_s: float | None) -> tuple:
+        assert self.child is not None and self.connection is not None  # started
         try:
             ready = self.connection.poll(None if timeout_s is None else max(timeout_s, 0.0))
             if ready:
@@ -106,6 +107,7 @@ class FunctionProcess:
         """Have the child write its Python stack to the log, then kill it."""
         print(f"reward function {self.reference} is past its time: stopping it; its Python stack:", file=sys.stderr,
               flush=True)
+        assert self.child is not None  # started
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.child.pid, signal.SIGUSR1)
             time.sleep(STACK_WAIT_S)
@@ -114,7 +116,7 @@ class FunctionProcess:
 
     def close(self) -> None:
         """End the child: it leaves when its pipe closes (killed if it does not within a second)."""
-        if self.child is None:
+        if self.child is None or self.connection is None:  # never started (the two are set together)
             return
         self.connection.close()
         try:

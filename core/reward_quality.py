@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Optional
 
 from core import kinds
 from core.errors import InvalidInput
@@ -44,7 +43,7 @@ def chance_tail(right: int, pairs: int) -> float:
     return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
 
 
-def right_needed(pairs: int) -> Optional[int]:
+def right_needed(pairs: int) -> int | None:
     """The fewest right of `pairs` that pass: above the floor and significant; None if none can."""
     least = math.floor(CHANCE_FLOOR * pairs) + 1
     for right in range(least, pairs + 1):
@@ -53,7 +52,7 @@ def right_needed(pairs: int) -> Optional[int]:
     return None
 
 
-def weakness(result: dict) -> Optional[str]:
+def weakness(result: dict) -> str | None:
     """Why the reward model whose result.json is `result` is no better than chance; None when it
     is better, or when it recorded no held-out pairs to judge by."""
     accuracy, pairs = result.get("eval_accuracy"), result.get("eval_pairs")
@@ -73,15 +72,15 @@ def weakness(result: dict) -> Optional[str]:
             "coin does as well)")
 
 
-def check(stage, pipeline_dir, where: str = "") -> Optional[str]:
+def check(stage, pipeline_dir, where: str = "") -> str | None:
     """For an RL stage scored by a reward model stage that has finished: refuse (InvalidInput) a
     weak one, or return the warning to print when the stage allows it. None when there is nothing
     to say (no reward model, not finished yet, better than chance). `where` names the stage in
     the pipeline file (validate's "stages[3] (rl)"); a stage job names itself already."""
     rl = kinds.rollouts_of(stage)
-    name = rl.reward_model if rl is not None else None
-    if name is None:
+    if rl is None or rl.reward_model is None:
         return None
+    name = rl.reward_model
     result_file = StageFolder.of(pipeline_dir, name).result
     try:
         result = json.loads(result_file.read_text())

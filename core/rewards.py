@@ -32,9 +32,10 @@ import inspect
 import math
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import cast
 
 from core.errors import InvalidInput
 from core.reward_process import INVALID, RAISED, FunctionProcess, Raised, TimedOut, said
@@ -57,14 +58,14 @@ class Samples:
     prompts: list[str]
     completions: list[str]
     rows: list[dict]  # every column of each completion's data row
-    labels: list[Optional[str]]  # the rows' label column (label_key)
+    labels: list[str | None]  # the rows' label column (label_key)
     lengths: list[int]  # tokens of each completion, eos included
     names: list[str]  # how an error names each row, e.g. "train row 17"
 
     def __len__(self) -> int:
         return len(self.completions)
 
-    def one(self, i: int) -> "Samples":
+    def one(self, i: int) -> Samples:
         return Samples(*([getattr(self, f)[i]] for f in ("prompts", "completions", "rows", "labels", "lengths",
                                                          "names")))
 
@@ -86,7 +87,7 @@ class Samples:
 
 def exact_match(prompts, completions, labels) -> list[float]:
     """1 when the completion (stripped) equals the row's label, else 0."""
-    return [float(c.strip() == (l or "").strip()) for c, l in zip(completions, labels)]
+    return [float(c.strip() == (label or "").strip()) for c, label in zip(completions, labels)]
 
 
 def numeric_match(prompts, completions, labels, tolerance: float = 1e-6) -> list[float]:
@@ -173,6 +174,7 @@ def load_function(reference: str) -> RewardFn:
     check_function(reference)
     path, name = split_reference(reference)
     spec = importlib.util.spec_from_file_location(f"reward_fn_{path.stem}", path)
+    assert spec is not None and spec.loader is not None  # a .py file, checked above
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return getattr(module, name)
@@ -202,7 +204,7 @@ class FunctionTerm:
     """A user's function as a term: called in its own child process (core/reward_process.py), each
     call stopped after timeout_s (None: no limit). Loading it stops the stage as a call would."""
 
-    def __init__(self, reference: str, timeout_s: Optional[float]):
+    def __init__(self, reference: str, timeout_s: float | None):
         self.reference, self.timeout_s = reference, timeout_s
         self.process = FunctionProcess(reference)
         try:
@@ -214,7 +216,7 @@ class FunctionTerm:
         except Raised as err:
             raise RewardError(f"reward function {reference}: loading it failed: {err}") from None
 
-    def __call__(self, samples: Samples, timeout_s: Optional[float] = None) -> list:
+    def __call__(self, samples: Samples, timeout_s: float | None = None) -> list:
         """The function's numbers (checked); TimedOut past timeout_s (default: the term's own)."""
         return self._values(self.process.call(samples, self.timeout_s if timeout_s is None else timeout_s))
 
@@ -248,10 +250,10 @@ class RuleReward:
         self.terms = terms  # (name, term on Samples, weight)
 
     @classmethod
-    def from_specs(cls, specs, timeout_s: Optional[float] = None) -> "RuleReward":
+    def from_specs(cls, specs, timeout_s: float | None = None) -> RuleReward:
         """From the pipeline file's reward rules (objects with rule/function, weight, options);
         a user function's calls are stopped after timeout_s (reward.timeout_s; None: never)."""
-        terms = []
+        terms: list[tuple[str, Callable[[Samples], list], float]] = []
         for spec in specs:
             if spec.function:
                 check_function(spec.function)
@@ -283,7 +285,7 @@ class RuleReward:
             except RewardError:  # already says whose it was, and on which row
                 raise
             except TimedOut:
-                raise _timed_out(name, term, samples) from None
+                raise _timed_out(name, cast(FunctionTerm, term), samples) from None  # only a function times out
             except Exception as err:  # a user's function: say whose it was, and on which row
                 raise _failure(name, term, samples, err) from err
             values = checked(name, values, samples)
@@ -308,6 +310,7 @@ def _timed_out(name: str, term: FunctionTerm, samples: Samples) -> RewardError:
     """A call past reward.timeout_s, stopped. Names the row it was on: called on one completion at
     a time, within one more timeout_s in all, the one still running when that time is up."""
     limit = term.timeout_s
+    assert limit is not None  # it timed out, so it has a limit
     head = f"reward function {name} did not return within reward.timeout_s ({limit:g} s)"
     advice = ("It was stopped; its Python stack then is in the stage's .err log. Make it return sooner (e.g. give "
               "what it waits on a timeout of its own), or raise reward.timeout_s")
@@ -381,7 +384,7 @@ class RunningMoments:
     def std(self) -> float:
         return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
 
-    def normalize(self, values: Sequence[float], clip: Optional[float] = None) -> list[float]:
+    def normalize(self, values: Sequence[float], clip: float | None = None) -> list[float]:
         out = [(v - self.mean) / (self.std + 1e-8) for v in values]
         if clip:
             out = [max(-clip, min(clip, v)) for v in out]

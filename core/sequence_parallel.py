@@ -8,7 +8,6 @@ preflight and the stage itself ask here.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Optional
 
 # DeepSpeed's Ulysses attention for Hugging Face models (DeepSpeed 0.18 and later) looks attention
 # functions up in transformers' registry, which exists from 4.51.3 on.
@@ -19,14 +18,15 @@ MIN_DEEPSPEED = "0.18.0"
 SHARDABLE_ATTENTION = ("auto", "sdpa", "flash_attention_2")
 
 
-def stack_problem(field: str = "sequence_parallel", off: str = "leave sequence_parallel at 1") -> Optional[str]:
+def stack_problem(field: str = "sequence_parallel", off: str = "leave sequence_parallel at 1") -> str | None:
     """Why the installed stack (this python's transformers and DeepSpeed) cannot run `field` (sharing
     sequences over processes; tiling logits, which asks the model for no logits and DeepSpeed to
     wait for a weight's last gradient), or None when it can; `off`: how to do without."""
     from packaging.version import Version
 
     have = {name: importlib.metadata.version(name) for name in ("transformers", "deepspeed")}
-    if Version(have["transformers"]) >= Version(MIN_TRANSFORMERS) and Version(have["deepspeed"]) >= Version(MIN_DEEPSPEED):
+    if (Version(have["transformers"]) >= Version(MIN_TRANSFORMERS)
+            and Version(have["deepspeed"]) >= Version(MIN_DEEPSPEED)):
         return None
     return (f"{field} needs transformers >= {MIN_TRANSFORMERS} and DeepSpeed >= {MIN_DEEPSPEED} (for "
             f"sequence_parallel: DeepSpeed's Ulysses attention, {ULYSSES_MODULE}); this stack has transformers "
@@ -39,7 +39,7 @@ def stack_problem(field: str = "sequence_parallel", off: str = "leave sequence_p
 TILE_FIELDS = ("logits_tile", "mlp_tiles")
 
 
-def tiles_problem(stage) -> Optional[str]:
+def tiles_problem(stage) -> str | None:
     """Why the installed stack cannot run the tiling `stage` asks for (its first such field), or None."""
     for name in TILE_FIELDS:
         if getattr(stage, name) is not None:
@@ -47,7 +47,7 @@ def tiles_problem(stage) -> Optional[str]:
     return None
 
 
-def heads_problem(heads: int, kv_heads: int, n: int) -> Optional[str]:
+def heads_problem(heads: int, kv_heads: int, n: int) -> str | None:
     """Why n processes cannot share a model with these attention heads, or None. Each process
     attends with 1/n of the heads, so n divides them; key-value heads are split the same way, or
     copied when there are fewer than n (then they must divide n)."""
@@ -66,7 +66,7 @@ def shares_for(heads: int, kv_heads: int, processes: int) -> list[int]:
     return [n for n in range(1, processes + 1) if processes % n == 0 and heads_problem(heads, kv_heads, n) is None]
 
 
-def share_problem(heads: int, kv_heads: int, processes: int, n: int) -> Optional[str]:
+def share_problem(heads: int, kv_heads: int, processes: int, n: int) -> str | None:
     """Why `processes` processes cannot share each sequence of a model with these heads n ways,
     with the shares they can, or None."""
     problem = (heads_problem(heads, kv_heads, n) if processes % n == 0 else

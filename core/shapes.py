@@ -22,11 +22,11 @@ import json
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
-from core.families import PATCHED_FAMILIES  # noqa: F401  (stages/compat.py reads it from here)
 from core.families import (
     FAMILIES,
+    PATCHED_FAMILIES,  # noqa: F401  (stages/compat.py reads it from here)
     Family,
     LatentAttention,
     biases,
@@ -57,7 +57,7 @@ class ModelShape:
     tied_embeddings: bool = False
     qkv_bias: bool = False
     model_type: str = "llama"
-    head_dim_override: Optional[int] = None
+    head_dim_override: int | None = None
     o_bias: bool = False
     mlp_bias: bool = False
     # mixture of experts: routed experts per expert layer (0: dense), how many each token goes
@@ -67,9 +67,9 @@ class ModelShape:
     expert_intermediate: int = 0
     shared_expert_intermediate: int = 0
     dense_layers: tuple = ()
-    latent: Optional[LatentAttention] = None
+    latent: LatentAttention | None = None
     # Not a size (so not part of a shape's equality): kept so a scale model (pipeline/scale.py) has the real one.
-    rope_theta: Optional[float] = field(default=None, compare=False)
+    rope_theta: float | None = field(default=None, compare=False)
     source: str = field(default="", compare=False)
 
     # ------------------------------------------------------------ family
@@ -192,8 +192,10 @@ class ModelShape:
             elif name == "o_proj" and self.o_bias:
                 tensors.append(b)
             if name == "q_a_proj":
+                assert lat is not None  # the low-rank projections are latent attention's
                 tensors.append(lat.q_rank)  # q_a_layernorm
             elif name == "kv_a_proj_with_mqa":
+                assert lat is not None
                 tensors.append(lat.kv_rank)  # kv_a_layernorm
         if fam.qk_norm == "head":
             tensors += [self.head_dim, self.head_dim]
@@ -319,7 +321,7 @@ class ModelShape:
                 tensors += [rank * self.vocab, self.hidden * rank]
         return tensors
 
-    def trained_tensors(self, head: str, lora_rank: Optional[int] = None, lora_targets=()) -> list[int]:
+    def trained_tensors(self, head: str, lora_rank: int | None = None, lora_targets=()) -> list[int]:
         """numel of every tensor a stage trains of this model: all of them, or with LoRA its adapters
         (and a reward or value model's scalar head, which peft trains in full: modules_to_save)."""
         if not lora_rank:
@@ -382,7 +384,8 @@ def from_config_json(config: dict, source: str = "") -> ModelShape:
     heads = _first(config, "num_attention_heads", "n_head")
     vocab = _first(config, "vocab_size")
     missing = [name for name, value in
-               (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads), ("vocab_size", vocab))
+               (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
+                ("vocab_size", vocab))
                if value is None]
     if missing:
         raise ValueError(f"{source or 'config.json'} has no {', '.join(missing)}; is it a decoder language model?")
@@ -438,7 +441,7 @@ def to_config_json(shape: ModelShape) -> dict:
     return config
 
 
-def builtin_config(hub_id: str) -> Optional[dict]:
+def builtin_config(hub_id: str) -> dict | None:
     """The config.json of a hub id of the built-in table: as published (the experts'), or written
     from its shape (to_config_json); None for a hub id not in the table."""
     shape = _builtin_lookup(hub_id)
@@ -448,13 +451,13 @@ def builtin_config(hub_id: str) -> Optional[dict]:
     return dict(published) if published else to_config_json(shape)
 
 
-def _head_dim_override(config: dict, hidden: int, heads: int) -> Optional[int]:
+def _head_dim_override(config: dict, hidden: int, heads: int) -> int | None:
     """config.json's head_dim when it differs from hidden / heads (e.g. Gemma), else None."""
     head_dim = config.get("head_dim")
     return int(head_dim) if head_dim and int(head_dim) != hidden // heads else None
 
 
-def _rope_theta(config: dict) -> Optional[float]:
+def _rope_theta(config: dict) -> float | None:
     """rope_theta at the top (transformers 4.x) or under rope_parameters (5.x)."""
     theta = config.get("rope_theta")
     if theta is None and isinstance(config.get("rope_parameters"), dict):
@@ -475,19 +478,31 @@ def read_config_json(path: Path) -> ModelShape:
 # --------------------------------------------------------------------------- built-in shapes
 
 # From the models' published config.json files (MODELS.md).
-_TABLE = {
-    "meta-llama/Llama-2-7b-hf": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=32000, max_positions=4096, rope_theta=1e4),
-    "meta-llama/Llama-2-13b-hf": dict(hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40, vocab=32000, max_positions=4096, rope_theta=1e4),
-    "meta-llama/Llama-2-70b-hf": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=32000, max_positions=4096, rope_theta=1e4),
-    "codellama/CodeLlama-34b-hf": dict(hidden=8192, intermediate=22016, layers=48, heads=64, kv_heads=8, vocab=32000, max_positions=16384, rope_theta=1e6),
-    "01-ai/Yi-34B": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000, max_positions=4096, rope_theta=5e6),
-    "01-ai/Yi-34B-200K": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000, max_positions=200000, rope_theta=1e7),
-    "meta-llama/Meta-Llama-3-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, max_positions=8192, rope_theta=5e5),
-    "meta-llama/Llama-3.1-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, max_positions=131072, rope_theta=5e5),
-    "meta-llama/Meta-Llama-3-70B": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256, max_positions=8192, rope_theta=5e5),
-    "mistralai/Mistral-7B-v0.1": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=32000, max_positions=32768, model_type="mistral", rope_theta=1e4),
-    "Qwen/Qwen1.5-7B": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=151936, max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),
-    "Qwen/Qwen1.5-1.8B": dict(hidden=2048, intermediate=5504, layers=24, heads=16, kv_heads=16, vocab=151936, max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),
+_TABLE: dict[str, dict[str, Any]] = {
+    "meta-llama/Llama-2-7b-hf": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=32000,
+        max_positions=4096, rope_theta=1e4),
+    "meta-llama/Llama-2-13b-hf": dict(hidden=5120, intermediate=13824, layers=40, heads=40, kv_heads=40, vocab=32000,
+        max_positions=4096, rope_theta=1e4),
+    "meta-llama/Llama-2-70b-hf": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=32000,
+        max_positions=4096, rope_theta=1e4),
+    "codellama/CodeLlama-34b-hf": dict(hidden=8192, intermediate=22016, layers=48, heads=64, kv_heads=8, vocab=32000,
+        max_positions=16384, rope_theta=1e6),
+    "01-ai/Yi-34B": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000,
+        max_positions=4096, rope_theta=5e6),
+    "01-ai/Yi-34B-200K": dict(hidden=7168, intermediate=20480, layers=60, heads=56, kv_heads=8, vocab=64000,
+        max_positions=200000, rope_theta=1e7),
+    "meta-llama/Meta-Llama-3-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
+        max_positions=8192, rope_theta=5e5),
+    "meta-llama/Llama-3.1-8B": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
+        max_positions=131072, rope_theta=5e5),
+    "meta-llama/Meta-Llama-3-70B": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=128256,
+        max_positions=8192, rope_theta=5e5),
+    "mistralai/Mistral-7B-v0.1": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=32000,
+        max_positions=32768, model_type="mistral", rope_theta=1e4),
+    "Qwen/Qwen1.5-7B": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=151936,
+        max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),
+    "Qwen/Qwen1.5-1.8B": dict(hidden=2048, intermediate=5504, layers=24, heads=16, kv_heads=16, vocab=151936,
+        max_positions=32768, model_type="qwen2", qkv_bias=True, rope_theta=1e6),
 }
 # Mixtures of experts, as their published config.json files give them (the fields that size them).
 _EXPERT_CONFIGS = {
@@ -532,7 +547,7 @@ def tiny_llama_shape() -> ModelShape:
 # --------------------------------------------------------------------------- resolving a name
 
 
-def cached_config(hub_id: str, hub_cache: Optional[Path]) -> Optional[Path]:
+def cached_config(hub_id: str, hub_cache: Path | None) -> Path | None:
     """config.json of a hub model in the hub cache (the snapshot refs/main names, else the newest)."""
     if hub_cache is None or hub_id.count("/") != 1:
         return None
@@ -549,12 +564,12 @@ def cached_config(hub_id: str, hub_cache: Optional[Path]) -> Optional[Path]:
     return configs[0] if configs else None
 
 
-def _builtin_lookup(model: str) -> Optional[ModelShape]:
+def _builtin_lookup(model: str) -> ModelShape | None:
     lowered = {k.lower(): v for k, v in BUILTIN_SHAPES.items()}
     return lowered.get(model.lower())
 
 
-def resolve_shape(model: str, hub_cache: Optional[Path] = None) -> ModelShape:
+def resolve_shape(model: str, hub_cache: Path | None = None) -> ModelShape:
     """The shape of what a stage's `model:` names: builtin:NAME, a local folder, a hub id
     in the hub cache (pipeline/hfcache.py says where; None: none is looked at), or a hub id
     in the built-in table (in that order)."""
@@ -579,7 +594,7 @@ def resolve_shape(model: str, hub_cache: Optional[Path] = None) -> ModelShape:
     )
 
 
-def _shape_of_folder(path: Path, name: str, hub_cache: Optional[Path]) -> ModelShape:
+def _shape_of_folder(path: Path, name: str, hub_cache: Path | None) -> ModelShape:
     if path.is_file():
         return read_config_json(path)
     config = path / "config.json"

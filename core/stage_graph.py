@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 def upstream_cycle(stages) -> list[str]:
     """The names around one cycle of upstream references, its first name again at the end
@@ -12,7 +10,7 @@ def upstream_cycle(stages) -> list[str]:
     finished: set[str] = set()
     for start in stages:
         path: list[str] = []
-        name: Optional[str] = start.name
+        name: str | None = start.name
         while name is not None and name not in finished:
             if name in path:
                 return path[path.index(name):] + [name]
@@ -22,7 +20,7 @@ def upstream_cycle(stages) -> list[str]:
     return []
 
 
-def topological_order(stages) -> Optional[list]:
+def topological_order(stages) -> list | None:
     """Stages ordered so each comes after its upstream; None when there is a cycle.
 
     Ties keep the file's order, so a file already in order runs as written.

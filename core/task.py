@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 
@@ -31,12 +30,12 @@ class StageTask(BaseModel):
     upstream_dirs: dict[str, str]
     processes_per_node: int
     gpus_per_node: int  # asked for: a job that finds none fails rather than train on the CPU
-    cpus_per_task: Optional[int] = None  # cluster.cpus_per_task: a CPU stage's torch threads per process
+    cpus_per_task: int | None = None  # cluster.cpus_per_task: a CPU stage's torch threads per process
     inputs: dict[str, dict] = {}  # field -> {path, sha256}: what it reads from disk (pipeline/identity.py)
     spec_hash: str
-    wandb: Optional[WandbSpec] = None  # the pipeline's tracking.wandb: how not what the stage trains
+    wandb: WandbSpec | None = None  # the pipeline's tracking.wandb: how not what the stage trains
     max_retries: int = 2  # cluster.max_retries: requeues after a hang (stages/watchdog.py) or a node failure
-    time_limit_min: Optional[int] = None  # the job's time limit where its executor sets one (Slurm); else None
+    time_limit_min: int | None = None  # the job's time limit where its executor sets one (Slurm); else None
 
     @property
     def name(self) -> str:

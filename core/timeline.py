@@ -18,9 +18,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Optional, Sequence
 
 import schedulers
 from core import metrics as records
@@ -79,8 +79,8 @@ def stop_signal(folder: StageFolder) -> str:
     return name
 
 
-def signal_reason(signal_name: str, elapsed_s: float, time_limit_min: Optional[float],
-                  requeue_signal: Optional[str]) -> str:
+def signal_reason(signal_name: str, elapsed_s: float, time_limit_min: float | None,
+                  requeue_signal: str | None) -> str:
     """Why the scheduler signalled a job `elapsed_s` into its attempt. SIGTERM is preemption (or a
     cancel). Its `requeue_signal` comes both ahead of the time limit (Slurm's --signal) and on
     preemption where the site sends it: judged as submitit does for its own requeue count
@@ -98,14 +98,14 @@ def signal_reason(signal_name: str, elapsed_s: float, time_limit_min: Optional[f
 class Attempt:
     """One start of a stage job and how it ended."""
 
-    job_id: Optional[str]
+    job_id: str | None
     started: float
     restart: int = 0  # the scheduler's restart count of this start
-    resumed_from: Optional[int] = None  # the step resumed from; None: from the start
-    ended: Optional[str] = None  # TIME_LIMIT, PREEMPTED, STOPPED, HUNG or UNEXPLAINED; None: the newest, or the job's last
-    signal: Optional[str] = None
-    at_step: Optional[int] = None  # the step saved at the signal, or the hung step
-    phase: Optional[str] = None  # where it hung, e.g. "evaluation > generation"
+    resumed_from: int | None = None  # the step resumed from; None: from the start
+    ended: str | None = None  # TIME_LIMIT, PREEMPTED, STOPPED, HUNG or UNEXPLAINED; None: the newest, or the job's last
+    signal: str | None = None
+    at_step: int | None = None  # the step saved at the signal, or the hung step
+    phase: str | None = None  # where it hung, e.g. "evaluation > generation"
 
     def text(self) -> str:
         what = self.ended or ""
@@ -168,11 +168,11 @@ def _events(folder: StageFolder) -> list[dict]:
 class PhaseNote:
     """The phase a stage's rank 0 is in, noted once it has lasted a while (stages/watchdog.py)."""
 
-    phase: Optional[str]  # e.g. "evaluation > generation"; None: between phases
-    step: Optional[int]
+    phase: str | None  # e.g. "evaluation > generation"; None: between phases
+    step: int | None
     since: float  # unix seconds
 
-    def text(self, now: Optional[float] = None) -> str:
+    def text(self, now: float | None = None) -> str:
         """`in evaluation > generation at step 40 for 2:15`; "" between phases."""
         if not self.phase:
             return ""
@@ -181,7 +181,7 @@ class PhaseNote:
         return f"in {self.phase}{step} for {records.duration_text(age)}"
 
 
-def note_phase(folder: StageFolder, phase: Optional[str], step: Optional[int], since: float) -> None:
+def note_phase(folder: StageFolder, phase: str | None, step: int | None, since: float) -> None:
     """Rank 0's watchdog notes the phase it is in (None: it ended); a note that cannot be written
     is left out, said in the log."""
     tmp = temporary(folder.phase)
@@ -192,7 +192,7 @@ def note_phase(folder: StageFolder, phase: Optional[str], step: Optional[int], s
         print(f"could not note the phase in {folder.phase}: {err}", file=sys.stderr, flush=True)
 
 
-def phase_now(folder: StageFolder) -> Optional[PhaseNote]:
+def phase_now(folder: StageFolder) -> PhaseNote | None:
     """The phase the newest attempt of the stage's job noted (None: none noted since it started)."""
     try:
         note = PhaseNote(**json.loads(folder.phase.read_text()))
@@ -232,7 +232,7 @@ def attempt_seconds(folder: StageFolder) -> float:
     return time.time() - history[-1].started if history else 0.0
 
 
-def unexplained_endings(folder: StageFolder, job: Optional[str], restart: int) -> int:
+def unexplained_endings(folder: StageFolder, job: str | None, restart: int) -> int:
     """How many attempts of job `job` before its start number `restart` ended without a word:
     what cluster.max_retries bounds besides hangs (every rank computes the same, whenever it
     reads the file, since it counts only earlier starts)."""
@@ -253,11 +253,11 @@ class Segment:
 class StageTimeline:
     stage: str
     segments: list[Segment]
-    done: Optional[float]  # when result.json was written; None if not (yet)
+    done: float | None  # when result.json was written; None if not (yet)
 
 
-def segments(submitted: Optional[float], attempts: list[float], activity: list[float],
-             done: Optional[float], launches: Sequence[float] = ()) -> list[Segment]:
+def segments(submitted: float | None, attempts: list[float], activity: list[float],
+             done: float | None, launches: Sequence[float] = ()) -> list[Segment]:
     """The states of one stage over time. `attempts`: start times of its job's attempts;
     `activity`: times it was seen working (its metrics records); `done`: when it finished;
     `launches`: when each attempt's processes began (an attempt without one began at its start)."""
@@ -282,7 +282,7 @@ def segments(submitted: Optional[float], attempts: list[float], activity: list[f
     return out
 
 
-def stage_timeline(folder: StageFolder, submitted_at: Optional[str] = None) -> StageTimeline:
+def stage_timeline(folder: StageFolder, submitted_at: str | None = None) -> StageTimeline:
     """A stage's timeline from its folder; `submitted_at`: pipeline.json's submission time, if any."""
     submitted = _parse(submitted_at) if submitted_at else _mtime(folder.spec)
     activity = [float(r["time"]) for r in records.read(folder.metrics) if "time" in r]
@@ -291,14 +291,14 @@ def stage_timeline(folder: StageFolder, submitted_at: Optional[str] = None) -> S
     return StageTimeline(folder.path.name, segments(submitted, starts(folder), activity, done, launches), done)
 
 
-def _parse(stamp: str) -> Optional[float]:
+def _parse(stamp: str) -> float | None:
     try:
         return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S").timestamp()
     except ValueError:
         return None
 
 
-def _mtime(path) -> Optional[float]:
+def _mtime(path) -> float | None:
     try:
         return path.stat().st_mtime
     except OSError:

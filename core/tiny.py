@@ -74,7 +74,7 @@ def digits_splits(seed: int = 1234):
     rng = random.Random(seed)
     seen: set[str] = set()
     for split, count in DIGITS_SPLITS.items():
-        rows = []
+        rows: list[dict] = []
         while len(rows) < count:
             row = digits_row(rng)
             if row["prompt"] not in seen:
@@ -118,7 +118,8 @@ def build_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_core_tokenizer(), bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        tokenizer_object=build_core_tokenizer(), bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>",
         # As Llama's tokenizer says; transformers 4.x would otherwise add token_type_ids,
         # which Llama's forward and generate reject.
         model_input_names=["input_ids", "attention_mask"],
@@ -139,7 +140,8 @@ def write_tiny_llama(dest: Path, seed: int = 0) -> None:
 
     def write(tmp: Path):
         tokenizer = build_tokenizer()
-        config = LlamaConfig(
+        # rope_theta: a field on transformers 4.x; on 5.x a legacy keyword turned into rope_parameters.
+        config = LlamaConfig(  # type: ignore[call-arg]
             vocab_size=len(tokenizer),
             hidden_size=64,
             intermediate_size=176,

@@ -4,7 +4,7 @@ documentation quoted back (a stage's fields are its kind's schema's)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -29,7 +29,7 @@ def described(path: Path, raw: dict, err: ValidationError, top: type[BaseModel],
 
 
 def _describe_location(raw: dict, loc: tuple, top: type[BaseModel],
-                       stage_base: type[BaseModel]) -> tuple[str, Optional[str]]:
+                       stage_base: type[BaseModel]) -> tuple[str, str | None]:
     """Turn pydantic's loc into `stages[1] (dpo).beta` and find the field's documentation."""
     parts: list[str] = []
     model: Any = top

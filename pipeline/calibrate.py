@@ -17,7 +17,6 @@ import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from core import calibration, hardware, kinds, runfolder
 from core.calibration import Calibration
@@ -97,7 +96,7 @@ class Request:
     processes_per_node: int  # the pipeline's: a stage process's share of the cores is cores // this
     sizes: Sizes
     require_gpu: bool  # refuse (InvalidInput) rather than measure only the CPU when no GPU is visible
-    offload: Optional[OffloadSlice] = None  # None: the offloaded step is not measured (request says why)
+    offload: OffloadSlice | None = None  # None: the offloaded step is not measured (request says why)
 
 
 def gemms(spec: PipelineSpec) -> list[Gemm]:
@@ -136,7 +135,7 @@ def gemms(spec: PipelineSpec) -> list[Gemm]:
 SLICE_VOCAB = 256
 
 
-def offload_slice(spec: PipelineSpec, sizes: Sizes) -> Optional[OffloadSlice]:
+def offload_slice(spec: PipelineSpec, sizes: Sizes) -> OffloadSlice | None:
     """The slice of the model of the file's first stage that offloads its optimizer (else its first
     stage) whose offloaded step calibrate times; None where the model's config.json is not here."""
     cache = hf_cache(spec)
@@ -156,7 +155,7 @@ def offload_slice(spec: PipelineSpec, sizes: Sizes) -> Optional[OffloadSlice]:
     return OffloadSlice(model, config, layers, params, stage.precision, stage.zero_stage or 2)
 
 
-def _config_json(model: str, cache) -> Optional[dict]:
+def _config_json(model: str, cache) -> dict | None:
     """A model's config.json: its folder's (local or in the hub cache), the built-in table's."""
     folder = model_folder(model, cache)
     if folder is not None and (folder / "config.json").is_file():
@@ -177,7 +176,7 @@ def request(spec: PipelineSpec, quick: bool, require_gpu: bool) -> Request:
 
 
 def calibrate(spec: PipelineSpec, executor, quick: bool = False, require_gpu: bool = False,
-              out: Optional[Path] = None, echo=print) -> tuple[Calibration, Path]:
+              out: Path | None = None, echo=print) -> tuple[Calibration, Path]:
     """Measure where `executor` (pipeline/executors/) runs the stages: this machine, or one job
     of the cluster; write the file (`out`, else <runs_dir>/calibration/<GPU>.json) and return
     it with its path."""
@@ -219,7 +218,7 @@ def summary(result: Calibration, path: Path, spec: PipelineSpec) -> str:
         rates = [r for r in result.matmul if r.dtype == dtype]
         for r in (r for r in rates if not r.model):  # the reference square
             rows.append((f"matmul {dtype} {r.m}x{r.k}x{r.n}", _rate(r.tflops, "TFLOP/s"),
-                         _rate(sheet and sheet.peak_tflops(dtype), "TFLOP/s"), took))
+                         _rate(sheet.peak_tflops(dtype) if sheet else None, "TFLOP/s"), took))
             took = ""
         shaped = sorted(r.tflops for r in rates if r.model)
         if shaped:
@@ -229,21 +228,23 @@ def summary(result: Calibration, path: Path, spec: PipelineSpec) -> str:
         collective = result.collective
         rows += [
             ("GPU memory copy (read + write)", _rate(result.memory_bandwidth_gbs, "GB/s"),
-             _rate(sheet and sheet.memory_bandwidth_gbs, "GB/s"), _seconds(result, "memory_bandwidth")),
-            ("host -> GPU, pinned", _rate(result.host_to_gpu_gbs, "GB/s"), _rate(sheet and sheet.host_link_gbs, "GB/s"),
+             _rate(sheet.memory_bandwidth_gbs if sheet else None, "GB/s"), _seconds(result, "memory_bandwidth")),
+            ("host -> GPU, pinned", _rate(result.host_to_gpu_gbs, "GB/s"),
+             _rate(sheet.host_link_gbs if sheet else None, "GB/s"),
              _seconds(result, "host_copies")),
             ("GPU -> host, pinned", _rate(result.gpu_to_host_gbs, "GB/s"), "", ""),
-            ("all-gather, bus", _rate(collective and collective.all_gather_gbs, "GB/s"),
-             _rate(sheet and sheet.link_gbs, "GB/s"), _seconds(result, "collective")),
-            ("reduce-scatter, bus", _rate(collective and collective.reduce_scatter_gbs, "GB/s"), "", ""),
+            ("all-gather, bus", _rate(collective.all_gather_gbs if collective else None, "GB/s"),
+             _rate(sheet.link_gbs if sheet else None, "GB/s"), _seconds(result, "collective")),
+            ("reduce-scatter, bus", _rate(collective.reduce_scatter_gbs if collective else None, "GB/s"), "", ""),
         ]
     adam = result.cpu_adam
-    if adam:
+    per_node = result.cpu_adam_params_per_s_per_node
+    if adam and per_node is not None:  # the node's rate is there whenever one process's is
         threads = f"{adam.threads} thread{'s' if adam.threads > 1 else ''}"
         rows += [(f"CPU Adam ({adam.optimizer}), 1 process, {threads}", _rate(adam.params_per_s / 1e9, "G params/s"),
                   "", _seconds(result, "cpu_adam")),
                  (f"  x {result.processes_per_node} processes (node)",
-                  _rate(result.cpu_adam_params_per_s_per_node / 1e9, "G params/s"), "", "")]
+                  _rate(per_node / 1e9, "G params/s"), "", "")]
     step = result.offload_step
     if step:
         rows.append((f"offloaded optimizer step (DeepSpeed, ZeRO-{step.zero_stage}, {step.layers} layer"
@@ -262,7 +263,7 @@ def summary(result: Calibration, path: Path, spec: PipelineSpec) -> str:
     return "\n".join(lines + [f"  note: {note}" for note in notes])
 
 
-def _rate(value: Optional[float], unit: str) -> str:
+def _rate(value: float | None, unit: str) -> str:
     """A rate to three significant figures; "-" for one not measured (or not in the catalogue)."""
     if not value:
         return "-"

@@ -128,7 +128,8 @@ def cmd_status(args) -> int:
                     print(f"      | {line}")
         if superseded:
             total = sum(n for _, n in superseded)
-            print(f"  superseded outputs, kept ({_gib(total)}; `python -m pipeline clean {target(args)}` removes them):")
+            print(f"  superseded outputs, kept ({_gib(total)}; "
+                  f"`python -m pipeline clean {target(args)}` removes them):")
             for path, n in superseded:
                 print(f"    {path.name:<40} {_gib(n)}")
     return 1 if any(s.failed for s in statuses) else 0
@@ -148,12 +149,12 @@ def cmd_cancel(args) -> int:
     pipeline_dir = spec.run_dir.resolve()
     running = state.holder(pipeline_dir)
     holder = executors.holding(running)
-    stopped = holder.stop_run(running, spec.name) if holder is not None else None
+    stopped = holder.stop_run(running, spec.name) if holder is not None and running is not None else None
     if stopped is not None:  # a `run` that runs the chain itself, stopped
         return stopped
     run_state = state.load(pipeline_dir)
     live = executors.live_jobs(run_state)
-    if not live:
+    if run_state is None or not live:
         print(f"pipeline '{spec.name}': no live Slurm job or local run to cancel ({pipeline_dir})")
         return 0
     executors.cancel(live)
@@ -273,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{scale.DEFAULT_HEAD_DIM})")
         p.set_defaults(func=func)
     commands["run"].add_argument("--executor", help="override cluster.executor (local, slurm, or a plug-in's)")
-    commands["run"].add_argument("--force", action="store_true", help="run even where the plan says a stage does not fit")
+    commands["run"].add_argument("--force", action="store_true",
+                                 help="run even where the plan says a stage does not fit")
     commands["run"].add_argument("--rerun", action="append", default=[], metavar="STAGE",
                                  help="run STAGE (and what starts from it) again from scratch even if finished; "
                                  "repeat or comma-separate; `all` for every stage")

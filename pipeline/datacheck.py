@@ -14,15 +14,22 @@ import functools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from core import kinds
 from core.batching import accumulation_steps, rows_per_step
 from core.config import PipelineSpec
-from core.schemas.reward import RULES_NEEDING_LABELS
 from core.errors import InvalidInput
-from core.rows import (SUPPORTED_DATA, dataset_folder, eval_copies, hold_out, is_row_file, read_rows,
-                       required_columns, select_rows)
+from core.rows import (
+    SUPPORTED_DATA,
+    dataset_folder,
+    eval_copies,
+    hold_out,
+    is_row_file,
+    read_rows,
+    required_columns,
+    select_rows,
+)
+from core.schemas.reward import RULES_NEEDING_LABELS
 from pipeline.hub import FILE_SUFFIXES, Hub, dataset_cached, looks_like_path
 
 
@@ -30,7 +37,7 @@ from pipeline.hub import FILE_SUFFIXES, Hub, dataset_cached, looks_like_path
 class DataFound:
     """What the checks learned of a stage's data, for the checks that follow."""
 
-    rows: Optional[int] = None  # usable rows of data.path (its split): None when not known here
+    rows: int | None = None  # usable rows of data.path (its split): None when not known here
     held_out: bool = False  # the evaluation rows are taken out of them (no eval_split)
     source: str = ""
     records: list = field(default_factory=list)  # (source, usable rows as dicts) read here
@@ -62,7 +69,8 @@ def check_data(stage, where: str, hub: Hub) -> DataFound:
     if found.records:
         source, rows = found.records[0]
         found.rows, found.source = len(rows), source
-        found.chats = kinds.get(stage.kind).rows == "completion" and any(data.prompt_key not in r or data.response_key not in r for r in rows)
+        found.chats = kinds.get(stage.kind).rows == "completion" and any(
+            data.prompt_key not in r or data.response_key not in r for r in rows)
     return found
 
 
@@ -151,7 +159,8 @@ def _check_dataset_folder(stage, path: Path, where: str, found: DataFound) -> No
         found.columns.append((source, columns))
         if found.rows is None:
             found.rows, found.source = count, source
-            found.chats = kinds.get(stage.kind).rows == "completion" and not {data.prompt_key, data.response_key} <= set(columns)
+            found.chats = (kinds.get(stage.kind).rows == "completion"
+                           and not {data.prompt_key, data.response_key} <= set(columns))
 
 
 def check_step_rows(spec: PipelineSpec, stage, where: str, found: DataFound) -> None:
@@ -206,7 +215,9 @@ def check_eval_copies(stage, where: str, found: DataFound) -> None:
 def check_labels(stage, where: str, found: DataFound) -> None:
     """An RL stage's rules that compare with a label need the label column in every row."""
     rl = kinds.rollouts_of(stage)
-    rules = [r.rule for r in rl.reward.rules if r.rule in RULES_NEEDING_LABELS] if rl is not None else []
+    if rl is None:
+        return
+    rules = [r.rule for r in rl.reward.rules if r.rule in RULES_NEEDING_LABELS]
     if not rules:
         return
     key = rl.label_key

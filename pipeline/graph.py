@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel
 
@@ -40,7 +40,7 @@ OPERATIONAL_REWARD_FIELDS = {"timeout_s"}  # of an RL stage's reward block (core
 class PlannedStage(BaseModel):
     task: StageTask
     action: Literal["skip", "run", "resume"]
-    moved_aside: Optional[str] = None
+    moved_aside: str | None = None
     reason: str = ""  # why it runs again, when it had outputs
 
 
@@ -58,14 +58,16 @@ def stage_hash(stage, upstream_hashes: list[str], init_model: str, inputs: dict[
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def build_tasks(spec: PipelineSpec, digests: Optional[Digests] = None) -> list[StageTask]:
+def build_tasks(spec: PipelineSpec, digests: Digests | None = None) -> list[StageTask]:
     """Stage tasks in run order, upstream model folders filled in. `digests` remembers the
     content digests of the inputs (the caller saves it, or not)."""
     pipeline_dir = spec.run_dir.resolve()
     digests = digests or Digests(pipeline_dir)
     hashes: dict[str, str] = {}
     tasks = []
-    for stage in topological_order(spec.stages):
+    ordered = topological_order(spec.stages)
+    assert ordered is not None, "a validated pipeline has no cycle"
+    for stage in ordered:
         upstream_dirs = {up: str(StageFolder.of(pipeline_dir, up).model) for up in stage.upstream}
         if stage.from_:
             init_model = upstream_dirs[stage.from_]
@@ -96,7 +98,8 @@ def build_tasks(spec: PipelineSpec, digests: Optional[Digests] = None) -> list[S
     return tasks
 
 
-def plan_actions(tasks: list[StageTask], dry_run: bool = False, rerun: frozenset[str] = frozenset()) -> list[PlannedStage]:
+def plan_actions(tasks: list[StageTask], dry_run: bool = False,
+                 rerun: frozenset[str] = frozenset()) -> list[PlannedStage]:
     """What to do with each stage, and why; moves stale outputs aside unless dry_run.
     `rerun`: stage names to run again from scratch even if finished ("all": every stage)."""
     planned = []
@@ -145,7 +148,7 @@ def _why_changed(task: StageTask) -> str:
     return "; ".join(changed) if changed else "its settings changed"
 
 
-def recorded_hash(run_dir: Path) -> Optional[str]:
+def recorded_hash(run_dir: Path) -> str | None:
     """The spec hash spec.json records for a stage folder; None without one."""
     try:
         return json.loads(StageFolder(run_dir).spec.read_text()).get("spec_hash")

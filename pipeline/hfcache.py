@@ -9,9 +9,9 @@ environment says. Torch-free.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 DEFAULT_HOME = "~/.cache/huggingface"
 
@@ -27,7 +27,7 @@ class HFCache:
         return {"HF_HOME": str(self.home), "HF_HUB_CACHE": str(self.hub), "HF_DATASETS_CACHE": str(self.datasets)}
 
 
-def hf_cache(spec=None, environ: Optional[dict] = None) -> HFCache:
+def hf_cache(spec=None, environ: Mapping[str, str] | None = None) -> HFCache:
     """The pipeline's cluster.hf_home (its hub/ and datasets/ inside it); without one, what
     this environment says, as the hub libraries read it: $HF_HOME (default ~/.cache/huggingface),
     $HF_HUB_CACHE and $HF_DATASETS_CACHE overriding their folders."""

@@ -13,7 +13,6 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Optional
 
 from core.errors import InvalidInput
 from pipeline.hfcache import HFCache
@@ -45,7 +44,7 @@ class Hub:
         self.offline_refused = offline_refused
         self.cache = cache
         self._asked = False
-        self._reason: Optional[str] = None
+        self._reason: str | None = None
 
     def refuse_if_unreachable(self, where: str, what: str, cache: Path, offline_vars: tuple[str, ...]) -> None:
         """InvalidInput when the hub cannot be reached (an offline_vars variable set, or no answer)."""
@@ -61,7 +60,7 @@ class Hub:
                 "python -m pipeline prepare PIPELINE_FILE; or give a local folder"
             )
 
-    def unreachable(self) -> Optional[str]:
+    def unreachable(self) -> str | None:
         """None when the hub answers within HUB_TIMEOUT_S, else why not."""
         if not self._asked:
             self._reason = probe(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
@@ -69,7 +68,7 @@ class Hub:
         return self._reason
 
 
-def probe(endpoint: str, timeout_s: float = HUB_TIMEOUT_S) -> Optional[str]:
+def probe(endpoint: str, timeout_s: float = HUB_TIMEOUT_S) -> str | None:
     """None when `endpoint` answers (any HTTP status) within timeout_s, else why not."""
     outcome: dict = {}
 

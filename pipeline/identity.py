@@ -22,7 +22,6 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from core.config import BUILTIN_PREFIX
 from core.rows import is_row_file
@@ -43,7 +42,7 @@ def stage_inputs(stage) -> list[Input]:
     """The files and folders a stage reads (of those that are on this machine)."""
     found: list[Input] = []
 
-    def add(field: str, name: Optional[str]) -> None:
+    def add(field: str, name: str | None) -> None:
         if not name or name.startswith(BUILTIN_PREFIX):
             return
         path = Path(name).expanduser()

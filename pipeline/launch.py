@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
 
 from core import measured
 from core.checkpoints import newest_intact
@@ -34,7 +33,7 @@ class Outcome:
     jobs: dict[str, str] = field(default_factory=dict)  # stage -> job id, this invocation
 
 
-def run(spec: PipelineSpec, config: str, executor: Optional[str] = None, force: bool = False,
+def run(spec: PipelineSpec, config: str, executor: str | None = None, force: bool = False,
         rerun: frozenset[str] = frozenset(), echo=None) -> Outcome:
     """Check what can be checked before anything is written, then run the chain here or
     submit it. `executor`: its name, overriding cluster.executor. `rerun`: stages to run
@@ -54,7 +53,8 @@ def run(spec: PipelineSpec, config: str, executor: Optional[str] = None, force: 
         digests.save()
         planned = graph.plan_actions(tasks, rerun=rerun)
         refuse_unresumable(planned)
-        measured.save_plans(planned, None if plans is None else plan.plan_to_json(plans))  # each result.json compares itself with it
+        # each result.json compares itself with it
+        measured.save_plans(planned, None if plans is None else plan.plan_to_json(plans))
         return Outcome(where, planned, where.submit(spec, planned, config, echo))
 
 

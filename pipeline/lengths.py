@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 from core import kinds
 from core.errors import InvalidInput
@@ -52,7 +52,7 @@ class RowLengths:
         return f"{self.source}, {self.counter}" if self.sampled else f"max_len assumed per row: {self.source}"
 
 
-def sample(data, kind: str, model: str, cache: Optional[HFCache] = None, limit: int = SAMPLE_ROWS,
+def sample(data, kind: str, model: str, cache: HFCache | None = None, limit: int = SAMPLE_ROWS,
            seed: int = 0) -> RowLengths:
     """Token counts of up to `limit` rows of a stage's data (`data`: its DataSpec); a hub
     model's tokenizer and a hub dataset are looked for in `cache` (none: not looked for)."""
@@ -72,7 +72,7 @@ def sample(data, kind: str, model: str, cache: Optional[HFCache] = None, limit: 
 # --------------------------------------------------------------------------- counting
 
 
-def token_counter(model: str, hub_cache: Optional[Path] = None) -> tuple[Callable[[list[str], bool], list[int]], str]:
+def token_counter(model: str, hub_cache: Path | None = None) -> tuple[Callable[[list[str], bool], list[int]], str]:
     """(count(texts, special_tokens) -> token counts, what counts them) for a model name."""
     if model == BUILTIN_PREFIX + "tiny-llama":
         from core import tiny  # torch-free; its tokenizer needs only `tokenizers`
@@ -119,7 +119,7 @@ def _row_lengths(rows: list[dict], kind: str, data, count) -> list[tuple[int, ..
                 chats.append(r[data.messages_key])
         prompts = count([r[data.prompt_key] for r in plain], True)
         responses = count([r[data.response_key] for r in plain], False)
-        out = [(p + n + 1,) for p, n in zip(prompts, responses)]  # + eos
+        out: list[tuple[int, ...]] = [(p + n + 1,) for p, n in zip(prompts, responses)]  # + eos
         for messages in chats:
             contents = count([text(m.get("content")) for m in messages if isinstance(m, dict)], False)
             turns = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
@@ -136,7 +136,7 @@ def _row_lengths(rows: list[dict], kind: str, data, count) -> list[tuple[int, ..
 # --------------------------------------------------------------------------- reading
 
 
-def _sample_rows(data, limit: int, rng: random.Random, datasets_cache: Optional[Path]) -> tuple[list[dict], str]:
+def _sample_rows(data, limit: int, rng: random.Random, datasets_cache: Path | None) -> tuple[list[dict], str]:
     """(up to `limit` rows, where they came from) — or ([], why not)."""
     path = data.path
     if data.is_builtin:

@@ -21,7 +21,6 @@ import json
 import math
 import zipfile
 from pathlib import Path
-from typing import Optional
 
 # Files the tokenizer is built from, by the tokenizer kinds transformers loads.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "spm.model",
@@ -73,7 +72,7 @@ def _shards(index: Path) -> list[Path]:
     return [index.parent / n for n in names]
 
 
-def weights_in(folder: Path) -> Optional[dict[str, tuple[list[int], Path]]]:
+def weights_in(folder: Path) -> dict[str, tuple[list[int], Path]] | None:
     """Check every weight file of `folder` (check_weights) and, for safetensors shards, that each
     tensor their index names is in the shard it names (BadModelFile otherwise). Returns each
     tensor's shape and file by name; None where some weights are torch.save files (their names
@@ -93,7 +92,7 @@ def weights_in(folder: Path) -> Optional[dict[str, tuple[list[int], Path]]]:
     return found if readable else None
 
 
-def check_weights(path: Path) -> Optional[dict[str, list[int]]]:
+def check_weights(path: Path) -> dict[str, list[int]] | None:
     """BadModelFile when the file's header says it cannot be whole; else the shape of each
     tensor a safetensors file holds, by name (None for a torch.save file: its names are pickled)."""
     size = path.stat().st_size
@@ -160,7 +159,7 @@ def _check_torch_file(path: Path, head: bytes, size: int) -> None:
 # --------------------------------------------------------------------------- tokenizer
 
 
-def tokenizer_problem(folder: Path) -> Optional[str]:
+def tokenizer_problem(folder: Path) -> str | None:
     """Why the folder's tokenizer cannot load (no file to build it from, or a
     tokenizer.json that is not JSON); None when it looks loadable."""
     present = [name for name in TOKENIZER_FILES if any(p.is_file() for p in folder.glob(name))]

@@ -31,12 +31,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 from core import failure, kinds, reward_quality, rollout_engine, sequence_parallel
-from core.families import attention_kernel, attention_refusal, installed_transformers
 from core.config import BUILTIN_PREFIX, PipelineSpec
 from core.errors import InvalidInput
+from core.families import attention_kernel, attention_refusal, installed_transformers
 from core.shapes import ShapeNotFound, cached_config, resolve_shape
 from core.task import is_finished
 from pipeline import graph, truncation, weightnames
@@ -146,7 +145,7 @@ def root_model(spec: PipelineSpec, stage) -> str:
     return stage.model
 
 
-def model_folder(name: str, cache: HFCache) -> Optional[Path]:
+def model_folder(name: str, cache: HFCache) -> Path | None:
     """The folder holding a model's files on this machine: a local folder or a cached hub snapshot."""
     if name.startswith(BUILTIN_PREFIX):
         return None
@@ -236,6 +235,7 @@ def check_rollout_engine(stage, where: str, stack_is_here: bool) -> None:
     rl = kinds.rollouts_of(stage)
     if rl is None or rl.engine != "vllm" or not stack_is_here:
         return
+    assert rl.fields.engine is not None  # a kind whose rollouts name an engine has the field
     problem = rollout_engine.stack_problem(rl.fields.engine)
     if problem:
         raise InvalidInput(f"{where}.{problem}")
@@ -292,6 +292,7 @@ def check_reward_functions(stage, where: str, imported: bool = True) -> None:
     from core.rewards import RewardError, check_function, split_reference
 
     rl = kinds.rollouts_of(stage)
+    assert rl is not None, "checked for RL stages only"
     imported_files = set()
     for j, rule in enumerate(rl.reward.rules):
         if not rule.function:
@@ -312,7 +313,9 @@ def check_reward_functions(stage, where: str, imported: bool = True) -> None:
 def check_reward_model(spec: PipelineSpec, stage, where: str) -> None:
     """A reward model stage that has already finished with this spec, and ranked its held-out pairs no
     better than chance, is refused here rather than when the RL stage starts (core/reward_quality.py)."""
-    name = kinds.rollouts_of(stage).reward_model
+    rl = kinds.rollouts_of(stage)
+    assert rl is not None, "checked for RL stages only"
+    name = rl.reward_model
     if name is None:
         return
     tasks = {t.name: t for t in graph.build_tasks(spec)}
@@ -323,7 +326,7 @@ def check_reward_model(spec: PipelineSpec, stage, where: str) -> None:
 IMPORT_CODE = "import sys; from core.rewards import load_function; load_function(sys.argv[1])"
 
 
-def import_problem(reference: str, timeout_s: float = REWARD_IMPORT_TIMEOUT_S) -> Optional[str]:
+def import_problem(reference: str, timeout_s: float = REWARD_IMPORT_TIMEOUT_S) -> str | None:
     """Why `path.py:function` does not import as the stage imports it (None when it does),
     found in a child process that is killed after timeout_s."""
     from core.rewards import split_reference

@@ -20,7 +20,6 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Optional
 
 from core import measured, runfolder, timeline
 from core import metrics as records
@@ -39,7 +38,7 @@ COMPARED_LABELS = {
 }
 
 
-def write_report(spec, plots_dir: Optional[Path] = None) -> Path:
+def write_report(spec, plots_dir: Path | None = None) -> Path:
     """Write the report of a pipeline's run folder; returns its path. With `plots_dir`, each
     plot is also saved there as <pipeline>-<plot>.png (e.g. for a README)."""
     pipeline_dir = spec.run_dir.resolve()
@@ -68,8 +67,8 @@ def save_plots(page: str, name: str, folder: Path) -> list[Path]:
     return saved
 
 
-def render(name: str, tasks: list, run_state: Optional[state.RunState],
-           statuses: Optional[list[state.StageStatus]] = None) -> str:
+def render(name: str, tasks: list, run_state: state.RunState | None,
+           statuses: list[state.StageStatus] | None = None) -> str:
     """The page; `statuses`: each stage's as `status` has it (default: from pipeline.json and
     the folders, with no `run` holding them)."""
     import matplotlib
@@ -97,7 +96,7 @@ def render(name: str, tasks: list, run_state: Optional[state.RunState],
 class _StageData:
     """What one stage's folder holds."""
 
-    def __init__(self, task, submitted_at: Optional[str], status: state.StageStatus):
+    def __init__(self, task, submitted_at: str | None, status: state.StageStatus):
         self.task, self.name, self.kind, self.status = task, task.name, task.stage.kind, status
         folder = task.folder
         self.records = records.read(folder.metrics)
@@ -154,7 +153,7 @@ class _StageData:
         return out
 
 
-def _series(rows: list[dict], *prefixes: str, clock: Optional[tuple] = None) -> dict[str, tuple[list, list]]:
+def _series(rows: list[dict], *prefixes: str, clock: tuple | None = None) -> dict[str, tuple[list, list]]:
     """{tag: (x, y)} of the record keys whose TensorBoard tag starts with one of `prefixes`;
     x is the step, or with `clock` (start, seconds per unit) the time since start in that unit."""
     out: dict[str, tuple[list, list]] = {}
@@ -175,7 +174,7 @@ def _time_unit(span_s: float) -> tuple[str, float]:
     return ("minutes", 60.0) if span_s < 3 * 3600 else ("hours", 3600.0)
 
 
-def _grid(series: dict, xlabel: str, alt: str, marker: Optional[str] = None, together: bool = False) -> str:
+def _grid(series: dict, xlabel: str, alt: str, marker: str | None = None, together: bool = False) -> str:
     """Small multiples, four to a row (or all lines in one plot). A series that is 0 throughout
     is not drawn (a flat line at 0 says nothing): one line under the plot names it."""
     import matplotlib.pyplot as plt
@@ -268,6 +267,7 @@ def _phases_figure(rollouts: list[dict], alt: str) -> str:
 
 def _timeline_figure(stages: list[_StageData]) -> str:
     import matplotlib.pyplot as plt
+    from matplotlib.artist import Artist
     from matplotlib.patches import Patch
 
     rows = [s for s in stages if s.timeline.segments]
@@ -286,7 +286,7 @@ def _timeline_figure(stages: list[_StageData]) -> str:
     ax.set_yticks(range(len(rows)), [s.name for s in reversed(rows)])
     ax.set_xlabel("minutes since the first submission")
     ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(color=c, label=s) for s, c in COLORS.items()]
+    handles: list[Artist] = [Patch(color=c, label=s) for s, c in COLORS.items()]
     handles.append(plt.Line2D([], [], marker="D", color="#55a868", linestyle="", label=timeline.DONE))
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.01), fontsize=8, ncol=5, frameon=False)
     return _embed(fig, "timeline")

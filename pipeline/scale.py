@@ -27,10 +27,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
 from core.config import BUILTIN_PREFIX, PipelineSpec
 from core.errors import InvalidInput
-from core.runfolder import DESCRIPTION_FILE
-from core.runfolder import scale_model_folder
+from core.runfolder import DESCRIPTION_FILE, scale_model_folder
 from core.shapes import builtin_config
 from pipeline.hfcache import HFCache
 from pipeline.preflight import model_folder

@@ -18,9 +18,9 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
 
 from pydantic import AliasChoices, BaseModel, Field, ValidationError
 
@@ -57,18 +57,19 @@ class RunState(BaseModel):
     config: str  # the pipeline file, as given to `run`
     stages: dict[str, StageRecord] = {}
 
-    def job_stage(self, job_id: str) -> Optional[str]:
+    def job_stage(self, job_id: str) -> str | None:
         return next((name for name, r in self.stages.items() if r.job_id == job_id), None)
 
 
-def load(pipeline_dir: Path) -> Optional[RunState]:
+def load(pipeline_dir: Path) -> RunState | None:
     path = runfolder.state_file(pipeline_dir)
     if not path.is_file():
         return None
     try:
         return RunState.model_validate_json(path.read_text())
     except (ValidationError, OSError) as err:
-        raise PipelineError(f"{path}: unreadable run state ({err}); remove it if no job of this pipeline is live")
+        raise PipelineError(
+            f"{path}: unreadable run state ({err}); remove it if no job of this pipeline is live") from None
 
 
 def save(pipeline_dir: Path, run_state: RunState) -> None:
@@ -121,7 +122,7 @@ def hold(pipeline_dir: Path, config: str, doing: str, echo=print) -> Iterator[Ho
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def holder(pipeline_dir: Path) -> Optional[Holder]:
+def holder(pipeline_dir: Path) -> Holder | None:
     """The `run` holding the run folder's lock right now, or None."""
     path = runfolder.lock_file(pipeline_dir)
     if not path.is_file():
@@ -150,7 +151,7 @@ def save_unless_held(pipeline_dir: Path, run_state: RunState) -> None:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _try_flock(handle, mode: int, tries: int = 10) -> Optional[bool]:
+def _try_flock(handle, mode: int, tries: int = 10) -> bool | None:
     """True: locked; False: someone else holds it (after `tries` tries 0.1 s apart: `status`
     takes it for an instant); None: the file system has no locks (e.g. Lustre without -o flock)."""
     for attempt in range(tries):
@@ -165,7 +166,7 @@ def _try_flock(handle, mode: int, tries: int = 10) -> Optional[bool]:
     return False
 
 
-def _read_holder(handle) -> Optional[Holder]:
+def _read_holder(handle) -> Holder | None:
     handle.seek(0)
     try:
         return Holder.model_validate_json(handle.read())
@@ -173,7 +174,7 @@ def _read_holder(handle) -> Optional[Holder]:
         return None
 
 
-def _write_holder(handle, who: Optional[Holder]) -> None:
+def _write_holder(handle, who: Holder | None) -> None:
     handle.seek(0)
     handle.truncate()
     if who is not None:
@@ -207,13 +208,13 @@ class StageStatus:
     state: str
     detail: str
     run_dir: str
-    job_id: Optional[str] = None
+    job_id: str | None = None
     job_state: str = ""  # the scheduler's own word for it (Slurm's JobState)
     restarts: int = 0
-    log: Optional[str] = None
+    log: str | None = None
     log_tail: list[str] = field(default_factory=list)
     source: str = "folder"  # where the state came from: folder, record, or the scheduler's name (e.g. slurm)
-    progress: Optional[dict] = None  # a running stage's last step, total_steps, eta_s and its time (metrics.jsonl)
+    progress: dict | None = None  # a running stage's last step, total_steps, eta_s and its time (metrics.jsonl)
 
     @property
     def failed(self) -> bool:
@@ -244,7 +245,7 @@ def from_folder(task: StageTask) -> StageStatus:
 
 
 def activity(folder: runfolder.StageFolder,
-             now: Optional[float] = None) -> tuple[str, Optional[metrics.Progress]]:
+             now: float | None = None) -> tuple[str, metrics.Progress | None]:
     """What `status` says a running stage is doing, and its progress: its step of the total and ETA
     (its last training record), the age of its last record of any kind (an old one on a running
     stage points at a hang), and the phase its rank 0 is in once that has lasted half a minute
@@ -271,7 +272,7 @@ def resume_point(task: StageTask) -> str:
     return newest_intact(task.folder).status(task.name)
 
 
-def as_dict(progress: Optional[metrics.Progress]) -> Optional[dict]:
+def as_dict(progress: metrics.Progress | None) -> dict | None:
     return None if progress is None else dataclasses.asdict(progress)
 
 

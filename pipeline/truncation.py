@@ -10,9 +10,10 @@ is measured when its tokenizer and rows are on this machine: its model, or the
 model its `from` chain starts at (upstream stages export that model's
 tokenizer), is built-in, a local folder or in the Hugging Face cache, and its
 data is a local file or a local dataset folder. Other stages, and the built-in
-task's (rows of a few characters), measure it themselves when they start. Data of more than SAMPLE_ROWS rows is measured on
-a random sample of that many (the message says so): tokenising every row of a
-large file takes minutes (README.md, Data).
+task's (rows of a few characters), measure it themselves when they start. Data of
+more than SAMPLE_ROWS rows is measured on a random sample of that many (the
+message says so): tokenising every row of a large file takes minutes (README.md,
+Data).
 """
 
 from __future__ import annotations

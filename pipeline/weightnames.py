@@ -16,9 +16,9 @@ the stage's own check (stages/loaded_weights.py) finds the rest when it loads th
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 from core.shapes import ModelShape, from_config_json
 
@@ -58,10 +58,10 @@ NAMINGS = {**dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen3", "ge
                             "granite"), LLAMA_STYLE), "gpt2": GPT2}
 
 
-def mismatch(config: dict, tensors: dict[str, tuple[list[int], Path]]) -> Optional[str]:
+def mismatch(config: dict, tensors: dict[str, tuple[list[int], Path]]) -> str | None:
     """What in `tensors` (name: shape, file) config.json (parsed) contradicts; None when nothing,
     or when it cannot tell."""
-    naming = NAMINGS.get(config.get("model_type"))
+    naming = NAMINGS.get(config.get("model_type") or "")
     if naming is None or config.get("quantization_config") or not tensors:
         return None
     try:
@@ -78,8 +78,8 @@ def mismatch(config: dict, tensors: dict[str, tuple[list[int], Path]]) -> Option
                 f"layers ({naming.prefix}{naming.layer} for N in {held or 'none'})")
     for name, (expected, fields) in naming.shapes(shape).items():
         if name in own and tensors[own[name]][0] != expected:
-            held, file = tensors[own[name]]
-            return f"{own[name]} in {file.name} is {held}, but config.json's {fields} make it {expected}"
+            held_shape, file = tensors[own[name]]
+            return f"{own[name]} in {file.name} is {held_shape}, but config.json's {fields} make it {expected}"
     return None
 
 

@@ -19,7 +19,6 @@ import difflib
 import importlib
 import pkgutil
 from pathlib import Path
-from typing import Optional
 
 from schedulers.base import Layout, Runtime, Scheduler
 
@@ -68,7 +67,7 @@ def declared() -> list[Scheduler]:
     return shipped + [s for s in _DECLARED.values() if s not in shipped]
 
 
-def runtime() -> Optional[Runtime]:
+def runtime() -> Runtime | None:
     """This process as a task of a scheduler's job; None outside one (a test, torchrun, a plain
     python). The shipped schedulers are asked first, in their folders' order (a local job started
     inside a Slurm allocation is a local task), then those of plug-ins."""

@@ -15,9 +15,10 @@ from its JobEnvironment:
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, Optional
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Runtime:
     # training loop catches it (stages/preemption.py), and its processes' helpers leave it to the stage.
     requeue_signal: ClassVar[signal.Signals]
     # A task that exits with this code asks its scheduler to start it again (not a death); None: no such code.
-    requeue_exit_code: ClassVar[Optional[int]] = None
+    requeue_exit_code: ClassVar[int | None] = None
 
     @classmethod
     def active(cls) -> bool:
@@ -52,20 +53,20 @@ class Runtime:
         """This task's global rank, before torch.distributed is up."""
         raise NotImplementedError
 
-    def job_id(self) -> Optional[str]:
+    def job_id(self) -> str | None:
         raise NotImplementedError
 
     def restart_count(self) -> int:
         """How many times the scheduler started this job before, the same in every task."""
         return 0
 
-    def layout(self) -> Optional[Layout]:
+    def layout(self) -> Layout | None:
         """The job's layout; None when a launcher inside the job (torchrun) started this process
         and its variables say it."""
         raise NotImplementedError
 
     @classmethod
-    def task_log(cls, logs: Path, job_id: Optional[str], rank: int) -> Optional[Path]:
+    def task_log(cls, logs: Path, job_id: str | None, rank: int) -> Path | None:
         """Where task `rank` of job `job_id` writes its stderr, in the stage's logs folder; None
         where the scheduler does not say (the person who submitted the job named it)."""
         return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from schedulers.base import Layout, Runtime
 
@@ -34,7 +34,7 @@ class SubmititTask(Runtime):
                       env.master_port)
 
     @classmethod
-    def task_log(cls, logs: Path, job_id: Optional[str], rank: int) -> Optional[Path]:
+    def task_log(cls, logs: Path, job_id: str | None, rank: int) -> Path | None:
         if job_id is None:
             return None
         from submitit.core.utils import JobPaths

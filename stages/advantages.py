@@ -8,8 +8,8 @@ call stages/rollout.py makes. Pure PyTorch tensor code, following stages/masked.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -30,7 +30,7 @@ __all__ = [
     "SCALE_REWARDS",
 ]
 
-SCALE_REWARDS: Tuple[str, ...] = ("group", "batch", "none")
+SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 
 
 def gae(
@@ -39,7 +39,7 @@ def gae(
     mask: torch.Tensor,
     gamma: float,
     lam: float,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Generalised Advantage Estimation (Schulman et al. 2016), per token.
 
     Reverse-time recursion over the valid (masked) tokens of each row:
@@ -94,8 +94,8 @@ def grpo_advantages(
     eps: float = 1e-6,
     scale: str = "group",
     *,
-    valid: Optional[torch.Tensor] = None,
-    sum_over_processes: Optional[SumOverProcesses] = None,
+    valid: torch.Tensor | None = None,
+    sum_over_processes: SumOverProcesses | None = None,
 ) -> torch.Tensor:
     r"""Group-relative advantages (GRPO, Shao et al. 2024) and their variants.
 
@@ -180,7 +180,7 @@ def reinforce_pp_returns(
     mask: torch.Tensor,
     gamma: float = 1.0,
     *,
-    sum_over_processes: Optional[SumOverProcesses] = None,
+    sum_over_processes: SumOverProcesses | None = None,
 ) -> torch.Tensor:
     r"""REINFORCE++ token-level advantages (Hu 2025): discounted returns,
     then whitened over the whole rollout (every process's share).
@@ -241,7 +241,7 @@ class AdvantageInputs:
     kl: torch.Tensor  # (S, T) per-token KL estimate to the reference, 0 off the mask
     mask: torch.Tensor  # (S, T) response tokens that train (a sequence with none is left out of statistics)
     kl_coef: float = 0.0  # weight of the KL inside the reward (0: none, e.g. the KL is a loss term)
-    values: Optional[torch.Tensor] = None  # (S, T) critic values (gae)
+    values: torch.Tensor | None = None  # (S, T) critic values (gae)
 
 
 @dataclass(frozen=True)
@@ -253,14 +253,14 @@ class AdvantageSettings:
 
 
 Estimator = Callable[
-    [AdvantageInputs, AdvantageSettings, Optional[SumOverProcesses]],
-    Tuple[torch.Tensor, Optional[torch.Tensor]],
+    [AdvantageInputs, AdvantageSettings, SumOverProcesses | None],
+    tuple[torch.Tensor, torch.Tensor | None],
 ]
 
 
 # Each estimator's tensor function, under the name core/estimators.py declares it with (its properties:
 # group-relative, a critic, its default samples per prompt).
-ADVANTAGE_ESTIMATORS: Dict[str, Estimator] = {}
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
 
 
 def advantage_estimator(name: str) -> Callable[[Estimator], Estimator]:
@@ -312,8 +312,8 @@ def estimate_advantages(
     estimator: str,
     inputs: AdvantageInputs,
     settings: AdvantageSettings,
-    sum_over_processes: Optional[SumOverProcesses] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    sum_over_processes: SumOverProcesses | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Advantages of a whole rollout, the same call for every estimator.
 
     * ``gae``: per-token rewards (:func:`token_rewards`), :func:`gae` with the

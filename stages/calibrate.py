@@ -19,7 +19,6 @@ import socket
 import statistics
 import time
 from dataclasses import asdict
-from typing import Optional
 
 from core import calibration
 from core.errors import InvalidInput
@@ -131,7 +130,7 @@ def _no_gpu(notes: list[str]) -> dict:
             "gpu_to_host_gbs": None, "collective": None}
 
 
-def _version(package: str) -> Optional[str]:
+def _version(package: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -266,8 +265,8 @@ OFFLOAD_HOST_BYTES_PER_PARAM = 24
 OFFLOAD_SEQUENCE = 64  # tokens of the one micro batch whose gradients each timed step applies
 
 
-def offload_step_rate(offload, threads: int, steps: int, on_gpu: bool, h2d_gbs: Optional[float],
-                      notes: list) -> Optional[dict]:
+def offload_step_rate(offload, threads: int, steps: int, on_gpu: bool, h2d_gbs: float | None,
+                      notes: list) -> dict | None:
     """DeepSpeed's own offloaded optimizer step, as a stage with optimizer_offload configures it
     (engine.deepspeed_config, engine.initialize), over `offload`'s slice (pipeline/calibrate.py
     OffloadSlice) in one process on `threads` threads: its parameters per second of the step's host
@@ -377,7 +376,7 @@ def _cpu_optimizer(weights, notes: list):
 
 
 def collective_rates(world: int, backend: str, nbytes: int, repeats: int, timeout_s: float,
-                     notes: list) -> Optional[dict]:
+                     notes: list) -> dict | None:
     """All-gather and reduce-scatter bus bandwidth between `world` processes, one per GPU (nccl),
     spawned here (calibration.CollectiveRate fields). None, with a note, when they fail or do not
     finish within timeout_s (they are stopped then)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,16 +41,16 @@ class Checkpoints:
         self.stage_folder, self.keep, self.is_main, self.rank = stage_folder, keep, is_main, rank
         self.folder = stage_folder.checkpoints
         self.threads = min(CHECKSUM_THREADS, len(os.sched_getaffinity(0)))
-        self.last: Optional[str] = None  # the newest checkpoint resumed from or saved: what a save needs is its size
+        self.last: str | None = None  # the newest checkpoint resumed from or saved: what a save needs is its size
 
-    def save(self, engine, step: int, client_state: dict, others: Optional[dict] = None) -> None:
+    def save(self, engine, step: int, client_state: dict, others: dict | None = None) -> None:
         """Save `engine` (and any `others`, e.g. a critic, inside the same tag folder).
 
         A save that fails on any rank (a full disk, a folder it may not write, a rank
         lost mid-save) removes its tag folder there, so `latest` keeps naming the
         previous checkpoint and nothing half-written stays; the error says why."""
         tag = self.stage_folder.checkpoint_tag(step)
-        with saving(self.folder / tag, f"checkpoint {tag}", like=self.last and self.folder / self.last):
+        with saving(self.folder / tag, f"checkpoint {tag}", like=self.folder / self.last if self.last else None):
             engine.save_checkpoint(str(self.folder), tag=tag, client_state=client_state, save_latest=False)
             for name, other in (others or {}).items():
                 other.save_checkpoint(str(self.folder / tag), tag=name, save_latest=False)
@@ -69,7 +69,7 @@ class Checkpoints:
         self.last = tag
         log.info("checkpoint %s saved", tag)
 
-    def load(self, engine, others: Optional[dict] = None) -> Optional[dict]:
+    def load(self, engine, others: dict | None = None) -> dict | None:
         """Client state of the newest intact checkpoint, after loading it; None if there is none."""
         tag = self._resume_tag()
         if tag is None:
@@ -150,7 +150,7 @@ class Checkpoints:
 
     # ----------------------------------------------------------------------- resume
 
-    def _resume_tag(self) -> Optional[str]:
+    def _resume_tag(self) -> str | None:
         """The tag every rank resumes from, once the ranks have checked the checkpoints newest first
         (a collective). Rank 0 sets aside the damaged ones and removes what an unfinished save left."""
         found = _from_main(lambda: manifests.look(self.stage_folder))
@@ -162,7 +162,7 @@ class Checkpoints:
         dist.barrier()
         return verdict.tag
 
-    def _tidy(self, verdict: manifests.Verdict, latest: Optional[str]) -> None:
+    def _tidy(self, verdict: manifests.Verdict, latest: str | None) -> None:
         """Say what was found; set aside the damaged checkpoints, remove the unfinished ones, mark the one resumed."""
         if verdict.gone:
             log.warning("`latest` names checkpoint %s, whose folder %s is gone", verdict.gone,

@@ -17,14 +17,15 @@ sums it in place.
 
 from __future__ import annotations
 
-from typing import Sequence, TypeVar, Union
+from collections.abc import Sequence
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from stages import sequence_parallel
 
-Numbers = TypeVar("Numbers", bound=Union[Sequence[float], torch.Tensor])
+Numbers = TypeVar("Numbers", bound=Sequence[float] | torch.Tensor)
 
 
 def sum_once_per_group(values: Numbers) -> Numbers:
@@ -34,14 +35,14 @@ def sum_once_per_group(values: Numbers) -> Numbers:
     if sequence_parallel.layout().rank:  # the group's first process holds the same numbers: it counts them
         tensor.zero_()
     dist.all_reduce(tensor)
-    return tensor if isinstance(values, torch.Tensor) else tensor.tolist()
+    return cast(Numbers, tensor if isinstance(values, torch.Tensor) else tensor.tolist())
 
 
 def sum_each_process(values: Numbers) -> Numbers:
     """Summed over every process: a list gives a list, a tensor is summed in place."""
     tensor = _as_tensor(values)
     dist.all_reduce(tensor)
-    return tensor if isinstance(values, torch.Tensor) else tensor.tolist()
+    return cast(Numbers, tensor if isinstance(values, torch.Tensor) else tensor.tolist())
 
 
 def largest_of_any_process(tensor: torch.Tensor) -> torch.Tensor:

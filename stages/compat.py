@@ -61,7 +61,6 @@ import inspect
 import logging
 import os
 import re
-from typing import Optional
 
 import torch
 
@@ -173,7 +172,7 @@ NO_STATIC_DECODING = ("transformers {version}'s StaticCache needs its batch size
                       "sync and gain nothing; padded chunks use `generate` there")
 
 
-def static_decoding_unavailable() -> Optional[str]:
+def static_decoding_unavailable() -> str | None:
     """Why stages/generation.py cannot decode on a static KV cache here (None: it can). Asked of
     the installed StaticCache, not the version: transformers 5.x's (`StaticCache(config,
     max_cache_len)`) sizes itself at its first update and keeps its fill level in a device tensor,

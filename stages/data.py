@@ -14,12 +14,16 @@ import logging
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core import batching, kinds, tiny
 from core.config import BUILTIN_PREFIX, DataSpec
 from core.errors import InvalidInput
 from core.rows import eval_copies, hold_out, is_row_file, read_rows, select_rows
 from stages import watchdog
+
+if TYPE_CHECKING:  # torch loads where a batch is built: this module's readers of rows stay without it
+    import torch
 
 log = logging.getLogger("stages")
 
@@ -33,7 +37,7 @@ def load_splits(data: DataSpec, kind: str, builtin_root: Path, seed: int) -> tup
     if data.is_builtin:
         folder = tiny.materialize(data.path[len(BUILTIN_PREFIX):], builtin_root)
         train = read_rows(folder / f"{data.split}.jsonl")
-        held_out = read_rows(folder / f"{data.eval_split or 'eval'}.jsonl")
+        held_out: list[dict] | None = read_rows(folder / f"{data.eval_split or 'eval'}.jsonl")
     elif is_row_file(data.path):
         train = read_rows(Path(data.path))
         held_out = read_rows(Path(data.eval_split)) if data.eval_split else None
@@ -123,7 +127,8 @@ def _sft_sequences(rows: list[dict], tokenizer, data: DataSpec) -> list[tuple[Se
     for i, row in enumerate(rows):
         if out[i] is None:  # chat messages: learn every assistant turn
             messages = row[data.messages_key]
-            ids, mask = [], []
+            ids: list[int] = []
+            mask: list[int] = []
             for j, message in enumerate(messages):
                 if message["role"] != "assistant":
                     continue
@@ -141,8 +146,8 @@ def _pair_sequences(rows: list[dict], tokenizer, data: DataSpec) -> list[tuple[S
     prompt_ids = encode_prompts(tokenizer, prompts, data)
     chosen, rejected = (encode_responses(tokenizer, prompts, [row[key] for row in rows], data)
                         for key in (data.chosen_key, data.rejected_key))
-    return [tuple((p + r, [0] * len(p) + [1] * len(r)) for r in sides)
-            for p, *sides in zip(prompt_ids, chosen, rejected)]
+    return [((p + c, [0] * len(p) + [1] * len(c)), (p + r, [0] * len(p) + [1] * len(r)))
+            for p, c, r in zip(prompt_ids, chosen, rejected)]
 
 
 def _cut(sequences, max_len: int) -> dict:
@@ -258,7 +263,8 @@ class TokenizedSplits:
         parts = [self.train.truncation, self.eval.truncation]
         measured, rows = sum(t.measured for t in parts), sum(t.rows for t in parts)
         sample = f", measured on a random {measured} of {rows} rows" if measured < rows else ""
-        return f"max_len {self.max_len}{sample} (nothing to learn: {NOTHING_TO_LEARN[kinds.get(kind).rows]}): " + "; ".join(
+        nothing = NOTHING_TO_LEARN[kinds.get(kind).rows]
+        return f"max_len {self.max_len}{sample} (nothing to learn: {nothing}): " + "; ".join(
             f"{name}: {t.cut} of {t.measured} rows lose tokens, {t.dropped} have nothing to learn"
             for name, t in zip(("train", "eval"), parts))
 
@@ -285,7 +291,7 @@ def tokenized_splits(stage, tokenizer, builtin_root: Path, where: str = "", samp
              for rows in (train, held_out)]
     for part, rows in zip(parts, counts):
         part.truncation = replace(part.truncation, rows=rows)
-    splits = TokenizedSplits(*parts, max_len=stage.max_len)
+    splits = TokenizedSplits(parts[0], parts[1], max_len=stage.max_len)
     check_truncation(stage, splits, where)
     log.info("%s: %s", where, splits.summary(stage.kind))
     if splits.train.truncation.dropped or splits.eval.truncation.dropped:
@@ -353,10 +359,10 @@ class Batch:
     `apart()`, where every attention layer keeps them apart (stages/packed_attention.py).
     """
 
-    input_ids: object  # (lines, width) torch.long
-    position_ids: object  # (lines, width): each sequence counts from 0
-    loss_mask: object  # (lines, width): 1 on tokens the model learns to produce; 0 on padding and sequence starts
-    sequence: object  # (lines, width): index of the sequence at each position, -1 on padding
+    input_ids: torch.Tensor  # (lines, width) torch.long
+    position_ids: torch.Tensor  # (lines, width): each sequence counts from 0
+    loss_mask: torch.Tensor  # (lines, width): 1 on tokens the model learns to produce; 0 on padding and sequence starts
+    sequence: torch.Tensor  # (lines, width): index of the sequence at each position, -1 on padding
     packed: bool
     lengths: list  # tokens of each sequence, in sequence order (host-side)
 
@@ -436,7 +442,7 @@ class Batch:
         out = torch.full((self.n_sequences,), -1, dtype=torch.long, device=flat.device)
         return out.scatter_reduce(0, flat[keep], index[keep], reduce="amax")
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         moved = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in vars(self).items()}
         return Batch(**moved)
 

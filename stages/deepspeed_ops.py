@@ -33,7 +33,6 @@ import sysconfig
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
 
 ENV = "TORCH_EXTENSIONS_DIR"
 # What each op is, and about how long it takes to compile on an idle 2-core machine (the
@@ -133,7 +132,7 @@ def prepare() -> None:
 
     if not getattr(cpp_extension._run_ninja_build, "announces", False):
         cpp_extension._run_ninja_build = _announcing(cpp_extension._run_ninja_build)
-        cpp_extension.FileBaton = _saying_baton(cpp_extension.FileBaton)
+        cpp_extension.FileBaton = _saying_baton(cpp_extension.FileBaton)  # type: ignore[misc]  # patched on purpose
     _quiet_loads()
     _quiet_shm_success()
 
@@ -154,11 +153,11 @@ def _announcing(run_ninja_build):
         _built[op] = time.monotonic() - started
         say(f"built {op} in {_built[op]:.0f} s")
 
-    run.announces = True
+    run.announces = True  # type: ignore[attr-defined]  # marks the patch, so it is made once
     return run
 
 
-def pending(build_directory: Path) -> Optional[str]:
+def pending(build_directory: Path) -> str | None:
     """Why ninja would compile something in `build_directory` (its dry run, explained), or None
     when it has nothing to do or cannot say (then the real run reports its own errors)."""
     had_log = (build_directory / ".ninja_log").exists()  # a dry run may remove one it cannot read
@@ -203,7 +202,7 @@ def _which_ninja() -> str:
 def _saying_baton(baton_class):
     """torch's lock on a build folder, whose waiters say so once another process is building."""
 
-    class SayingBaton(baton_class):
+    class SayingBaton(baton_class):  # type: ignore[misc,valid-type]  # torch's class, subclassed at run time
         def wait(self):
             lock = Path(self.lock_file_path)
             op, started, said = lock.parent.name, time.monotonic(), 0
@@ -259,7 +258,7 @@ def _quiet_loads() -> None:
     def quiet_load(self, verbose=False):
         return load(self, verbose=verbose)
 
-    quiet_load.quiet = True
+    quiet_load.quiet = True  # type: ignore[attr-defined]  # marks the patch, so it is made once
     OpBuilder.load = quiet_load
 
 
@@ -285,5 +284,5 @@ def _quiet_shm_success() -> None:
             return None
         return builder.load()
 
-    build_shm_op.quiet = True
-    backend.build_shm_op = build_shm_op
+    build_shm_op.quiet = True  # type: ignore[attr-defined]  # marks the patch, so it is made once
+    setattr(backend, "build_shm_op", build_shm_op)  # noqa: B010 -- a name mypy cannot see on the module

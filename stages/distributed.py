@@ -17,7 +17,6 @@ import platform
 import socket
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Optional
 
 import schedulers
 
@@ -37,7 +36,7 @@ def detect() -> DistEnv:
     """Read (and export, for torch's env:// rendezvous) the distributed layout."""
     runtime = schedulers.runtime()
     layout = runtime.layout() if runtime is not None else None
-    if layout is not None:
+    if layout is not None and runtime is not None:  # a layout comes from a runtime
         source = runtime.via
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         source = "torchrun"
@@ -72,7 +71,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_threads(cpus_per_task: Optional[int], local_processes: int) -> int:
+def cpu_threads(cpus_per_task: int | None, local_processes: int) -> int:
     """torch threads of each process of a stage on the CPU: cluster.cpus_per_task, 1 when the
     pipeline file does not say. Never the machine's core count (nor its load): torch's
     element-wise kernels (silu, sigmoid, gelu...) give each thread one chunk of a tensor and
@@ -137,7 +136,7 @@ def init(env: DistEnv, gpus_per_node: int, timeout_s: int = 600, threads: int = 
     return device
 
 
-def missing_gpus(asked: int) -> Optional[str]:
+def missing_gpus(asked: int) -> str | None:
     """What keeps this process from using `asked` GPUs, as torch sees them; None when nothing does.
 
     The one place that says it: a stage task checks itself with it, and `validate` / `run` ask

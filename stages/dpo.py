@@ -14,7 +14,8 @@ is higher), eval_loss, eval_margin, and their values before training.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist

@@ -4,8 +4,8 @@ format: stages/export.py).
 
 Every trainable stage runs on one loop (`run`): resume, metrics, the log, eval and
 save intervals, save-and-requeue at a signal, the phases the hang watchdog times
-(stages/watchdog.py) and progress are the same for every stage, which is what makes resume and metrics uniform. A stage brings
-only its unit of work (`Work`): a supervised stage hands `train` a loss on one micro
+(stages/watchdog.py) and progress are the same for every stage, which is what makes resume and
+metrics uniform. A stage brings only its unit of work (`Work`): a supervised stage hands `train` a loss on one micro
 batch, an evaluation and its micro batches (`Loop`); RL hands `run` its rollout and
 update (stages/ppo.py).
 """
@@ -16,8 +16,9 @@ import copy
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ def sequences_per_step(stage, world_size: int) -> int:
     return stage.micro_batch_size * gradient_accumulation(stage, world_size)
 
 
-def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool, trained: Optional[int] = None) -> dict:
+def deepspeed_config(stage, world_size: int, hidden_size: int, on_gpu: bool, trained: int | None = None) -> dict:
     """The DeepSpeed config for a stage spec; every number traceable to a spec field. `trained`: the
     parameters the stage trains, when known (its gradient buckets are no larger: LoRA).
 
@@ -150,7 +151,7 @@ def initialize(model, stage, ds_config: dict, total_steps: int):
     import deepspeed
 
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 else decay).append(param)
     groups = [
@@ -289,7 +290,8 @@ def _units(work, stage, ctx, checkpoints, metrics, numbers, signals, initial, st
         if signal_name:
             metrics.close()
             at_signal = {**client_state, "signal": signal_name}
-            signals.save_and_requeue(signal_name, step, None if saved == step else lambda: save(step, at_signal))
+            signals.save_and_requeue(signal_name, step, None if saved == step else
+                                       lambda step=step, state=at_signal: save(step, state))
         window.started += time.time() - paused
     return step
 
@@ -321,7 +323,7 @@ class Numbers:
     def __init__(self, stage, checkpoints: Checkpoints, work):
         self.stage, self.checkpoints = stage, checkpoints
         self.engines = [work.engine, *work.others.values()]
-        self.finite_at: Optional[int] = None  # the step whose weights were last found numbers
+        self.finite_at: int | None = None  # the step whose weights were last found numbers
 
     def recorded(self, since: int, record: dict) -> None:
         """A training record of the steps after `since`."""
@@ -334,7 +336,8 @@ class Numbers:
                     "were not), so training goes on", steps, self._values(bad, record), self.engines[0].skipped_steps)
 
     def before_saving(self, since: int, step: int) -> None:
-        self._look(step, f"the weights stopped being numbers in {_steps(since, step)} (found before saving step {step})")
+        self._look(step, f"the weights stopped being numbers in {_steps(since, step)} "
+                         f"(found before saving step {step})")
 
     def before_exporting(self, step: int) -> None:
         self._look(step, f"the weights at step {step} are not numbers (found before exporting them)")
@@ -345,10 +348,11 @@ class Numbers:
             return
         if step == 0:
             raise Diverged(
-                f"the model this stage starts from gives {self._values(bad, results, 'eval ')} before any training: its "
-                f"weights are not all numbers, or overflow in {self.stage.precision}. If an earlier stage made it, that "
-                "stage's export is not usable; otherwise check the model, or train in bf16 or fp32")
-        self._look(step, f"evaluation at step {step} gave {self._values(bad, results, 'eval ')}, and the weights are no "
+                f"the model this stage starts from gives {self._values(bad, results, 'eval ')} before any "
+                f"training: its weights are not all numbers, or overflow in {self.stage.precision}. If an earlier "
+                "stage made it, that stage's export is not usable; otherwise check the model, or train in bf16 or fp32")
+        self._look(step, f"evaluation at step {step} gave {self._values(bad, results, 'eval ')}, "
+                         "and the weights are no "
                          "longer numbers")
         raise Diverged(f"evaluation at step {step} gave {self._values(bad, results, 'eval ')}, though the weights are "
                        f"numbers: the model overflows in {self.stage.precision} on the evaluation rows. The stage "
@@ -441,7 +445,8 @@ class OptimizerSteps:
         for j, micro in enumerate(planned.micro_batches):
             # Packed steps vary in micro batch count: the last one is the boundary.
             batch = self.loop.batch(micro)
-            _, shares = train_on(engine, batch, lambda: self.loop.loss(batch, micro, planned), j == last, world)
+            _, shares = train_on(engine, batch, lambda batch=batch, micro=micro: self.loop.loss(batch, micro, planned),
+                                 j == last, world)
             window.add(batch, shares, self.loop.flops(batch) if micro.weight else 0.0)
 
     def record(self) -> dict:
@@ -478,7 +483,7 @@ def train_on(engine, batch, objective: Callable[[], tuple], boundary: bool, worl
     return out
 
 
-def grad_norm(engine) -> Optional[float]:
+def grad_norm(engine) -> float | None:
     """The gradient norm over every process of the engine's last optimizer step, before clipping (None: unknown)."""
     norm = engine.get_global_grad_norm()
     return None if norm is None else float(norm)
@@ -540,7 +545,7 @@ class Window:
         return record
 
 
-def _device_peak_flops(ctx) -> Optional[float]:
+def _device_peak_flops(ctx) -> float | None:
     """Datasheet dense peak of this process's GPU in the stage's precision; None on CPU
     or for a GPU outside the catalogue."""
     if not ctx.on_gpu:

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -17,7 +16,7 @@ from core.runfolder import temporary
 from stages import pretrained, watchdog
 
 
-def gather_state_dict(module, is_main: bool) -> Optional[dict]:
+def gather_state_dict(module, is_main: bool) -> dict | None:
     """Full weights on rank 0 (CPU), one parameter at a time so ZeRO-3 never holds the
     whole model on a GPU; None on the other ranks."""
     import deepspeed
@@ -25,7 +24,8 @@ def gather_state_dict(module, is_main: bool) -> Optional[dict]:
     state = {}
     for name, param in module.named_parameters():
         sharded = hasattr(param, "ds_id")
-        context = deepspeed.zero.GatheredParameters([param], modifier_rank=None) if sharded else contextlib.nullcontext()
+        context = (deepspeed.zero.GatheredParameters([param], modifier_rank=None) if sharded
+                   else contextlib.nullcontext())
         with context:
             if is_main:
                 state[name] = param.detach().to("cpu", copy=True)
@@ -76,7 +76,8 @@ def export(engine, tokenizer, stage, out_dir: Path, is_main: bool, extra_files: 
             with pretrained.exported_config(module):
                 if is_peft and stage.lora.merge:
                     base = module.get_base_model()
-                    base.save_pretrained(tmp, state_dict=merge_lora_state_dict(state, stage.lora.alpha / stage.lora.rank))
+                    merged = merge_lora_state_dict(state, stage.lora.alpha / stage.lora.rank)
+                    base.save_pretrained(tmp, state_dict=merged)
                 else:
                     module.save_pretrained(tmp, state_dict=state)
             tokenizer.save_pretrained(tmp)

@@ -37,8 +37,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -59,7 +59,7 @@ class Sampled:
     completions none (None)."""
 
     ids: list[list[int]]
-    logprobs: Optional[list[list[float]]] = None
+    logprobs: list[list[float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def engine_for(stage, module, device) -> str:
 
 
 def generate(actor, prompts: Sequence, *, tokenizer, stage, device, greedy: bool = False,
-             clock=None, decoding: Optional[str] = None) -> list[list[int]]:
+             clock=None, decoding: str | None = None) -> list[list[int]]:
     """Response token ids for each prompt (objects with `.ids`, the prompt's token ids). Every process
     must call this as often as the others, with any number of prompts (ZeRO-3 gathers collectively).
     `clock` (stages/phases.py), if given, is told the seconds spent gathering and releasing the
@@ -172,7 +172,7 @@ def _static_failed(err: Exception) -> None:
         "slower). Please report it with this log", _static_broken, exc_info=True)
 
 
-_static_broken: Optional[str] = None  # why the static loop failed in this process, if it did
+_static_broken: str | None = None  # why the static loop failed in this process, if it did
 
 
 def padded_decoding(device, zero_stage: int) -> str:
@@ -232,8 +232,9 @@ def static_padded(module, prompts: list[list[int]], *, tokenizer, stage, device,
                   compiled: bool) -> list[list[int]]:
     """The padded engine's chunks decoded by its own loop on a static KV cache (transformers' StaticCache):
     a prefill of the left-padded chunk, then one fixed-shape step per token (the whole cache's mask,
-    one token per row; the cache's length rounded up to CACHE_ROUNDING), the token picked on the device; nothing comes back to the host but every
-    CHECK_EVERY steps whether all rows have ended. `compiled`: the step goes through torch.compile
+    one token per row; the cache's length rounded up to CACHE_ROUNDING), the token picked on the device;
+    nothing comes back to the host but every CHECK_EVERY steps whether all rows have ended. `compiled`:
+    the step goes through torch.compile
     (no CUDA graphs: under ZeRO-3 the gathered weights are new tensors at every call, which a
     captured graph would still point at). Greedy completions equal `padded`'s (tests/test_generation.py);
     samples are drawn from a generator seeded from torch's, one draw per chunk, so a resumed run
@@ -344,7 +345,7 @@ def continuous(module, prompts: list[list[int]], *, tokenizer, stage, greedy: bo
             # draws) do not depend on thread timing: the same seed gives the same samples.
             request_ids = manager.add_requests(inputs=prompts, max_new_tokens=stage.max_new_tokens)
             manager.start()
-            results = {}
+            results: dict = {}
             while len(results) < len(request_ids):
                 result = manager.get_result(timeout=1)
                 if result is not None and result.is_finished():

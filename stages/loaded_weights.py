@@ -18,7 +18,6 @@ then nothing may be missing. LoRA adapters are added after loading, not loaded.
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from core.errors import InvalidInput
 
@@ -27,7 +26,7 @@ log = logging.getLogger("stages")
 SHOWN = 3  # names shown of each kind
 
 
-def problem(path: str, report, adds_head: Optional[str] = None, drops_head: Optional[str] = None) -> Optional[str]:
+def problem(path: str, report, adds_head: str | None = None, drops_head: str | None = None) -> str | None:
     """What is wrong with the weights `report` (pretrained.LoadReport) says `path` gave; None when nothing."""
     # Without architectures in config.json the class it was saved as is unknown: the declared heads may differ.
     replaced = report.built_as is not None and report.built_as != report.saved_as
@@ -62,7 +61,7 @@ def _model(report, replaced: bool) -> str:
     return f"{built}{saved}; model_type {report.model_type}" if built else f"model_type {report.model_type}"
 
 
-def refuse_unless_given(path: str, report, adds_head: Optional[str] = None, drops_head: Optional[str] = None) -> None:
+def refuse_unless_given(path: str, report, adds_head: str | None = None, drops_head: str | None = None) -> None:
     """InvalidInput on every rank when the weights of `path` are not all and only the model's on any
     rank (under ZeRO-3 only rank 0 reads the weights' values, and sees a shape differ)."""
     found = _on_any_rank(problem(path, report, adds_head, drops_head))
@@ -70,7 +69,7 @@ def refuse_unless_given(path: str, report, adds_head: Optional[str] = None, drop
         raise InvalidInput(found)
 
 
-def _on_any_rank(found: Optional[str]) -> Optional[str]:
+def _on_any_rank(found: str | None) -> str | None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -80,7 +79,7 @@ def _on_any_rank(found: Optional[str]) -> Optional[str]:
     return next((f for f in every if f), None)
 
 
-def _under(name: str, module: Optional[str]) -> bool:
+def _under(name: str, module: str | None) -> bool:
     return module is not None and (name == module or name.startswith(module + "."))
 
 

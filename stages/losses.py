@@ -11,7 +11,7 @@ stages/policy_losses.py.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ __all__ = [
     "reward_pair_loss",
 ]
 
-DPO_LOSS_TYPES: Tuple[str, ...] = ("sigmoid", "ipo")
+DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo")
 
 
 # --------------------------------------------------------------------------- #
@@ -166,7 +166,8 @@ def next_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch
     mask = as_bool_mask(mask)
     # Ignored ids (e.g. -100) become 0 before gathering.
     safe = torch.where(mask, targets, torch.zeros_like(targets)).long()
-    token_logps = _TokenLogprob.apply(logits.reshape(bsz * seqlen, vocab), safe.reshape(-1), out_dtype).view(bsz, seqlen)
+    flat = _TokenLogprob.apply(logits.reshape(bsz * seqlen, vocab), safe.reshape(-1), out_dtype)
+    token_logps = flat.view(bsz, seqlen)
     return torch.where(mask, token_logps, torch.zeros_like(token_logps))
 
 
@@ -279,7 +280,7 @@ def dpo_loss(
     beta: float,
     label_smoothing: float = 0.0,
     loss_type: str = "sigmoid",
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Direct Preference Optimisation loss (Rafailov et al. 2023) and variants.
 
     With :math:`\pi` the policy and :math:`\pi_{ref}` the frozen reference,
@@ -357,7 +358,7 @@ def _dpo_losses(h: torch.Tensor, beta: float, label_smoothing: float, loss_type:
 def reward_pair_loss(
     chosen_rewards: torch.Tensor,
     rejected_rewards: torch.Tensor,
-    margin: Optional[Union[torch.Tensor, float]] = None,
+    margin: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     r"""Bradley–Terry pairwise loss for reward-model training.
 

@@ -23,7 +23,7 @@ Conventions used throughout
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 import torch
 
@@ -54,7 +54,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def masked_mean(
-    x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None
+    x: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 ) -> torch.Tensor:
     r"""Mean of ``x`` over the positions where ``mask`` is non-zero.
 
@@ -103,7 +103,7 @@ def masked_whiten(
     shift_mean: bool = True,
     *,
     eps: float = 1e-8,
-    sum_over_processes: Optional[SumOverProcesses] = None,
+    sum_over_processes: SumOverProcesses | None = None,
 ) -> torch.Tensor:
     r"""Normalise ``x`` to unit variance using statistics of the masked entries.
 
@@ -147,8 +147,8 @@ def masked_whiten(
 
 
 def global_mean_var(
-    x: torch.Tensor, m: torch.Tensor, sum_over_processes: Optional[SumOverProcesses]
-) -> Tuple[float, float]:
+    x: torch.Tensor, m: torch.Tensor, sum_over_processes: SumOverProcesses | None
+) -> tuple[float, float]:
     """Mean and unbiased variance of x where m, over every process (two float64 sums)."""
     reduce = sum_over_processes or (lambda sums: sums)
     xd = torch.where(m, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))

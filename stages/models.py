@@ -10,7 +10,7 @@ import logging
 import time
 import weakref
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import torch
 
@@ -79,8 +79,8 @@ def attention_implementation(requested: str, on_gpu: bool, path: str) -> str:
                                      transformers.__version__)
 
 
-def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool, adds_head: Optional[str] = None,
-                    drops_head: Optional[str] = None, **kwargs):
+def load_pretrained(auto_class, path: str, stage, ds_config: dict, on_gpu: bool, adds_head: str | None = None,
+                    drops_head: str | None = None, **kwargs):
     """from_pretrained with the stage's dtype, attention kernel and ZeRO-3 sharding, through
     stages/pretrained.py (argument names and load-time patches of the installed transformers). Refuses
     a folder whose weights are not all and only the model's (stages/loaded_weights.py), but for
@@ -179,7 +179,7 @@ def tile_mlps(model, tiles: int) -> int:
     (tiled_mlp); LoRA adapters added later are inside it. Returns the MLPs tiled."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = getattr(base.get_decoder(), "layers", None)
-    mlps = [getattr(layer, "mlp", None) for layer in layers or ()]
+    mlps: list[Any] = [getattr(layer, "mlp", None) for layer in layers or ()]
     if not mlps or any(mlp is None for mlp in mlps):
         raise InvalidInput(f"mlp_tiles: {type(base).__name__} has no `mlp` in each decoder layer to tile (Llama-"
                            "style models have); leave mlp_tiles out")
@@ -260,7 +260,7 @@ def score_head(model):
 
 
 class _Output:
-    value = None
+    value: Any = None
 
 
 @contextlib.contextmanager
@@ -295,7 +295,7 @@ def sequence_scores(model, batch, pad_id: int):
     return position_scores(model, batch).reshape(-1)[batch.last_tokens(skip_id=pad_id)]
 
 
-def next_token_logprobs(model, batch, tile: Optional[int] = None):
+def next_token_logprobs(model, batch, tile: int | None = None):
     """(lines, width - 1): the log-prob of each next response token of `batch` under `model` (a
     DeepSpeed engine or a FrozenModel), as Batch.logprobs gives. With `tile`, the LM head runs on
     that many positions at a time (stages/losses.py tiled_next_token_logprobs), read from the

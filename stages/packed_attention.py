@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional
 
 import torch
 
@@ -60,11 +59,11 @@ class PackedSequences:
 # thread-local: on a GPU, autograd runs backward (and gradient checkpointing's recompute of
 # the forward) on its own device thread, which must see the same batch. A stage process
 # trains on one batch at a time.
-_packed: Optional[PackedSequences] = None
+_packed: PackedSequences | None = None
 
 
 @contextlib.contextmanager
-def sequences_apart(sequence: Optional[torch.Tensor]):
+def sequences_apart(sequence: torch.Tensor | None):
     """Keep the packed sequences of a batch apart in every attention layer, for a
     forward pass and its backward (gradient checkpointing recomputes the forward
     inside backward, so the backward must run in here too). None: nothing to do."""

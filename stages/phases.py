@@ -16,14 +16,14 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 log = logging.getLogger("stages")
 
 SAMPLE_S = 0.05  # NVML's own sample period is longer (1/6 s and up): reading faster only repeats it
 
 
-def nvml_reader(device) -> Optional[Callable[[], float]]:
+def nvml_reader(device) -> Callable[[], float] | None:
     """A function reading the GPU's utilisation as a 0-1 share, or None (a CPU, or NVML unreadable:
     no nvidia-ml-py, no driver access), said once in the log."""
     import torch
@@ -33,7 +33,7 @@ def nvml_reader(device) -> Optional[Callable[[], float]]:
         return None
     try:
         torch.cuda.utilization(device)
-    except Exception as err:  # ModuleNotFoundError without pynvml, NVMLError_* from the driver
+    except Exception as err:  # noqa: BLE001 -- ModuleNotFoundError without pynvml, NVMLError_* from the driver
         log.info("GPU busy share not measured: NVML unreadable (%s: %s)", type(err).__name__, err)
         return None
     return lambda: torch.cuda.utilization(device) / 100.0
@@ -43,17 +43,17 @@ class Clock:
     """The seconds of each named phase (and part) since the last `take`, and the GPU's readings in each.
     `read_busy`: a 0-1 utilisation reader (nvml_reader), None where there is none."""
 
-    def __init__(self, read_busy: Optional[Callable[[], float]] = None, sample_s: float = SAMPLE_S):
+    def __init__(self, read_busy: Callable[[], float] | None = None, sample_s: float = SAMPLE_S):
         self.seconds: dict[str, float] = {}
         self.readings: dict[str, list[float]] = {}
-        self._read, self._sample_s = read_busy, sample_s
+        self._sample_s = sample_s
         self._stack: list[str] = []  # the phases entered and not left, innermost last
         self._since = 0.0  # when the innermost phase was last entered or resumed
         self._lock = threading.Lock()  # the sampling thread files readings while `take` reads them
         self._stop = threading.Event()
         self._thread = None
         if read_busy is not None:
-            self._thread = threading.Thread(target=self._sample, name="gpu-busy", daemon=True)
+            self._thread = threading.Thread(target=self._sample, args=(read_busy,), name="gpu-busy", daemon=True)
             self._thread.start()
 
     @contextlib.contextmanager
@@ -76,16 +76,16 @@ class Clock:
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
-    def busy(self, name: str) -> Optional[float]:
+    def busy(self, name: str) -> float | None:
         """Mean GPU utilisation (0-1) read during the phase; None without readings."""
         values = self.readings.get(name)
         return sum(values) / len(values) if values else None
 
-    def busy_overall(self) -> Optional[float]:
+    def busy_overall(self) -> float | None:
         values = [v for part in self.readings.values() for v in part]
         return sum(values) / len(values) if values else None
 
-    def take(self) -> tuple[dict[str, float], dict[str, Optional[float]]]:
+    def take(self) -> tuple[dict[str, float], dict[str, float | None]]:
         """(seconds per phase, busy share per phase and "overall") since the last take; starts afresh."""
         with self._lock:
             busy = {name: self.busy(name) for name in self.readings}
@@ -99,15 +99,15 @@ class Clock:
         if self._thread is not None:
             self._thread.join(timeout=1.0)
 
-    def _sample(self) -> None:
+    def _sample(self, read: Callable[[], float]) -> None:
         while not self._stop.wait(self._sample_s):
             try:
                 name = self._stack[-1]
             except IndexError:  # between phases
                 continue
             try:
-                value = self._read()
-            except Exception as err:  # NVML gone mid-run: stop reading rather than guess
+                value = read()
+            except Exception as err:  # noqa: BLE001 -- NVML gone mid-run: stop reading rather than guess
                 log.warning("GPU busy share: NVML reading failed (%s); no more readings", err)
                 return
             with self._lock:

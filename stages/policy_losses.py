@@ -6,8 +6,6 @@ Pure PyTorch tensor code, following stages/masked.py's conventions.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
-
 import torch
 
 from stages.masked import as_bool_mask, check_same_shape
@@ -26,9 +24,9 @@ __all__ = [
     "FixedKLController",
 ]
 
-KL_ESTIMATORS: Tuple[str, ...] = ("k1", "k2", "k3")
-IMPORTANCE_SAMPLING: Tuple[str, ...] = ("token", "sequence")
-LOSS_AGGREGATIONS: Tuple[str, ...] = ("token_mean", "sequence_mean", "sequence_sum_normalized")
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+IMPORTANCE_SAMPLING: tuple[str, ...] = ("token", "sequence")
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "sequence_sum_normalized")
 
 
 # --------------------------------------------------------------------------- #
@@ -94,10 +92,10 @@ def policy_loss(
     mask: torch.Tensor,
     *,
     clip_eps_low: float = 0.2,
-    clip_eps_high: Optional[float] = None,
+    clip_eps_high: float | None = None,
     importance_sampling: str = "token",
-    sampler_weights: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    sampler_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     r"""PPO's clipped surrogate, per token, with decoupled clip bounds (DAPO's
     clip-higher) and token- or sequence-level ratios (:func:`importance_log_ratio`).
 
@@ -142,9 +140,9 @@ def aggregate_loss(
     mask: torch.Tensor,
     mode: str = "token_mean",
     *,
-    tokens: Optional[float] = None,
-    sequences: Optional[float] = None,
-    max_len: Optional[int] = None,
+    tokens: float | None = None,
+    sequences: float | None = None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     r"""Reduce per-token losses ``(B, T)`` to a loss, as one of :data:`LOSS_AGGREGATIONS`:
 
@@ -199,7 +197,7 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     r"""PPO clipped value loss, per token.
 
     .. math::
@@ -290,7 +288,7 @@ class AdaptiveKLController:
         self.target = float(target)
         self.horizon = float(horizon)
 
-    def update(self, current_kl: Union[float, torch.Tensor], n_steps: int) -> float:
+    def update(self, current_kl: float | torch.Tensor, n_steps: int) -> float:
         """Update :attr:`value` from the observed KL over ``n_steps`` samples/steps.
 
         Returns the new value.
@@ -307,6 +305,6 @@ class FixedKLController:
     def __init__(self, kl_coef: float) -> None:
         self.value = float(kl_coef)
 
-    def update(self, current_kl: Union[float, torch.Tensor], n_steps: int) -> float:
+    def update(self, current_kl: float | torch.Tensor, n_steps: int) -> float:
         """No-op; returns the (unchanged) value."""
         return self.value

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -94,7 +95,7 @@ class Rollouts:
 
     def __init__(self, stage: PPOStage, ctx: StageContext, rl_models: Models, schedule: batching.RolloutSchedule,
                  prompts: list[Prompt], eval_prompts: list[Prompt], flop_models: list,
-                 vllm: Optional[VllmEngine] = None):
+                 vllm: VllmEngine | None = None):
         self.stage, self.ctx, self.models, self.schedule = stage, ctx, rl_models, schedule
         self.prompts, self.eval_prompts, self.flop_models = prompts, eval_prompts, flop_models
         self.engine = rl_models.actor
@@ -336,7 +337,7 @@ def policy_objective(actor, batch: TrainBatch, stage: PPOStage, kl_coef: float, 
 # --------------------------------------------------------------------------- log
 
 
-def rollout_kl(rollout: Rollout) -> Optional[float]:
+def rollout_kl(rollout: Rollout) -> float | None:
     """Mean KL to the reference per trained sequence, over every process; None without a reference."""
     if rollout.kl is None:
         return None
@@ -344,8 +345,8 @@ def rollout_kl(rollout: Rollout) -> Optional[float]:
     return total / max(count, 1.0)
 
 
-def rollout_record(index: int, rollout: Rollout, trained: dict, kl: Optional[float], kl_coef: float, timing: dict,
-                   busy: dict, decoding_limit: Optional[float], lr: float, stage) -> dict:
+def rollout_record(index: int, rollout: Rollout, trained: dict, kl: float | None, kl_coef: float, timing: dict,
+                   busy: dict, decoding_limit: float | None, lr: float, stage) -> dict:
     """One metrics.jsonl line per rollout: each number already a mean over its updates. Without a
     reference there is no KL to it: no `kl` (approx_kl, the update's KL to the sampling policy, stays).
     The phases' seconds (core/metrics.py ROLLOUT_PHASES) add up to rollout_s; the GPU busy shares and
@@ -379,7 +380,7 @@ def rollout_record(index: int, rollout: Rollout, trained: dict, kl: Optional[flo
     }
 
 
-def decoding_limit(stage: PPOStage, ctx: StageContext, actor_module, actor_shape) -> Optional[float]:
+def decoding_limit(stage: PPOStage, ctx: StageContext, actor_module, actor_shape) -> float | None:
     """Response tokens/s every process together could sample at its GPU's memory-bandwidth limit
     for the actor's size (core/hardware.py decoding_tokens_per_s_limit), with as many sequences
     decoded at once as the stage does (micro_rollout_batch_size, or fewer when a process has

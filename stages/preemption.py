@@ -30,7 +30,7 @@ import os
 import signal
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,14 +54,14 @@ def steps_between_checks(check_s: float, step_s: float) -> int:
     return max(1, min(MOST_STEPS_BETWEEN_CHECKS, math.ceil(check_s / (CHECK_BUDGET * step_s))))
 
 
-def requeue_signal() -> Optional[signal.Signals]:
+def requeue_signal() -> signal.Signals | None:
     """What this process's scheduler sends a job that is to save, requeue and resume
     (schedulers/); None outside a scheduler's job."""
     runtime = schedulers.runtime()
     return runtime.requeue_signal if runtime is not None else None
 
 
-def caught(requeue: Optional[signal.Signals]) -> tuple[signal.Signals, ...]:
+def caught(requeue: signal.Signals | None) -> tuple[signal.Signals, ...]:
     """The signals the training loop notes: the requeue signal, SIGTERM and SIGINT."""
     return ((requeue,) if requeue is not None else ()) + (signal.SIGTERM, signal.SIGINT)
 
@@ -75,13 +75,13 @@ class Signals:
         self.time_limit_min = ctx.task.time_limit_min
         self.requeue_signal = requeue_signal()
         self.caught = caught(self.requeue_signal)
-        self.received: Optional[int] = None  # the signal this rank got, if any
-        self.received_at: Optional[float] = None
+        self.received: int | None = None  # the signal this rank got, if any
+        self.received_at: float | None = None
         self.previous: dict = {}
         self.checks, self.check_s = 0, 0.0  # what the checks cost, for the log and the interval
         self.every = 1  # steps between checks: the same on every rank (from all-reduced timings)
 
-    def start(self) -> "Signals":
+    def start(self) -> Signals:
         for sig in self.caught:
             self.previous[sig] = signal.signal(sig, self._note)
         return self
@@ -96,7 +96,7 @@ class Signals:
         if self.received is not None and self.requeue_signal is not None:
             _call(self.previous.get(self.requeue_signal), self.requeue_signal)
 
-    def __enter__(self) -> "Signals":
+    def __enter__(self) -> Signals:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -118,7 +118,7 @@ class Signals:
         run's signal (SIGTERM from `kill`, SIGHUP from a closed terminal)."""
         return timeline.stop_signal(self.folder) if name == STOP else name
 
-    def requested(self, step: int, step_s: float, last: bool) -> Optional[str]:
+    def requested(self, step: int, step_s: float, last: bool) -> str | None:
         """After optimizer step `step` (which took `step_s`): the name of a signal some rank
         got, the same on every rank, or None. A collective every `every` steps and at the
         `last`; it also carries the ranks' timings, so every rank picks the same next interval."""
@@ -145,7 +145,7 @@ class Signals:
         return (f"signal checks: {self.checks}, {mean_ms:.3f} ms each, {share:.2f}% of the training loop's time, "
                 f"every {self.every} steps at the end")
 
-    def save_and_requeue(self, name: str, step: int, save: Optional[Callable[[], None]]) -> None:
+    def save_and_requeue(self, name: str, step: int, save: Callable[[], None] | None) -> None:
         """At the step every rank learnt of signal `name`: `save` (None: this step is saved
         already), then requeue, or stop at SIGINT. Never returns."""
         if save is not None:
@@ -160,9 +160,10 @@ class Signals:
             self._stop_after(step)
         self.requeue(self.rank, step)
 
-    def _stop_after(self, step: Optional[int]) -> None:
+    def _stop_after(self, step: int | None) -> None:
         """A user's stop: every rank exits with STOPPED_EXIT_CODE, no requeue."""
-        since = f"{time.time() - self.received_at:.1f} s after the signal" if self.received_at else "on another rank's signal"
+        since = (f"{time.time() - self.received_at:.1f} s after the signal" if self.received_at
+                 else "on another rank's signal")
         if step is not None:
             log.warning("checkpoint at step %d saved %s: stopping (%s); the next run resumes from it", step, since,
                         self.said(STOP))
@@ -172,12 +173,13 @@ class Signals:
         _leave(STOPPED_EXIT_CODE)
 
     @property
-    def requeue_signal_name(self) -> Optional[str]:
+    def requeue_signal_name(self) -> str | None:
         return self.requeue_signal.name if self.requeue_signal is not None else None
 
     def requeue(self, rank: int, step: int) -> None:
         """After the checkpoint: rank 0 requeues through its scheduler and exits; the others exit."""
-        since = f"{time.time() - self.received_at:.1f} s after the signal" if self.received_at else "on another rank's signal"
+        since = (f"{time.time() - self.received_at:.1f} s after the signal" if self.received_at
+                 else "on another rank's signal")
         log.warning("checkpoint at step %d saved %s: requeueing", step, since)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -186,7 +188,7 @@ class Signals:
         _leave(0)
 
 
-def requeue_through(handler, requeue_signal: Optional[signal.Signals]) -> None:
+def requeue_through(handler, requeue_signal: signal.Signals | None) -> None:
     """Rank 0 hands the job to its scheduler's handler of `requeue_signal`, which requeues it
     (`scontrol requeue`; locally, exit code 144) and exits; leaves at once with that exit code.
     Never returns (no handler: not a scheduler's job, exit 1). The hang watchdog requeues

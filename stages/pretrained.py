@@ -26,7 +26,6 @@ import re
 import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Optional
 
 import torch
 
@@ -42,8 +41,8 @@ class LoadReport:
     describes; transformers' own exceptions (weights it ignores by design, tied weights) left out."""
 
     model_type: str  # config.json's
-    saved_as: Optional[str]  # the class the folder was saved as: config.json's architectures[0], if any
-    built_as: Optional[str] = None  # the class built (None: loading stopped at a weight of another shape)
+    saved_as: str | None  # the class the folder was saved as: config.json's architectures[0], if any
+    built_as: str | None = None  # the class built (None: loading stopped at a weight of another shape)
     missing: list[str] = field(default_factory=list)  # the model's weights the folder lacks
     unexpected: list[str] = field(default_factory=list)  # the folder's weights the model has no place for
     mismatched: list[tuple[str, str, str]] = field(default_factory=list)  # name, shape in the folder, in the model

@@ -17,7 +17,8 @@ here. A kind's run is `Recipe.run` of its subclass: `run = SFT.run`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 

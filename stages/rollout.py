@@ -32,8 +32,9 @@ group's numbers once (stages/collectives.py sum_once_per_group).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ class Prompt:
     text: str
     ids: list[int]  # the prompt's token ids
     row: dict  # every column of the data row (reward functions see them all)
-    label: Optional[str]  # the label column (label_key), what exact_match compares with
+    label: str | None  # the label column (label_key), what exact_match compares with
 
     @property
     def name(self) -> str:
@@ -66,14 +67,15 @@ class Prompt:
 @dataclass
 class Models:
     """The four models of an RL stage: actor and critic are DeepSpeed engines that train; the
-    reference and the reward model are frozen (stages/models.py FrozenModel)."""
+    reference and the reward model are frozen (stages/models.py FrozenModel). Any: DeepSpeed's and
+    transformers' objects, which carry no types."""
 
-    actor: object
-    reference: Optional[object]  # None without a KL term (kl_coef 0): not loaded, never run
-    tokenizer: object
-    critic: Optional[object] = None  # gae only
-    reward_model: Optional[object] = None
-    reward_tokenizer: Optional[object] = None
+    actor: Any
+    reference: Any | None  # None without a KL term (kl_coef 0): not loaded, never run
+    tokenizer: Any
+    critic: Any | None = None  # gae only
+    reward_model: Any | None = None
+    reward_tokenizer: Any | None = None
 
 
 @dataclass
@@ -86,11 +88,11 @@ class TrainBatch:
     tokens: data.Batch
     mask: torch.Tensor  # response tokens that train
     old_logprobs: torch.Tensor
-    ref_logprobs: Optional[torch.Tensor]  # None without a reference
+    ref_logprobs: torch.Tensor | None  # None without a reference
     advantages: torch.Tensor
-    returns: Optional[torch.Tensor]  # gae
-    values: Optional[torch.Tensor]  # gae: the critic's values at sampling time
-    sampler_weights: Optional[torch.Tensor] = None  # truncated importance weights (samples from vLLM)
+    returns: torch.Tensor | None  # gae
+    values: torch.Tensor | None  # gae: the critic's values at sampling time
+    sampler_weights: torch.Tensor | None = None  # truncated importance weights (samples from vLLM)
 
 
 @dataclass
@@ -121,18 +123,18 @@ class Rollout:
     old_logprobs: torch.Tensor  # (S, W-1) the actor's at sampling time (temperature applied)
     # Without a reference (no KL term) both are None: nothing to compare with, rather than zeros
     # that would read as "the policy has not moved".
-    ref_logprobs: Optional[torch.Tensor]  # (S, W-1) the reference's
-    kl: Optional[torch.Tensor]  # (S, W-1) KL estimate per response token (kl_estimator)
+    ref_logprobs: torch.Tensor | None  # (S, W-1) the reference's
+    kl: torch.Tensor | None  # (S, W-1) KL estimate per response token (kl_estimator)
     scores: torch.Tensor  # (S,) reward of each sequence after normalisation and clipping
     advantages: torch.Tensor  # (S, W-1)
-    returns: Optional[torch.Tensor]  # (S, W-1) gae: the critic's targets
-    values: Optional[torch.Tensor]  # (S, W-1) gae: the critic's values at sampling time
+    returns: torch.Tensor | None  # (S, W-1) gae: the critic's targets
+    values: torch.Tensor | None  # (S, W-1) gae: the critic's values at sampling time
     processed_tokens: int = 0  # tokens the scoring passes processed here, padding included
-    stats: Optional[RolloutStats] = None
+    stats: RolloutStats | None = None
     # Samples from another engine (vLLM): its log-prob of each token, aligned as old_logprobs (0 off
     # the mask), and the truncated importance weights of the policy loss (None: no correction).
-    sampler_logprobs: Optional[torch.Tensor] = None
-    sampler_weights: Optional[torch.Tensor] = None
+    sampler_logprobs: torch.Tensor | None = None
+    sampler_weights: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -188,8 +190,8 @@ class _Drawn:
     terms: dict = field(default_factory=dict)  # reward term -> its value's mean, once per sample
     logprobs: list = field(default_factory=list)  # the sampler's token log-probs per sample (vLLM), or None
 
-    def add(self, prompts, responses, rewards, trains: bool = True, terms: Optional[dict] = None,
-            logprobs: Optional[list] = None) -> None:
+    def add(self, prompts, responses, rewards, trains: bool = True, terms: dict | None = None,
+            logprobs: Sequence | None = None) -> None:
         self.prompts += list(prompts)
         self.responses += list(responses)
         self.logprobs += list(logprobs) if logprobs is not None else [None] * len(prompts)
@@ -203,7 +205,7 @@ class RolloutMaker:
     """Makes one rollout after another; holds the running reward statistics (checkpointed)."""
 
     def __init__(self, stage, ctx, models: Models, rules: RuleReward, generate_fn: Callable = generate,
-                 clock: Optional[Clock] = None):
+                 clock: Clock | None = None):
         self.stage, self.ctx, self.models, self.rules = stage, ctx, models, rules
         self.generate_fn = generate_fn
         self.clock = clock if clock is not None else Clock()
@@ -254,7 +256,8 @@ class RolloutMaker:
             wanted = len(batch)
             with self.clock.phase("generate_s"):
                 sampled = self.sample(batch)
-            responses, logprobs = sampled.ids, sampled.logprobs or [None] * len(batch)
+            responses = sampled.ids
+            logprobs: Sequence[list[float] | None] = sampled.logprobs or [None] * len(batch)
             with self.clock.phase("score_s"):
                 rewards, terms = self.score(batch, responses)
             every.add(batch, responses, rewards, terms=terms, logprobs=logprobs)
@@ -286,7 +289,7 @@ class RolloutMaker:
             return _as_sampled(self.generate(prompts, greedy))
         part = len(prompts) // layout.size  # callers give a multiple of the group's processes
         mine = _as_sampled(self.generate(prompts[layout.rank * part : (layout.rank + 1) * part], greedy)).ids
-        everyone = [None] * layout.size
+        everyone: list = [None] * layout.size
         dist.all_gather_object(everyone, mine, group=layout.group)
         return Sampled([response for responses in everyone for response in responses])
 
@@ -301,7 +304,9 @@ class RolloutMaker:
         samples = Samples(prompts=[p.text for p in prompts], completions=completions, rows=[p.row for p in prompts],
                           labels=[p.label for p in prompts], lengths=[len(r) for r in responses],
                           names=[p.name for p in prompts])
-        failure, total, terms = None, [0.0] * len(responses), {}
+        failure: RewardError | None = None
+        total = [0.0] * len(responses)
+        terms: dict[str, float] = {}
         # The functions bound their own calls; the others wait here for the slowest (the watchdog: as long).
         with watchdog.phase(watchdog.REWARD_FUNCTIONS, at_least_s=self.rules.longest_s):
             try:
@@ -323,6 +328,7 @@ class RolloutMaker:
     def _reward_model_scores(self, samples: Samples) -> list[float]:
         """Re-tokenised with the reward model's tokenizer, formatted as it was trained."""
         stage, tokenizer = self.stage, self.models.reward_tokenizer
+        assert tokenizer is not None  # loaded with the reward model
         rows = []
         for text, completion in zip(samples.prompts, samples.completions):
             ids = (data.encode_prompt(tokenizer, text, stage.data)
@@ -343,7 +349,7 @@ class RolloutMaker:
         reward.clip: clipped."""
         stage = self.stage
         if stage.reward.normalize:
-            everyone = [None] * self.ctx.world_size
+            everyone: list = [None] * self.ctx.world_size
             dist.all_gather_object(everyone, drawn)
             # The processes of a sharing group (consecutive ranks) drew the same: one of each group.
             self.moments.update([r for part in everyone[:: sequence_parallel.layout().size] for r in part])
@@ -420,7 +426,7 @@ def _as_sampled(out) -> Sampled:
     return out if isinstance(out, Sampled) else Sampled(out)
 
 
-def sampler_logprobs(drawn: _Drawn, sequences: list[list[int]], shape, device) -> Optional[torch.Tensor]:
+def sampler_logprobs(drawn: _Drawn, sequences: list[list[int]], shape, device) -> torch.Tensor | None:
     """The sampler's log-prob of each response token (S, W-1), aligned as old_logprobs (entry t is
     about token t + 1; responses cut to max_len as their sequences are), or None where the samples
     came without them (a transformers engine, the same as the trainer's)."""

@@ -19,9 +19,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import schedulers
 from core import failure, kinds, measured, timeline
@@ -68,7 +68,7 @@ class StageContext:
         return engine.frozen_model_config(stage, self.world_size, self.hidden_size(model_path), self.on_gpu, offload)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hidden_size(model_path: str) -> int:
     """From the model's config.json, read once per path (the trained and the frozen models' configs ask too)."""
     from transformers import AutoConfig
@@ -76,7 +76,7 @@ def _hidden_size(model_path: str) -> int:
     return getattr(AutoConfig.from_pretrained(model_path), "hidden_size", 4096)
 
 
-def trained_params(stage, model_path: str) -> Optional[int]:
+def trained_params(stage, model_path: str) -> int | None:
     """Parameters the stage trains of the model at `model_path`, as the planner counts them
     (core/shapes.py); None for a model the planner cannot count."""
     shape = _shape(model_path)
@@ -87,7 +87,7 @@ def trained_params(stage, model_path: str) -> Optional[int]:
     return sum(shape.trained_tensors(head, lora.rank if lora else None, tuple(lora.target_modules) if lora else ()))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shape(model_path: str):
     """The model's shape (core/shapes.py) from its config.json, read once per path; None for a family
     the planner cannot count."""
@@ -349,7 +349,7 @@ def _exit_hard_at_interpreter_exit(folder: StageFolder, code: int) -> None:
     atexit.register(hard_exit)
 
 
-def _task_log(folder: StageFolder) -> Optional[Path]:
+def _task_log(folder: StageFolder) -> Path | None:
     """This task's stderr log, when its scheduler names it (a hand-written batch script names
     its own)."""
     runtime = schedulers.runtime()

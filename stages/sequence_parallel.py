@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -60,7 +59,7 @@ _layout = Layout(1, 0, 0, 1)
 # The sharded batch whose forward (and backward) is running, if any: attention layers exchange
 # only inside it. A plain module global for the reason packed_attention's packed batch is one (backward runs
 # on autograd's device thread).
-_active: Optional["ShardedBatch"] = None
+_active: ShardedBatch | None = None
 
 
 def layout() -> Layout:
@@ -118,7 +117,7 @@ def _shard_aware(core):
             exchanges[key_] = _exchange(core, module.config, query.shape[0])
         return exchanges[key_](module, query, key, value, attention_mask, *args, **kwargs)
 
-    attention._ulysses = True
+    attention._ulysses = True  # type: ignore[attr-defined]  # marks the wrapped attention
     return attention
 
 
@@ -168,7 +167,7 @@ class ShardedBatch(data.Batch):
     stop: int = 0
 
     @classmethod
-    def of(cls, batch: data.Batch, layout_: Layout) -> "ShardedBatch":
+    def of(cls, batch: data.Batch, layout_: Layout) -> ShardedBatch:
         whole = _padded_to(batch, layout_.size)
         width = whole.input_ids.shape[1] // layout_.size
         return cls(**vars(whole), start=layout_.rank * width, stop=(layout_.rank + 1) * width)
@@ -219,6 +218,6 @@ def _padded_to(batch, size: int):
                        widen(batch.loss_mask, 0), widen(batch.sequence, -1), batch.packed, batch.lengths)
 
 
-def shard(batch) -> object:
+def shard(batch: data.Batch) -> data.Batch:
     """This process's part of a micro batch (the batch itself without sharing)."""
     return ShardedBatch.of(batch, _layout) if _layout.size > 1 else batch

@@ -18,13 +18,11 @@ Torch-free, and light: it lives as long as the task.
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import schedulers
 from core import failure
@@ -53,7 +51,7 @@ def main(argv: list[str]) -> int:
     ended_well = (0, *STOPPED) + ((runtime.requeue_exit_code,) if runtime is not None else ())
     if code not in ended_well and (recorded is None or recorded.job_id != failure.task_job_id()):
         after = oom_kill_count()
-        oom_killed = code == -signal.SIGKILL and None not in (oom_kills, after) and after > oom_kills
+        oom_killed = code == -signal.SIGKILL and oom_kills is not None and after is not None and after > oom_kills
         log = runtime.task_log(folder.logs, runtime.job_id(), rank) if runtime is not None else None
         failure.write(folder, failure.died(rank, code, oom_killed, log=str(log) if log else None))
     return 128 - code if code < 0 else code
@@ -70,7 +68,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def oom_kill_count() -> Optional[int]:
+def oom_kill_count() -> int | None:
     """How many processes the kernel's out-of-memory killer has ended in this process's memory
     cgroup (v2 memory.events, v1 memory.oom_control); None where it cannot be read."""
     try:

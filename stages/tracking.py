@@ -14,10 +14,14 @@ import logging
 import os
 import sys
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Any
 
 from core import metrics as records
 from core.failure import writing
+
+if TYPE_CHECKING:  # imported where used: torch and tqdm load only in the stage process
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
 
 log = logging.getLogger("stages")
 
@@ -31,7 +35,9 @@ class Metrics:
         self.path = self.folder.metrics
         self.total_steps = total_steps
         self.start_step, self.started = 0, time.time()
-        self._tensorboard = self._wandb = self._bar = None
+        self._tensorboard: SummaryWriter | None = None
+        self._bar: tqdm | None = None
+        self._wandb: Any = None  # a wandb run (wandb is optional, untyped)
         self._live = sys.stdout.isatty()
 
     def truncate_after(self, step: int) -> None:
@@ -58,6 +64,7 @@ class Metrics:
             return
         if self._tensorboard is None:
             self._open(purge_from=None)
+        assert self._tensorboard is not None  # _open made it
         with writing(self.path, "metrics.jsonl"), open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         scalars = records.scalars(record)
@@ -80,7 +87,7 @@ class Metrics:
 
     # ---- outputs
 
-    def _open(self, purge_from: Optional[int]) -> None:
+    def _open(self, purge_from: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         if self._tensorboard is not None:
@@ -111,11 +118,12 @@ class Metrics:
         if self._bar is None:
             self._bar = tqdm(total=self.total_steps, initial=self.start_step, desc=self.task.name,
                              unit="step", dynamic_ncols=True)
-        self._bar.update(record["step"] - self._bar.n)
+        bar = self._bar
+        bar.update(record["step"] - bar.n)
         shown = {k: records.number_text(record[k]) for k in records.HEADLINE_KEYS if record.get(k) is not None}
         if record.get("tokens_per_s") is not None:
             shown["tokens/s"] = f"{record['tokens_per_s']:,.0f}"
-        self._bar.set_postfix(shown, refresh=True)
+        bar.set_postfix(shown, refresh=True)
 
 
 def _start_wandb(task, folder):

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ class VllmEngine:
         self.stage, self.on_gpu = stage, ctx.on_gpu
         n = stage.vllm.tensor_parallel
         self.group = _tensor_parallel_group(ctx.rank, ctx.world_size, n)
-        self.synced_step: Optional[int] = None  # the actor's optimizer steps at the last sync
+        self.synced_step: int | None = None  # the actor's optimizer steps at the last sync
         self.sleeping = False
         self.sync_bytes = 0  # handed over at the last sync, by this process
         started = time.perf_counter()
@@ -96,7 +96,7 @@ class VllmEngine:
         """Every process of this engine's group's requests, in rank order."""
         if self.group is None:
             return [mine]
-        everyone = [None] * dist.get_world_size(self.group)
+        everyone: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, mine, group=self.group)
         return everyone
 
@@ -175,7 +175,7 @@ def _job_own_shared_memory() -> None:
         ranks = "-".join(str(rank) for rank in communicator.ranks)
         return f"post-train-{token[0]}-{communicator.unique_name}-[{ranks}]-cpushm"
 
-    cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(job_group_name)
+    cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(job_group_name)  # type: ignore[method-assign]
 
 
 def _kv_shape(config) -> rollout_engine.KvShape:

@@ -47,7 +47,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
 
 import schedulers
 from core import failure, timeline
@@ -64,7 +63,7 @@ LOADING, REFERENCE_PRECOMPUTE, EVALUATION = "loading", "reference precompute", "
 GENERATION, SCORING, REWARD_FUNCTIONS = "generation", "scoring", "reward functions"
 TRAINING_STEP, FORWARD, SAVING, EXPORT = "training step", "forward pass", "saving", "export"
 
-_active: Optional["Watchdog"] = None  # this process's, once `start`ed
+_active: Watchdog | None = None  # this process's, once `start`ed
 
 
 class Hang(RuntimeError):
@@ -77,10 +76,10 @@ class phase(contextlib.ContextDecorator):
     it). `at_least_s`: the bound of a phase that stops itself (see the module's doc). Costs a few
     list operations; nothing happens where no watchdog runs (stage code called by a test)."""
 
-    def __init__(self, name: str, step: Optional[int] = None, at_least_s: float = 0.0):
+    def __init__(self, name: str, step: int | None = None, at_least_s: float = 0.0):
         self.name, self.step, self.at_least_s = name, step, at_least_s
 
-    def __enter__(self) -> "phase":
+    def __enter__(self) -> phase:
         if _active is not None:
             _active.enter(self.name, self.step, self.at_least_s)
         return self
@@ -90,7 +89,7 @@ class phase(contextlib.ContextDecorator):
             _active.leave()
 
 
-def start(ctx, stage, max_retries: int, runtime: Optional[schedulers.Runtime]) -> "Watchdog":
+def start(ctx, stage, max_retries: int, runtime: schedulers.Runtime | None) -> Watchdog:
     """This process's watchdog, from now until it ends; `runtime`: who it is in its scheduler's
     job (schedulers/), whose handler of the requeue signal, in place now, rank 0 requeues with."""
     global _active
@@ -102,7 +101,7 @@ def start(ctx, stage, max_retries: int, runtime: Optional[schedulers.Runtime]) -
 @dataclass(eq=False)  # an open phase is itself, not any equal one
 class Open:
     path: tuple[str, ...]  # its name, after the names of the phases around it
-    step: Optional[int]
+    step: int | None
     started: float  # time.monotonic()
     at_least_s: float = 0.0
     progress: float = field(init=False)  # its start, or when a phase inside it last ended
@@ -128,7 +127,7 @@ class Open:
 class Watchdog:
     """Times the phases of this rank; `watch` (a thread) acts on one that runs far too long."""
 
-    def __init__(self, ctx, stage, max_retries: int, runtime: Optional[schedulers.Runtime]):
+    def __init__(self, ctx, stage, max_retries: int, runtime: schedulers.Runtime | None):
         self.rank, self.folder = ctx.rank, ctx.folder
         self.factor, self.min_s, self.first_s = stage.hang_factor, stage.hang_min_s, stage.hang_first_s
         self.max_retries, self.runtime = max_retries, runtime
@@ -136,10 +135,10 @@ class Watchdog:
         self.requeue_handler = signal.getsignal(self.requeue_signal) if self.requeue_signal is not None else None
         self.history: dict[tuple[str, ...], deque[float]] = {}  # each run's longest time without progress
         self.open: list[Open] = []  # innermost last; the thread reads a copy
-        self.noted: Optional[Open] = None  # the phase phase.json names (rank 0)
+        self.noted: Open | None = None  # the phase phase.json names (rank 0)
         self.test_hang = _test_hang(ctx.rank)
 
-    def enter(self, name: str, step: Optional[int], at_least_s: float) -> None:
+    def enter(self, name: str, step: int | None, at_least_s: float) -> None:
         outer = self.open[-1] if self.open else None
         entry = Open(path=(outer.path if outer else ()) + (name,), started=time.monotonic(), at_least_s=at_least_s,
                      step=step if step is not None or outer is None else outer.step)
@@ -204,8 +203,10 @@ class Watchdog:
 
     def _hang(self, inner: Open, entry: Open, now: float, limit: float, why: str) -> None:
         seconds = _seconds(entry.without_progress(now))
-        how = f"has run {seconds}" if entry.progress == entry.started else f"has gone {seconds} since a part of it ended"
-        said = f"hang in {inner.where()}: rank {self.rank}'s {entry.path[-1]} {how}, more than {_seconds(limit)} ({why})"
+        how = (f"has run {seconds}" if entry.progress == entry.started
+               else f"has gone {seconds} since a part of it ended")
+        said = (f"hang in {inner.where()}: rank {self.rank}'s {entry.path[-1]} {how}, "
+                f"more than {_seconds(limit)} ({why})")
         print(f"{said}; the Python stacks of its threads:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
@@ -223,7 +224,8 @@ class Watchdog:
                        f"({self.max_retries}): failing")
             print(f"hang in {inner.where()}: {failing}", file=sys.stderr, flush=True)
             _fail(self.folder, self.rank, f"{said}. {failing[0].upper()}{failing[1:]}; {stacks}{_advice(why)}")
-        print(f"hang in {inner.where()}: requeueing ({hangs + 1} of cluster.max_retries {self.max_retries})", flush=True)
+        print(f"hang in {inner.where()}: requeueing ({hangs + 1} of cluster.max_retries {self.max_retries})",
+              flush=True)
         if self.runtime is not None:
             self.runtime.hush_requeue()  # the lines above say what it is: not a preemption
         from stages import preemption
@@ -254,7 +256,7 @@ def _fail(folder, rank: int, message: str) -> None:
     os._exit(1)
 
 
-def _test_hang(rank: int) -> Optional[tuple[int, float]]:
+def _test_hang(rank: int) -> tuple[int, float] | None:
     """(step, seconds) from PIPELINE_TEST_HANG="RANK:STEP:SECONDS" for this rank; test-only."""
     value = os.environ.get(TEST_HANG_ENV)
     if not value:

@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from core.schemas.sft import SFTStage  # noqa: E402
 from core.errors import InvalidInput  # noqa: E402
+from core.schemas.sft import SFTStage  # noqa: E402
 from stages import compat, distributed, engine, export, models, rotary_fp32  # noqa: E402
 
 

@@ -12,8 +12,8 @@ from typing import Literal
 from pydantic import Field
 
 from core import kinds
-from core.schemas.sft import SFTStage
 from core.kinds import StageKind
+from core.schemas.sft import SFTStage
 
 
 class DivergingSFTStage(SFTStage):
@@ -29,7 +29,8 @@ def run(task, ctx) -> dict:
     def diverging(self, unit: int, window) -> None:
         if unit + 1 == task.stage.diverge_at and ctx.rank == 0:
             optimizer = self.engine.optimizer  # ZeRO-3's master shares, or ZeRO-1/2's
-            masters = getattr(optimizer, "fp32_partitioned_groups_flat", None) or optimizer.single_partition_of_fp32_groups
+            masters = (getattr(optimizer, "fp32_partitioned_groups_flat", None)
+                       or optimizer.single_partition_of_fp32_groups)
             masters[0].data.view(-1)[0] = math.nan
         advance(self, unit, window)
 

@@ -12,9 +12,9 @@ from typing import Literal
 from pydantic import Field
 
 from core import kinds
+from core.kinds import StageKind
 from core.schemas.ppo import PPOStage
 from core.schemas.sft import SFTStage
-from core.kinds import StageKind
 from tests import fixed_samples
 
 

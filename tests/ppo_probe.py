@@ -23,8 +23,8 @@ from deepspeed.utils import safe_get_full_grad  # noqa: E402
 from core.config import PipelineSpec  # noqa: E402
 from core.rewards import RewardError, RuleReward  # noqa: E402
 from pipeline.graph import build_tasks  # noqa: E402
-from stages import collectives, distributed, models, ppo, rollout, runner  # noqa: E402
 from stages import advantages as L  # noqa: E402
+from stages import collectives, distributed, models, ppo, rollout, runner  # noqa: E402
 from stages.rollout import Prompt  # noqa: E402
 
 SAMPLES = 2

@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import Field
 
 from core import kinds
-from core.schemas.sft import SFTStage
 from core.kinds import StageKind
+from core.schemas.sft import SFTStage
 
 
 class SleepingEvalSFTStage(SFTStage):

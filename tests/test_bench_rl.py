@@ -8,7 +8,8 @@ from benchmarks.gpu import report, rl, workload
 
 
 @pytest.mark.skipif(not hasattr(__import__("transformers").LlamaConfig(), "mlp_bias"),
-                    reason="the installed transformers' Llama has no mlp_bias (4.41+; the benchmark runs on the current stack)")
+                    reason="the installed transformers' Llama has no mlp_bias "
+                           "(4.41+; the benchmark runs on the current stack)")
 def test_the_raised_eos_ends_completions_after_about_one_over_its_probability_tokens(tmp_path):
     source = tmp_path / "model"
     workload.build_model_and_tokenizer(source, workload.shape_config("tiny", 128), "fp32", "cpu")

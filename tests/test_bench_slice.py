@@ -108,7 +108,8 @@ def test_without_both_stages_the_step_time_is_not_derived_and_says_why():
 
 def test_the_report_prints_the_slice_the_per_layer_table_and_the_rederived_plan(monkeypatch):
     # the report sets the re-derived rows beside the planner's plan of the shipped file as it is now
-    monkeypatch.setattr(slice_34b, "target_plan", lambda: {"sft": TARGET, "dpo": {**TARGET, "tokens_per_step": 16000.0}})
+    monkeypatch.setattr(slice_34b, "target_plan",
+                        lambda: {"sft": TARGET, "dpo": {**TARGET, "tokens_per_step": 16000.0}})
     env = {"case": "env", "kind": "env", "status": "ok", "facts": {"cpu_count": 16}}
     text = report.render({"runs": [{"device": "cuda"}], "cases": {"env": env, **{c["case"]: c for c in CASES}},
                           "workload": None})

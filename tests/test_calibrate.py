@@ -11,7 +11,8 @@ import shlex
 import pytest
 import torch
 
-from core import calibration, config as config_module
+from core import calibration
+from core import config as config_module
 from core.errors import InvalidInput
 from pipeline import calibrate, cli
 from schedulers.slurm import submit as slurm
@@ -62,7 +63,8 @@ def test_calibrate_on_a_cpu_writes_the_cpu_adam_rate_and_null_gpu_fields_saying_
     assert result.cpu_adam.params == calibrate.QUICK.cpu_adam_params
     # DeepSpeed's own offloaded step on tiny.yaml's model (its 2 layers: fewer than QUICK's parameters)
     step = result.offload_step
-    assert (step.model, step.layers, step.zero_stage, step.threads) == ("builtin:tiny-llama", 2, 2, result.cpu_adam.threads)
+    assert (step.model, step.layers, step.zero_stage, step.threads) == (
+        "builtin:tiny-llama", 2, 2, result.cpu_adam.threads)
     assert step.params == calibrate.offload_slice(config_module.load_pipeline("tiny"), calibrate.QUICK).params
     assert step.params_per_s == pytest.approx(step.params / step.step_s, rel=0.01) and step.copies_s == 0
     assert "offloaded optimizer step (DeepSpeed, ZeRO-2, 2 layers of builtin:tiny-llama)" in done.stdout
@@ -197,7 +199,7 @@ def test_a_reward_model_has_no_vocabulary_head_to_time_and_each_precision_gets_i
     assert [(g.m, g.dtype) for g in references] == [(8192, "fp32")]
 
 
-def test_the_slurm_job_is_one_task_with_the_clusters_section_and_every_core_of_the_stages_processes(login_node):
+def test_the_slurm_job_is_one_task_with_the_clusters_section_and_every_core_of_the_stages_processes(login_node):  # noqa: F811 -- the imported login_node fixture
     (login_node / "containers").mkdir()
     (login_node / "containers" / "pinned.sif").write_text("")
     spec = config_module.load_pipeline("llama34b_dpo")  # slurm, partition gpu, 8 GPUs x 12 cpus, a container

@@ -8,8 +8,8 @@ import pytest
 
 from core import tiny
 from core.config import DataSpec
-from core.schemas.sft import SFTStage
 from core.errors import InvalidInput
+from core.schemas.sft import SFTStage
 from stages import data
 
 
@@ -53,7 +53,7 @@ def test_the_digits_task_rejected_answers_are_wrong_and_chosen_are_right(tmp_pat
     for row in rows[:200]:
         assert tiny.digits_answer_is_correct(row["prompt"], row["chosen"])
         assert not tiny.digits_answer_is_correct(row["prompt"], row["rejected"])
-    eval_prompts = {json.loads(l)["prompt"] for l in (folder / "eval.jsonl").read_text().splitlines()}
+    eval_prompts = {json.loads(line)["prompt"] for line in (folder / "eval.jsonl").read_text().splitlines()}
     assert not eval_prompts & {r["prompt"] for r in rows}
 
 
@@ -142,7 +142,8 @@ def test_validate_measures_a_proportional_sample_of_large_data_and_says_so(tmp_p
 def test_a_stage_warns_in_its_log_when_evaluation_rows_are_training_rows(tmp_path, caplog):
     rows = [{"prompt": f"{n}", "response": "cd"} for n in range(20)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4] + [{"prompt": "x", "response": "y"}]))
+    eval_rows = rows[:4] + [{"prompt": "x", "response": "y"}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in eval_rows))
     stage = SFTStage(name="sft", kind="sft", model="builtin:tiny-llama",
                      data={"path": str(tmp_path / "train.jsonl"), "eval_split": str(tmp_path / "eval.jsonl")})
     with caplog.at_level("WARNING", logger="stages"):

@@ -68,8 +68,8 @@ def test_a_stage_that_starts_from_weights_that_are_not_numbers_stops_before_trai
     with torch.no_grad():
         model.model.norm.weight[0] = math.nan
     model.save_pretrained(broken)
-    stage = {"name": "sft", "kind": "sft", "model": str(broken), "data": {"path": "builtin:digits", "eval_split": "eval"},
-             "max_steps": 8}
+    stage = {"name": "sft", "kind": "sft", "model": str(broken),
+             "data": {"path": "builtin:digits", "eval_split": "eval"}, "max_steps": 8}
     result = run_cli("run", write_pipeline(tmp_path, tiny_pipeline(stages=[stage])), cwd=tmp_path, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-3000:]

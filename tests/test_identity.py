@@ -21,8 +21,8 @@ def chain(workdir) -> dict:
     return tiny_pipeline(stages=[
         {"name": "sft", "kind": "sft", "model": "builtin:tiny-llama", "data": {"path": "sft.jsonl"}},
         {"name": "dpo", "kind": "dpo", "from": "sft", "data": {"path": "builtin:digits"}},
-        {"name": "rl", "kind": "ppo", "from": "sft", "data": {"path": "builtin:digits"}, "advantage": "grpo", "n_samples_per_prompt": 4,
-         "reward": {"rules": [{"function": "reward.py:score"}]}},
+        {"name": "rl", "kind": "ppo", "from": "sft", "data": {"path": "builtin:digits"}, "advantage": "grpo",
+         "n_samples_per_prompt": 4, "reward": {"rules": [{"function": "reward.py:score"}]}},
     ])
 
 
@@ -40,7 +40,8 @@ def test_a_changed_input_reruns_its_stage_and_what_starts_from_it_saying_why(wor
     config = write_pipeline(workdir, chain(workdir))
     spec = config_module.load_pipeline(str(config))
     finish_all(spec)
-    assert {name: action for name, (action, _) in decisions(spec).items()} == {"sft": "skip", "dpo": "skip", "rl": "skip"}
+    assert {name: action for name, (action, _) in decisions(spec).items()} == {
+        "sft": "skip", "dpo": "skip", "rl": "skip"}
 
     os.utime(workdir / "sft.jsonl", ns=(1, 1))  # touched, same content: still the same input
     assert all(action == "skip" for action, _ in decisions(spec).values())
@@ -103,7 +104,8 @@ def test_a_folder_whose_job_started_is_superseded_even_with_nothing_but_its_log(
     assert tasks["sft"].folder.holds_outputs()
     (workdir / "sft.jsonl").write_text('{"prompt": "1 2", "response": "4"}\n' * 20)
     plan = {p.task.name: p for p in graph.plan_actions(graph.build_tasks(spec))}
-    assert plan["sft"].moved_aside is not None and (workdir / plan["sft"].moved_aside / "logs" / "4242_0_log.err").exists()
+    assert plan["sft"].moved_aside is not None
+    assert (workdir / plan["sft"].moved_aside / "logs" / "4242_0_log.err").exists()
 
 
 def test_rerun_asks_for_a_stage_and_what_starts_from_it(workdir):

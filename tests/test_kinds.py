@@ -20,7 +20,6 @@ from pipeline.executors import executor_for
 from tests.conftest import plugins_importable, run_cli, tiny_pipeline, write_pipeline
 
 
-
 @pytest.fixture
 def plugin_path():
     """tests/ importable here and in the stage jobs (a plug-in must be, like any pickled code);

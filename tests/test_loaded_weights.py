@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from core.schemas.sft import SFTStage
 from core.errors import EXIT_INVALID, InvalidInput
+from core.schemas.sft import SFTStage
 from stages import models
 from tests.conftest import REPO, run_cli, tiny_pipeline, write_pipeline
 

@@ -144,7 +144,7 @@ def test_ctrl_c_or_sigterm_saves_at_the_signal_and_the_next_run_resumes_from_tha
     steps = training_steps(metrics)
     assert steps == list(range(1, saved_again + 1)), steps  # each step once: the resumed run began at saved + 1
     assert saved_again > saved
-    assert f"resuming sft" in out.read_text()
+    assert "resuming sft" in out.read_text()
     # The stage's own lines name the signal `run` got, though `run` stops it with SIGINT.
     assert f"checkpoint at step {saved_again} saved" in out.read_text() and "stopping (SIGTERM)" in out.read_text()
     assert "SIGINT" not in out.read_text(), out.read_text()

@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from stages import losses as L  # noqa: E402
-from stages.advantages import (  # noqa: E402
+from stages import losses as L
+from stages.advantages import (
     AdvantageInputs,
     AdvantageSettings,
     estimate_advantages,
@@ -26,9 +26,9 @@ from stages.advantages import (  # noqa: E402
     rloo_advantages,
     token_rewards,
 )
-from stages.losses import dpo_loss, entropy_from_logits, reward_pair_loss, sequence_logprobs  # noqa: E402
-from stages.masked import masked_mean, masked_whiten  # noqa: E402
-from stages.policy_losses import (  # noqa: E402
+from stages.losses import dpo_loss, entropy_from_logits, reward_pair_loss, sequence_logprobs
+from stages.masked import masked_mean, masked_whiten
+from stages.policy_losses import (
     AdaptiveKLController,
     FixedKLController,
     aggregate_loss,

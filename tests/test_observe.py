@@ -113,7 +113,8 @@ def test_measured_rates_leave_out_the_first_record_and_memory_takes_the_peak():
 
 def test_the_plan_is_read_in_the_units_of_the_metrics():
     entry = {"kind": "sft", "gpu": {"peak_bytes": 3 * 2**30}, "host": {"peak_bytes": 2**29},
-             "time": {"unit": "optimizer step", "step_s": 2.0, "tokens_per_s": 5.0, "mfu": 0.3, "token_efficiency": 0.9},
+             "time": {"unit": "optimizer step", "step_s": 2.0, "tokens_per_s": 5.0, "mfu": 0.3,
+                      "token_efficiency": 0.9},
              "batches": {"real_tokens_per_step": 90, "processed_tokens_per_step": 100}}
     assert measured.planned_numbers(entry) == {"unit": "optimizer step", "gpu_mem_peak_gib": 3.0, "host_mem_gib": 0.5,
                                                "step_s": 2.0, "tokens_per_s": 5.0, "mfu": 0.3, "token_efficiency": 0.9}
@@ -246,7 +247,8 @@ def test_the_report_of_a_chain_still_running_shows_what_its_folders_hold_so_far(
     from pipeline.graph import build_tasks
 
     spec = tiny_pipeline(stages=[
-        {"name": "sft", "kind": "sft", "model": "builtin:tiny-llama", "data": {"path": "builtin:digits"}, "max_steps": 40},
+        {"name": "sft", "kind": "sft", "model": "builtin:tiny-llama", "data": {"path": "builtin:digits"},
+         "max_steps": 40},
         {"name": "dpo", "kind": "dpo", "from": "sft", "data": {"path": "builtin:digits"}, "max_steps": 10},
     ])
     tasks = build_tasks(load_pipeline(str(write_pipeline(workdir, spec))))
@@ -276,11 +278,12 @@ def test_report_and_status_agree_on_each_stage_after_a_cancel_a_kill_and_before_
 
     from core.config import load_pipeline
     from pipeline import state
-    from schedulers.local.submit import LocalExecutor
     from pipeline.graph import build_tasks
+    from schedulers.local.submit import LocalExecutor
 
     sft = {"kind": "sft", "model": "builtin:tiny-llama", "data": {"path": "builtin:digits"}, "max_steps": 40}
-    config = write_pipeline(workdir, tiny_pipeline(stages=[{"name": n, **sft} for n in ("cancelled", "killed", "later")]))
+    config = write_pipeline(workdir,
+                            tiny_pipeline(stages=[{"name": n, **sft} for n in ("cancelled", "killed", "later")]))
     spec = load_pipeline(str(config))
     run_state = state.RunState(pipeline=spec.name, config=str(config))
     for task, ended in zip(build_tasks(spec)[:2], (state.CANCELLED, state.RUNNING)):

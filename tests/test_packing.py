@@ -175,7 +175,7 @@ def test_gradient_checkpointing_recomputes_packed_attention_on_autograd_s_own_th
         compat.enable_checkpointing(model)
         failures = []
 
-        def backward(loss):
+        def backward(loss, failures=failures):
             try:
                 loss.backward()
             except Exception as err:  # noqa: BLE001 -- reported below, in the test's thread
@@ -199,7 +199,8 @@ def test_packed_and_padded_pairs_give_the_same_loss_and_gradients(tiny_model_dir
     tokenizer = models.load_tokenizer(str(tiny_model_dir))
     rows = pair_rows(tokenizer, n=6)
     results = []
-    for batch in (data.padded_batch(rows, tokenizer.pad_token_id), data.packed_batch(rows, tokenizer.pad_token_id, False)):
+    for batch in (data.padded_batch(rows, tokenizer.pad_token_id),
+                  data.packed_batch(rows, tokenizer.pad_token_id, False)):
         if kind == "rm":
             model = load(tiny_model_dir, "sdpa", AutoModelForSequenceClassification, num_labels=1)
             model.config.pad_token_id = tokenizer.pad_token_id

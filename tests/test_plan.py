@@ -155,7 +155,8 @@ def test_config_json_without_sizes_is_refused():
 def test_qwen2_has_qkv_biases_and_tied_defaults_follow_transformers():
     qwen = shapes.from_config_json({**LLAMA2_7B_CONFIG, "model_type": "qwen2"})
     assert qwen.qkv_bias and qwen.n_params - shapes.from_config_json(LLAMA2_7B_CONFIG).n_params == 32 * 3 * 4096
-    gpt = shapes.from_config_json({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257})
+    gpt = shapes.from_config_json(
+        {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257})
     assert gpt.tied_embeddings and not gpt.is_counted
 
 
@@ -549,7 +550,7 @@ def test_when_nothing_fits_the_closest_changes_are_offered():
     assert "closest" in plan.format_plan([p])
 
 
-# --------------------------------------------------------------------------- 7B reward model on 6x RTX 4090 (CONTEXT.md question 1)
+# --------------------------------------------------------------- 7B reward model on 6x RTX 4090 (CONTEXT.md question 1)
 
 
 def rm_4090(**fields):
@@ -614,9 +615,10 @@ def test_ppo_without_a_kl_term_plans_no_reference_model():
     # 13,476,831,232 bytes, and one forward per rollout token: 2 FLOPs per matmul parameter
     # (2 x 6,607,343,616) + attention 4 x 32 layers x 4096 x 1024 positions = 13,751,558,144 FLOPs.
     def rl(**fields):
-        spec = PipelineSpec.model_validate({"name": "p", "cluster": {"gpu": "a100-80gb", "gpus_per_node": 8}, "stages": [
-            {"name": "rl", "kind": "ppo", "model": "meta-llama/Llama-2-7b-hf", "data": {"path": "builtin:digits"},
-             "reward": {"rules": [{"rule": "exact_match"}]}, "max_len": 1024, **fields}]})
+        stage = {"name": "rl", "kind": "ppo", "model": "meta-llama/Llama-2-7b-hf", "data": {"path": "builtin:digits"},
+                 "reward": {"rules": [{"rule": "exact_match"}]}, "max_len": 1024, **fields}
+        spec = PipelineSpec.model_validate({"name": "p", "cluster": {"gpu": "a100-80gb", "gpus_per_node": 8},
+                                            "stages": [stage]})
         return plan.plan_pipeline(spec)[0]
 
     with_kl, without = rl(kl_coef=0.05), rl(kl_coef=0.0)
@@ -650,7 +652,8 @@ def _spec(cluster, stages=None):
 def test_unknown_gpu_in_a_pipeline_is_invalid_input():
     with pytest.raises(InvalidInput) as err:
         plan.plan_pipeline(_spec({"gpu": "tpu-v5", "gpus_per_node": 8}))
-    assert err.value.exit_code == EXIT_INVALID and "cluster.gpu" in err.value.message and "h100-80gb" in err.value.message
+    assert err.value.exit_code == EXIT_INVALID
+    assert "cluster.gpu" in err.value.message and "h100-80gb" in err.value.message
 
 
 def test_unknown_model_in_a_pipeline_names_the_stage(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import plan_34b_vs_published as published  # noqa: E402
+import plan_34b_vs_published as published
 
 N, LARGEST = published.llama_params()
 TIGHT = 3e-4  # the norms, kept whole on every GPU, are 0.02% of a 1/8 weight shard

@@ -88,7 +88,8 @@ def test_rows_are_truncated_to_max_len_and_unknown_data_is_max_len_per_row():
 
 def test_one_sequence_alone_executes_its_model_flops():
     for trained in (False, True):
-        assert flops.pass_flops(TINY, "lm", 40, 40 * 40, trained=trained) == flops.sequence_flops(TINY, "lm", 40, trained)
+        assert flops.pass_flops(TINY, "lm", 40, 40 * 40, trained=trained) == flops.sequence_flops(
+            TINY, "lm", 40, trained)
 
 
 def test_a_mask_makes_attention_cover_the_whole_line():

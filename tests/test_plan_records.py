@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from pipeline.plan import rates
 from benchmarks.gpu import records
+from pipeline.plan import rates
 
 RECORDS = records.records()
 
@@ -38,7 +38,8 @@ def test_one_efficiency_for_every_model_fails_the_records(monkeypatch):
     # the planner before the records: every executed FLOP at 27% of the datasheet, nothing else on the
     # GPU, Adam's 34 B/param of traffic, the host's Adam at 2e9 parameters/s
     wrong = _failing(monkeypatch, matmul=rates.Rate(0.27 * 989e12, "wrong"),
-                     attention_efficiency={k: rates.Rate(0.27, "wrong") for k in ("sdpa", "eager", "flash_attention_2")},
+                     attention_efficiency={k: rates.Rate(0.27, "wrong")
+                                           for k in ("sdpa", "eager", "flash_attention_2")},
                      loss_bytes_per_logit=rates.Rate(0.0, "wrong"), zero3_layer_pass_s=rates.Rate(0.0, "wrong"),
                      step_bytes_per_param={z: rates.Rate(34.0, "wrong") for z in (0, 1, 2)},
                      host_adam_params_per_s=rates.Rate(2e9, "wrong"))

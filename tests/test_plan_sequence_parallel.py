@@ -88,7 +88,8 @@ def test_seeds_faster_zero2_at_8192_fits_only_shared():
     assert shared.time.step_s < 0.95 * seeds_rm().time.step_s
     # cheapest first: the layer inputs on the host (21.6 GiB), ZeRO-3 (14.9), ..., the share (21.3)
     assert [s.changes for s in p.suggestions[:2]] == [{"checkpoint_offload": True}, {"zero_stage": 3}]
-    assert all(s.estimate.fits for s in p.suggestions) and {"sequence_parallel": 2} in [s.changes for s in p.suggestions]
+    assert all(s.estimate.fits for s in p.suggestions)
+    assert {"sequence_parallel": 2} in [s.changes for s in p.suggestions]
 
 
 def test_seeds_rm_at_16384_fits_with_its_mlps_tiled_or_shared_by_two():
@@ -104,7 +105,7 @@ def test_seeds_rm_at_16384_fits_with_its_mlps_tiled_or_shared_by_two():
     assert p.suggestions[0].changes["nodes"] == 2 and p.suggestions[4] is shared[0]
 
 
-# --------------------------------------------------------------------------- 34B at 32k on the shipped 8 x A100 80 GB node
+# ---------------------------------------------------------------------- 34B at 32k on the shipped 8 x A100 80 GB node
 
 
 def test_34b_sft_at_32768_fits_unshared_with_offload_and_each_share_halves_what_the_passes_hold():

@@ -181,7 +181,8 @@ def _run_config(config: dict, model_dir: str, world: int, rank: int) -> dict:
     models._live_ds_configs.clear()  # a ZeRO-3 config's HfDeepSpeedConfig must not shape the next model
     gc.collect()  # the previous configuration's engine (cheap: the imported world is frozen)
     stage = stage_spec(config, model_dir)
-    ds_config = engine.deepspeed_config(stage, world, MODEL["hidden_size"], False, runner.trained_params(stage, model_dir))
+    ds_config = engine.deepspeed_config(stage, world, MODEL["hidden_size"], False,
+                                        runner.trained_params(stage, model_dir))
     if config["kind"] == "rm":
         model = models.load_reward_model(model_dir, stage, ds_config, on_gpu=False, pad_token_id=0)
     else:
@@ -281,12 +282,14 @@ def measured(tmp_path_factory) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))}
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun) if torchrun.exists() else sys.executable, *([] if torchrun.exists() else ["-m", "torch.distributed.run"]),
+    command = [str(torchrun) if torchrun.exists() else sys.executable,
+               *([] if torchrun.exists() else ["-m", "torch.distributed.run"]),
                "--nproc_per_node", str(WORLD), "--master_port", str(free_port()),
                __file__, "--worker", str(model_dir), str(folder), json.dumps(CONFIGS)]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
-        pytest.fail(f"DeepSpeed workers failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+        pytest.fail(f"DeepSpeed workers failed ({result.returncode}):\n"
+                    f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {"model_dir": str(model_dir), "ranks": ranks}
 
@@ -383,7 +386,7 @@ def bucket_worker(model_dir: str, out_dir: str) -> None:
         if config["zero_stage"] < 3:
             setup = ds.optimizer.setup_buckets
 
-            def recording_setup(setup=setup):
+            def recording_setup(setup=setup, allocated=allocated, ds=ds):
                 setup()
                 allocated.append(_bucket_bytes(ds.optimizer))
 

@@ -77,8 +77,8 @@ def _probe(workdir, world: int) -> list[subprocess.Popen]:
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        processes.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "ppo_probe.py"), str(workdir), str(out)],
-                                          env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        probe = [sys.executable, str(REPO / "tests" / "ppo_probe.py"), str(workdir), str(out)]
+        processes.append(subprocess.Popen(probe, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
     return processes
 

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from core.runfolder import StageFolder
 from stages.preemption import MOST_STEPS_BETWEEN_CHECKS
 from tests.conftest import (
     processes_with,
@@ -65,7 +66,8 @@ def test_a_signal_is_noted_in_the_loop_and_handed_to_the_previous_handler_after(
     seen = []
     before = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
     try:
-        ctx = SimpleNamespace(device=torch.device("cpu"), rank=0, folder=None, task=SimpleNamespace(time_limit_min=None))
+        ctx = SimpleNamespace(device=torch.device("cpu"), rank=0, folder=None,
+                              task=SimpleNamespace(time_limit_min=None))
         with preemption.Signals(ctx) as signals:
             assert signals.requested(1, 1.0, last=False) is None
             os.kill(os.getpid(), signal.SIGUSR2)
@@ -147,7 +149,6 @@ class FourStepUnits:
 def test_units_of_several_optimizer_steps_log_evaluate_and_save_by_step_and_resume_at_the_next_unit(
         one_process_group, tmp_path):
     from core import metrics as records
-    from core.runfolder import StageFolder
     from stages import engine
 
     folder = StageFolder(tmp_path / "rl")
@@ -177,10 +178,8 @@ def test_units_of_several_optimizer_steps_log_evaluate_and_save_by_step_and_resu
     assert [(r["step"], r["unit"]) for r in records.read(folder.metrics) if "lr" in r] == [(4, 0), (8, 1), (10, 2)]
 
 
-def events_folder(tmp_path, *events) -> "StageFolder":
+def events_folder(tmp_path, *events) -> StageFolder:
     """A stage folder whose events.jsonl holds `events` (dicts), one second apart."""
-    from core.runfolder import StageFolder
-
     folder = StageFolder(tmp_path / "sft")
     folder.path.mkdir(parents=True)
     folder.events.write_text("".join(json.dumps({"time": 1000.0 + k, **e}) + "\n" for k, e in enumerate(events)))
@@ -251,7 +250,6 @@ def test_the_requeue_signal_is_a_time_limit_only_near_the_limit():
 
 def test_the_stage_names_the_signal_its_local_run_got_not_the_sigint_it_was_stopped_with(tmp_path):
     from core import timeline
-    from core.runfolder import StageFolder
     from stages.preemption import Signals
 
     folder = StageFolder(tmp_path / "sft")
@@ -295,7 +293,8 @@ def chain() -> dict:
     # RL with the state a resume must carry: the reward normaliser's statistics, the adaptive KL
     # coefficient, and every rank's sampler (each rank samples differently).
     rl = {**stage, "name": "rl", "kind": "ppo", "max_steps": RL_ROLLOUTS, "advantage": "grpo",
-          "reward": {"rules": [{"rule": "exact_match"}, {"rule": "length", "options": {"target": 4}}], "normalize": True},
+          "reward": {"rules": [{"rule": "exact_match"}, {"rule": "length", "options": {"target": 4}}],
+                     "normalize": True},
           "kl_target": 0.5, "n_samples_per_prompt": 4, "rollout_batch_size": 8, "micro_rollout_batch_size": 32,
           "max_new_tokens": 6, "micro_batch_size": 16, "global_batch_size": 32}
     return tiny_pipeline(stages=[{"name": "sft", "kind": "sft", **stage}, rl],

@@ -12,14 +12,11 @@ import sys
 import pytest
 
 from core.config import load_pipeline
-from core.config import load_pipeline
-from core.errors import InvalidInput
 from core.errors import InvalidInput
 from core.rows import read_rows
-from pipeline import preflight
+from pipeline import preflight, weightnames
 from pipeline.executors import executor_for
 from pipeline.hfcache import hf_cache
-from pipeline import weightnames
 from pipeline.modelfiles import BadModelFile, check_weights, weights_in
 from tests.conftest import tiny_pipeline, write_pipeline
 
@@ -331,9 +328,11 @@ def test_preflight_of_every_kind_of_input_imports_no_gpu_library(tmp_path, saved
         {"name": "sft", "kind": "sft", "model": str(model), "data": {"path": "rows.jsonl", "chat_template": True}},
         {"name": "sft2", "kind": "sft", "from": "sft", "data": {"path": str(saved_datasets / "dict")}},
         {"name": "rl", "kind": "ppo", "from": "sft2", "data": {"path": "rows.jsonl"}, "rollout_batch_size": 16,
-         "micro_batch_size": 8, "max_new_tokens": 8, "reward": {"rules": [{"rule": "exact_match"}, {"function": "mine.py:score"}]}},
+         "micro_batch_size": 8, "max_new_tokens": 8,
+         "reward": {"rules": [{"rule": "exact_match"}, {"function": "mine.py:score"}]}},
     ])
-    code = ("import sys; from core import config; from pipeline import preflight; from pipeline.executors import executor_for; "
+    code = ("import sys; from core import config; from pipeline import preflight; "
+            "from pipeline.executors import executor_for; "
             "spec = config.load_pipeline(sys.argv[1]); preflight.check(spec, executor_for(spec.cluster.executor)); "
             "print(sorted(m for m in ('torch', 'transformers', 'deepspeed', 'datasets') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code, str(write_pipeline(tmp_path, spec))], cwd=tmp_path,

@@ -89,7 +89,8 @@ def test_no_two_tick_labels_of_a_plot_run_into_each_other(tmp_path, drawn, span_
             for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
                 boxes = [t.get_window_extent(renderer) for t in labels if t.get_text()]
                 for k, a in enumerate(boxes):
-                    assert not any(a.overlaps(b) for b in boxes[k + 1:]), (ax.get_title(), [t.get_text() for t in labels])
+                    assert not any(a.overlaps(b) for b in boxes[k + 1:]), (
+                        ax.get_title(), [t.get_text() for t in labels])
 
 
 def test_run_says_so_and_keeps_its_outcome_when_the_report_cannot_be_written(tmp_path, capsys):

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 
 from core import rewards
-from core.schemas.reward import RewardRule
 from core.errors import InvalidInput
 from core.rewards import RewardError, RuleReward, RunningMoments, Samples
+from core.schemas.reward import RewardRule
 from tests.conftest import run_cli, tiny_pipeline, tiny_rl_stage, write_pipeline
 
 
 def samples(prompts, completions, labels=None, rows=None, lengths=None) -> Samples:
     n = len(completions)
     labels = labels if labels is not None else [None] * n
-    rows = rows if rows is not None else [{"prompt": p, "label": l} for p, l in zip(prompts, labels)]
+    rows = rows if rows is not None else [{"prompt": p, "label": label} for p, label in zip(prompts, labels)]
     return Samples(prompts=list(prompts), completions=list(completions), rows=rows, labels=list(labels),
                    lengths=lengths or [len(c) for c in completions], names=[f"train row {10 + i}" for i in range(n)])
 
@@ -53,7 +53,8 @@ def rule(**spec) -> RewardRule:
 
 
 def test_weighted_sum_of_a_builtin_rule_and_a_user_function(tmp_path):
-    ref = write_function(tmp_path, "def score(prompts, completions, labels):\n    return [len(c) for c in completions]\n")
+    ref = write_function(tmp_path,
+                         "def score(prompts, completions, labels):\n    return [len(c) for c in completions]\n")
     reward = RuleReward.from_specs([rule(rule="exact_match", weight=2.0), rule(function=ref, weight=0.5)])
     totals, means = reward(samples(["p", "q"], ["12", "9"], ["12", "1"]))
     assert totals == [2.0 * 1 + 0.5 * 2, 2.0 * 0 + 0.5 * 1]
@@ -103,7 +104,8 @@ def test_overlong_penalty_options_are_checked():
 def test_check_function_finds_missing_files_and_functions_without_running_them(tmp_path):
     with pytest.raises(RewardError, match="not found"):
         rewards.check_function(f"{tmp_path}/nope.py:score")
-    ref = write_function(tmp_path, "raise SystemExit('never run at validate time')\ndef other(a, b, c):\n    return []\n")
+    ref = write_function(tmp_path,
+                         "raise SystemExit('never run at validate time')\ndef other(a, b, c):\n    return []\n")
     with pytest.raises(RewardError, match="defines no function 'score' \\(functions there: other\\)"):
         rewards.check_function(ref)
     ref = write_function(tmp_path, "def score(completions):\n    return []\n")

@@ -68,7 +68,8 @@ def test_decoding_is_capped_by_reading_the_weights_once_per_step():
 
 
 @pytest.mark.parametrize("key, tag", [("other_s", "time/other_s"), ("gather_s", "time/gather_s"),
-                                      ("offload_s", "time/offload_s"), ("gpu_busy_generate", "gpu_busy/gpu_busy_generate"),
+                                      ("offload_s", "time/offload_s"),
+                                      ("gpu_busy_generate", "gpu_busy/gpu_busy_generate"),
                                       ("generate_bandwidth_fraction", "perf/generate_bandwidth_fraction")])
 def test_the_new_rollout_figures_have_their_tensorboard_groups(key, tag):
     assert records.tag(key) == tag
@@ -92,4 +93,5 @@ def test_the_report_plots_each_rollouts_phases(busy):
     assert alt == "rl rollout phases"
     assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n"
     said = figure[image.end():]  # without a GPU, one line says the busy share was not measured
-    assert said == ("" if busy else "<p class='note'>GPU busy share: not measured (no GPU, or NVML could not be read)</p>")
+    assert said == ("" if busy else
+                    "<p class='note'>GPU busy share: not measured (no GPU, or NVML could not be read)</p>")

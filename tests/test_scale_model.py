@@ -104,11 +104,13 @@ def test_a_local_model_keeps_its_own_tokenizer_and_the_weights_are_the_same_ever
     assert description["tokenizer"] == str(source.resolve())
     for name in ("a", "b"):
         scale.write(tmp_path / name, description, echo=lambda line: None)
-    assert AutoTokenizer.from_pretrained(tmp_path / "a").get_vocab() == AutoTokenizer.from_pretrained(source).get_vocab()
+    assert (AutoTokenizer.from_pretrained(tmp_path / "a").get_vocab()
+            == AutoTokenizer.from_pretrained(source).get_vocab())
     a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("a", "b"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     shape = from_config_json(json.loads((tmp_path / "a" / "config.json").read_text()))
-    assert (shape.layers, shape.heads, shape.kv_heads, shape.hidden) == (2, 2, 2, 4)  # tiny-llama: 2 heads, both key-value heads, at head dimension 2
+    # tiny-llama: 2 heads, both key-value heads, at head dimension 2
+    assert (shape.layers, shape.heads, shape.kv_heads, shape.hidden) == (2, 2, 2, 4)
 
 
 def test_plan_with_scale_model_plans_the_narrow_model_and_says_where_it_is(workdir):

@@ -69,7 +69,8 @@ ZERO2 = {"zero_stage": 2, "precision": "fp32", "optimizer_offload": False, "save
 @pytest.mark.parametrize(
     "defaults",
     [pytest.param(ZERO2, id="zero2"),  # `make test`'s one whole training run (the others read it too)
-     pytest.param({"zero_stage": 3, "precision": "fp32", "optimizer_offload": False}, id="zero3", marks=pytest.mark.e2e),
+     pytest.param({"zero_stage": 3, "precision": "fp32", "optimizer_offload": False}, id="zero3",
+                  marks=pytest.mark.e2e),
      pytest.param({"zero_stage": 3, "precision": "bf16", "optimizer_offload": False}, id="zero3-bf16",
                   marks=[pytest.mark.e2e, pytest.mark.stack_free]),
      pytest.param({"zero_stage": 2, "precision": "fp32", "optimizer_offload": True}, id="zero2-offload",
@@ -101,7 +102,8 @@ def test_sft_eval_loss_falls_and_the_model_reloads_and_generates(trained, defaul
     # The exported weights are the trained ones: their eval loss is what the stage reported.
     assert not torch.equal(
         model.model.embed_tokens.weight,
-        AutoModelForCausalLM.from_pretrained(workdir / "runs" / "t" / "builtin" / "tiny-llama").model.embed_tokens.weight,
+        AutoModelForCausalLM.from_pretrained(
+            workdir / "runs" / "t" / "builtin" / "tiny-llama").model.embed_tokens.weight,
     )
 
 
@@ -198,7 +200,8 @@ def test_rows_left_with_nothing_to_learn_are_dropped_and_counted_in_the_result(w
 
     # 38 rows fit max_len 48; in 2 the prompt alone is 53 tokens (<s> + 52 characters), so
     # the cut leaves no response token: 2 of 40 rows (5%) is within max_truncated_share.
-    rows = [{"prompt": "sort 321 =", "response": " 123"}] * 38 + [{"prompt": f"sort {'9' * 45} =", "response": " 9"}] * 2
+    rows = ([{"prompt": "sort 321 =", "response": " 123"}] * 38
+            + [{"prompt": f"sort {'9' * 45} =", "response": " 9"}] * 2)
     (workdir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (workdir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:8]))
     spec = tiny_pipeline()

@@ -36,7 +36,7 @@ def submit(workdir, spec):
 
 
 @pytest.fixture(scope="module")
-def chain(slurm_cluster, tmp_path_factory):
+def chain(slurm_cluster, tmp_path_factory):  # noqa: F811 -- the imported slurm_cluster fixture
     """sft -> sft2 (starts from sft's model), run to the end."""
     workdir = tmp_path_factory.mktemp("chain")
     spec = slurm_pipeline(stages=[sft_stage("sft", 30), sft_stage("sft2", 10, **{"from": "sft"})])
@@ -84,7 +84,7 @@ def test_running_again_after_success_submits_nothing(chain):
     assert newest_job_id() == newest
 
 
-def test_the_chain_never_needed_accounting(chain, slurm_cluster):
+def test_the_chain_never_needed_accounting(chain, slurm_cluster):  # noqa: F811 -- the imported slurm_cluster fixture
     # sacct here answers like a cluster without accounting, and records every call.
     assert chain["settled"]
     calls = slurm_cluster["sacct_calls"]
@@ -95,7 +95,7 @@ def test_the_chain_never_needed_accounting(chain, slurm_cluster):
 
 
 @pytest.fixture(scope="module")
-def failed_chain(slurm_cluster, tmp_path_factory):
+def failed_chain(slurm_cluster, tmp_path_factory):  # noqa: F811 -- the imported slurm_cluster fixture
     """rl fails at run time: its reward function (it imports, so validate passes) raises when
     called; sft2 depends on it."""
     workdir = tmp_path_factory.mktemp("failing")
@@ -135,7 +135,7 @@ def test_status_names_the_failed_stage_its_log_and_why(failed_chain):
 
 
 @pytest.fixture(scope="module")
-def live_chain(slurm_cluster, tmp_path_factory):
+def live_chain(slurm_cluster, tmp_path_factory):  # noqa: F811 -- the imported slurm_cluster fixture
     workdir = tmp_path_factory.mktemp("live")
     spec = slurm_pipeline(stages=[sft_stage("sft", 200), sft_stage("sft2", 10, **{"from": "sft"})])
     config, run = submit(workdir, spec)
@@ -167,7 +167,7 @@ def test_cancel_stops_every_job_of_the_chain(live_chain):
 # --------------------------------------------------------------------------- what sbatch refuses
 
 
-def test_a_partition_slurm_refuses_exits_2_and_submits_nothing(slurm_cluster, tmp_path):
+def test_a_partition_slurm_refuses_exits_2_and_submits_nothing(slurm_cluster, tmp_path):  # noqa: F811 -- the imported slurm_cluster fixture
     spec = slurm_pipeline(stages=[sft_stage("sft", 10), sft_stage("sft2", 10, **{"from": "sft"})],
                           cluster={"partition": "no-such-partition"})
     newest = newest_job_id()

@@ -26,9 +26,9 @@ from tests.slurm_support import (
     last_training_step,
     scontrol_job,
     sft_stage,
-    stage_on_digits,
     slurm_cluster,  # noqa: F401 -- fixture
     slurm_pipeline,
+    stage_on_digits,
     wait_for_file,
     wait_until_settled,
 )
@@ -42,7 +42,7 @@ LOSS_RTOL = 1e-5  # fp32 on CPU, same data order and generators: equal to float3
 
 
 @pytest.fixture(scope="module")
-def preempted(slurm_cluster, tmp_path_factory):
+def preempted(slurm_cluster, tmp_path_factory):  # noqa: F811 -- the imported slurm_cluster fixture
     spec = slurm_pipeline(
         stages=[stage_on_digits(STAGE, "dpo", STEPS)],
         defaults={"save_interval": SAVE_EVERY, "log_interval": LOG_EVERY},
@@ -144,7 +144,7 @@ def test_every_step_has_the_loss_of_the_uninterrupted_run(preempted):
 HANG_STEP, HANG_SAVE_EVERY = 12, 6  # the requeued attempt times 5 steps (7..11) before hanging again
 
 
-def test_a_hung_stage_is_requeued_then_fails_after_max_retries_and_status_says_hang(slurm_cluster, tmp_path):
+def test_a_hung_stage_is_requeued_then_fails_after_max_retries_and_status_says_hang(slurm_cluster, tmp_path):  # noqa: F811 -- the imported slurm_cluster fixture
     # PIPELINE_TEST_HANG (test-only, stages/watchdog.py): rank 1 sleeps inside step HANG_STEP, every attempt.
     spec = slurm_pipeline(
         stages=[sft_stage("sft", HANG_STEP + 2)],
@@ -170,7 +170,7 @@ def test_a_hung_stage_is_requeued_then_fails_after_max_retries_and_status_says_h
 # --------------------------------------------------------------------------- a node failure
 
 
-def test_a_job_whose_node_fails_is_requeued_and_counts_against_max_retries(slurm_cluster, tmp_path):
+def test_a_job_whose_node_fails_is_requeued_and_counts_against_max_retries(slurm_cluster, tmp_path):  # noqa: F811 -- the imported slurm_cluster fixture
     # A node that dies: the job's processes stop dead (SIGSTOP, so they cannot act on the SIGTERM
     # that marking the node down sends), the node is marked down, which makes Slurm requeue the job
     # (--requeue, JobRequeue=1), and the processes are killed. With max_retries 0 the requeued start

@@ -145,7 +145,7 @@ def events(stage_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def scale_runs(slurm_cluster, tmp_path_factory):
+def scale_runs(slurm_cluster, tmp_path_factory):  # noqa: F811 -- the imported slurm_cluster fixture
     if len(slurm_cluster["nodes"]) < 2:
         pytest.fail(f"the test cluster has one node ({slurm_cluster['nodes']}); bring it up with --nodes 2")
     runs = {}
@@ -198,7 +198,8 @@ def test_the_scale_model_is_codellama_34b_narrowed(scale_runs):
     shape = read_config_json(scale_runs["8 processes"]["dir"] / "sft" / "model" / "config.json")
     assert (shape.layers, shape.heads, shape.kv_heads, shape.vocab, shape.max_positions, shape.rope_theta) == (
         48, 64, 8, 32000, 16384, 1e6)
-    assert (shape.head_dim, shape.hidden, shape.intermediate) == (HEAD_DIM, 64 * HEAD_DIM, 22016 * 64 * HEAD_DIM // 8192)
+    assert (shape.head_dim, shape.hidden, shape.intermediate) == (
+        HEAD_DIM, 64 * HEAD_DIM, 22016 * 64 * HEAD_DIM // 8192)
 
 
 def test_both_stages_train_with_the_shipped_memory_settings(scale_runs):

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 STEPS, SIGNAL_AFTER = 60, 10
 
 
-def test_stage_sbatch_runs_one_stage_under_srun_and_saves_at_the_signal(slurm_cluster, tmp_path):
+def test_stage_sbatch_runs_one_stage_under_srun_and_saves_at_the_signal(slurm_cluster, tmp_path):  # noqa: F811 -- the imported slurm_cluster fixture
     config = write_pipeline(tmp_path, slurm_pipeline(stages=[sft_stage("sft", STEPS)], defaults={"log_interval": 1}))
     stage = tmp_path / "runs" / "t" / "sft"
     # The script's #SBATCH lines ask for 8 GPUs; the command line overrides them, as documented.

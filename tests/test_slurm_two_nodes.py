@@ -32,7 +32,7 @@ LAYOUT = re.compile(
 
 
 @pytest.fixture(scope="module")
-def two_node_stage(slurm_cluster, tmp_path_factory):
+def two_node_stage(slurm_cluster, tmp_path_factory):  # noqa: F811 -- the imported slurm_cluster fixture
     if len(slurm_cluster["nodes"]) < 2:
         pytest.fail(f"the test cluster has one node ({slurm_cluster['nodes']}); bring it up with --nodes 2")
     workdir = tmp_path_factory.mktemp("two-nodes")
@@ -61,15 +61,16 @@ def test_four_ranks_spread_over_both_nodes(two_node_stage):
     layouts, hosts = two_node_stage["layouts"], two_node_stage["hosts"]
     assert len(hosts) == 2
     assert sorted(layouts) == [0, 1, 2, 3]
-    assert {r: (l["host"], l["local"]) for r, l in layouts.items()} == {
+    assert {r: (lay["host"], lay["local"]) for r, lay in layouts.items()} == {
         0: (hosts[0], 0), 1: (hosts[0], 1), 2: (hosts[1], 0), 3: (hosts[1], 1)
     }
-    assert all(l["world"] == 4 and l["local_world"] == 2 and l["source"] == "submitit" for l in layouts.values())
+    assert all(lay["world"] == 4 and lay["local_world"] == 2 and lay["source"] == "submitit"
+               for lay in layouts.values())
 
 
 def test_every_rank_meets_at_the_first_node_of_the_job(two_node_stage):
     layouts, hosts = two_node_stage["layouts"], two_node_stage["hosts"]
-    assert {(l["master"], l["port"]) for l in layouts.values()} == {(hosts[0], layouts[0]["port"])}
+    assert {(lay["master"], lay["port"]) for lay in layouts.values()} == {(hosts[0], layouts[0]["port"])}
 
 
 def test_the_two_node_stage_trains(two_node_stage):

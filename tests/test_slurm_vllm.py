@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(rollout_engine.installed() is
 ROLLOUTS = 3
 
 
-def test_a_vllm_rl_stage_runs_in_its_slurm_job_one_engine_per_task(slurm_cluster, tmp_path):
+def test_a_vllm_rl_stage_runs_in_its_slurm_job_one_engine_per_task(slurm_cluster, tmp_path):  # noqa: F811 -- the imported slurm_cluster fixture
     rl = stage_on_digits("rl", "ppo", ROLLOUTS, generation="vllm", vllm={"tensor_parallel": 2},
                          reward={"rules": [{"rule": "exact_match"}], "normalize": False}, rollout_batch_size=8,
                          n_samples_per_prompt=4, micro_rollout_batch_size=32, max_new_tokens=6,

@@ -25,8 +25,8 @@ PINNED = deepspeed.__version__.startswith("0.13.")
 
 
 def wrong_gathers(trials: int, **env) -> int:
-    result = subprocess.run([sys.executable, str(SCRIPT), str(trials), str(free_port())], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, **env})
+    result = subprocess.run([sys.executable, str(SCRIPT), str(trials), str(free_port())], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, **env})
     found = re.search(r"wrong gathers: (\d+) of", result.stdout)
     assert result.returncode == 0 and found, result.stdout[-2000:] + result.stderr[-3000:]
     return int(found.group(1))

@@ -30,7 +30,6 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 GiB = 1024**3
 
@@ -132,7 +131,7 @@ def resolve(spec: str) -> list[Case]:
     return cases
 
 
-def lookup(name: str) -> Optional[Case]:
+def lookup(name: str) -> Case | None:
     if name in KNOWN:
         return KNOWN[name]
     base, *knobs = name.split("+")
@@ -162,7 +161,7 @@ def gradient_checkpointing(kind: str, setting) -> bool:
 # --------------------------------------------------------------------------- the GPU catalogue
 
 
-def catalogue_gpu(device_name: Optional[str]) -> Optional[str]:
+def catalogue_gpu(device_name: str | None) -> str | None:
     """The core/hardware.py name of a CUDA device, from its torch / nvidia-smi name."""
     from core.hardware import gpu_for_device
 
@@ -170,7 +169,7 @@ def catalogue_gpu(device_name: Optional[str]) -> Optional[str]:
     return entry.name if entry else None
 
 
-def datasheet_tflops(gpu: Optional[str], precision: str) -> Optional[float]:
+def datasheet_tflops(gpu: str | None, precision: str) -> float | None:
     if gpu is None:
         return None
     from core import hardware
@@ -185,7 +184,7 @@ PACKAGES = ["torch", "transformers", "deepspeed", "trl", "liger-kernel", "flash-
             "datasets", "tokenizers", "submitit", "pydantic", "triton"]
 
 
-def nvidia_smi(query: str) -> Optional[str]:
+def nvidia_smi(query: str) -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
@@ -231,7 +230,7 @@ def run_env(work: Path, settings: dict) -> None:
     (work / "facts.json").write_text(json.dumps(facts, indent=2) + "\n")
 
 
-def _git_commit() -> Optional[str]:
+def _git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=Path(__file__).resolve().parent)

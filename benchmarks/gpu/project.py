@@ -38,8 +38,8 @@ from benchmarks.gpu.cases import (
     read_json,
     read_jsonl,
 )
-from core.runfolder import StageFolder
 from benchmarks.gpu.workload import model_flops_per_token
+from core.runfolder import StageFolder
 
 PIPELINE_NAME = "bench"
 REPO = Path(__file__).resolve().parents[2]

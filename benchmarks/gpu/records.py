@@ -25,7 +25,6 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from benchmarks.gpu import project, workload
 from benchmarks.gpu import slice as slice_34b
@@ -50,8 +49,8 @@ class Record:
     kind: str  # project | slice
     gpu: str  # catalogue name of the GPU it ran on
     step_s: float
-    reserved_gib: Optional[float]
-    allocated_gib: Optional[float]
+    reserved_gib: float | None
+    allocated_gib: float | None
     data: dict  # the case result as written
     cores: int  # the machine's CPU cores (its env.json), all of them the one process's
     superseded: dict  # figure ("time" | "memory") -> why the code no longer does what it measured
@@ -170,7 +169,7 @@ def _project_case(record: Record):
     return knobs, shape, RowLengths(per_row, f"{len(per_row)} rows of {name}, made again", "words")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _row_lengths(rows: int, vocab: int, median: int, max_len: int) -> dict[str, tuple]:
     """The sequence lengths of every row of a workload's data files, by file name. Making the rows
     again draws tens of millions of random words, and the records share a few workloads: once each."""
@@ -206,8 +205,10 @@ FITTED = (
     ("LOSS_BYTES_PER_LOGIT", "B", lambda w, r, k: w["logits"] / r.hbm_bytes_per_s.value),
     ("ZERO3_LAYER_PASS_S", "s", lambda w, r, k: w["layer_passes"] * (w["zero_stage"] == 3)),
     ("LORA_BYTES_PER_ELEMENT", "B", lambda w, r, k: w["lora_elements"] / r.hbm_bytes_per_s.value),
-    ("STEP_BYTES_PER_PARAM[0]", "B", lambda w, r, k: w["gpu_stepped_params"] * (w["zero_stage"] == 0) / r.hbm_bytes_per_s.value),
-    ("STEP_BYTES_PER_PARAM[1,2]", "B", lambda w, r, k: w["gpu_stepped_params"] * (w["zero_stage"] != 0) / r.hbm_bytes_per_s.value),
+    ("STEP_BYTES_PER_PARAM[0]", "B",
+     lambda w, r, k: w["gpu_stepped_params"] * (w["zero_stage"] == 0) / r.hbm_bytes_per_s.value),
+    ("STEP_BYTES_PER_PARAM[1,2]", "B",
+     lambda w, r, k: w["gpu_stepped_params"] * (w["zero_stage"] != 0) / r.hbm_bytes_per_s.value),
     ("HOST_ADAM_PARAMS_PER_S_PER_CORE", "1/x", lambda w, r, k: w["host_adam_params"] / w["cores"]),
 )
 

@@ -334,7 +334,7 @@ def _slice(cases: dict, dry: bool) -> list[str]:
     fits = slice_34b.per_layer(results)
     per_layer_rows = []
     for kind, fit in fits.items():
-        def cell(figure, fmt, part=1):
+        def cell(figure, fmt, part=1, fit=fit):
             return "—" if fit.get(figure) is None else format(fit[figure][part], fmt)
         per_layer_rows.append([
             kind.upper(), " and ".join(str(n) for n in fit["layers"]) or "—", cell("step_s", ".3f"),

@@ -32,7 +32,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 from benchmarks.gpu.cases import Case, catalogue_gpu, nvidia_smi, read_json
 
@@ -79,7 +78,7 @@ def slice_shape(layers: int, max_len: int):
     return dataclasses.replace(source_shape(), layers=layers, max_positions=max_len, source="")
 
 
-def slice_config(layers: int, max_len: int, head_dim: Optional[int] = None) -> dict:
+def slice_config(layers: int, max_len: int, head_dim: int | None = None) -> dict:
     """config.json of the slice; with head_dim, the narrow stand-in pipeline/scale.py builds."""
     from core.shapes import to_config_json
 
@@ -237,7 +236,7 @@ def collect(case: Case, work: Path, settings: dict) -> dict:
 # --------------------------------------------------------------------------- the maths (torch-free)
 
 
-def line(points: list[tuple[float, Optional[float]]]) -> Optional[tuple[float, float]]:
+def line(points: list[tuple[float, float | None]]) -> tuple[float, float] | None:
     """(fixed, per layer) of y = fixed + per_layer x layers through the points (least squares
     over more than two); None with fewer than two distinct layer counts or a missing y."""
     if any(y is None for _, y in points):
@@ -277,7 +276,7 @@ def per_layer(results: list[dict]) -> dict:
     return out
 
 
-def rederive(fits: dict, target: dict, measured_tflops: Optional[float], measured_cores: Optional[int]) -> dict:
+def rederive(fits: dict, target: dict, measured_tflops: float | None, measured_cores: int | None) -> dict:
     """The full model's step on the shipped file's GPUs, per stage kind, from the measured slice.
 
     A step is GPU work, proportional to the tokens of the step, plus host work (the offloaded

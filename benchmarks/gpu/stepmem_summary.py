@@ -86,7 +86,7 @@ def report(cases: dict[str, dict], trace_step: int, out=sys.stdout) -> None:
                                        i["label"].startswith(f"s{trace_step - 1} ") and "after step" in i["label"]):
                     continue
                 print(f"     after {i['label']}: alloc {i['alloc']} freed {i['free']} mapped {i['mapped']} "
-                      f"unmapped {i['unmapped']} GiB; {i['events']}{' +%d' % i['dropped'] if i['dropped'] else ''}",
+                      f"unmapped {i['unmapped']} GiB; {i['events']}{' +' + str(i['dropped']) if i['dropped'] else ''}",
                       file=out)
         print(file=out)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -10,7 +10,6 @@ from core import estimators, kinds
 from core.config import StageBase, VllmSpec
 from core.kinds import Rollouts, StageKind
 from core.schemas.reward import RewardSpec
-
 
 # The objective a PPO stage runs when the pipeline file does not choose: TRL's GRPOTrainer defaults
 # (loss_type "dapo" = token_mean, scale_rewards "group", token-level ratios, 8 samples per prompt:
@@ -36,7 +35,7 @@ class PPOStage(StageBase):
         "GRPO), by the whole rollout's std (batch), or by nothing (none, Dr. GRPO: no bias towards prompts "
         "that are too easy or too hard).",
     )
-    n_samples_per_prompt: Optional[int] = Field(
+    n_samples_per_prompt: int | None = Field(
         None, ge=1, le=64,
         description=f"Completions sampled per prompt {estimators.samples_described()}.",
     )
@@ -52,14 +51,14 @@ class PPOStage(StageBase):
         "auto",
         description="How rollouts are sampled: vllm (a vLLM engine in each process, weights synced from the actor "
         "after every update: see vllm; the current stack only), continuous (transformers' continuous batching, "
-        "5.x only: a paged KV cache, each completion leaves the batch at its eos), padded (generate on padded chunks of "
-        "micro_rollout_batch_size; every stack; on a GPU with transformers 5.x a static KV cache and a compiled "
-        "step), or auto (what the benchmark records decided per device: padded on CPUs and GPUs so far; "
+        "5.x only: a paged KV cache, each completion leaves the batch at its eos), padded (generate on padded "
+        "chunks of micro_rollout_batch_size; every stack; on a GPU with transformers 5.x a static KV cache and a "
+        "compiled step), or auto (what the benchmark records decided per device: padded on CPUs and GPUs so far; "
         "stages/generation.py AUTO_ENGINE; on a GPU where vLLM is installed, vllm). Greedy output is the same; "
         "sampled output differs, so it is part of the spec hash.",
     )
     vllm: VllmSpec = Field(default_factory=VllmSpec, description="The vLLM engine's settings (generation: vllm).")
-    sampler_ratio_cap: Optional[float] = Field(
+    sampler_ratio_cap: float | None = Field(
         2.0, ge=1,
         description="With vLLM sampling: truncated importance sampling. Each token's policy loss is weighted by the "
         "trainer's probability of it over the sampler's (vLLM's kernels and precision differ from the trainer's), "
@@ -67,7 +66,7 @@ class PPOStage(StageBase):
         "correction. The difference is logged either way (sampler_logprob_diff_mean, _max).",
     )
     ppo_epochs: int = Field(1, ge=1, le=16, description="Passes over each rollout's sequences.")
-    clip_eps: Optional[float] = Field(
+    clip_eps: float | None = Field(
         None, gt=0, lt=1,
         description="Symmetric shorthand: clip the probability ratio to [1 - clip_eps, 1 + clip_eps]. "
         "Give it or clip_eps_low / clip_eps_high, not both.",
@@ -104,7 +103,7 @@ class PPOStage(StageBase):
         4, ge=1, le=100, description="With dynamic_sampling: most rounds of sampling per rollout, the first included."
     )
     value_clip_eps: float = Field(0.2, gt=0, description="Clip range of the critic's value updates.")
-    critic_learning_rate: Optional[float] = Field(
+    critic_learning_rate: float | None = Field(
         None, gt=0, description="Peak learning rate of the critic (gae only); default learning_rate."
     )
     kl_coef: float = Field(
@@ -118,7 +117,7 @@ class PPOStage(StageBase):
     kl_in_reward: bool = Field(
         True, description="Subtract the KL from the per-token reward (true), or add it to the policy loss (false)."
     )
-    kl_target: Optional[float] = Field(
+    kl_target: float | None = Field(
         None, gt=0,
         description="Adapt kl_coef so the KL per sequence approaches this (null = fixed kl_coef). The controller "
         "scales kl_coef, so it needs kl_coef > 0 to start from.",

@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from core.config import Strict
-
 
 # Built-in rules that compare a completion with the row's label column (label_key).
 RULES_NEEDING_LABELS = ("exact_match", "numeric_match")
@@ -25,7 +24,7 @@ RULE_OPTIONS = {
 class RewardRule(Strict):
     """One rule-based reward term: a built-in rule or your own function."""
 
-    rule: Optional[Literal["exact_match", "numeric_match", "regex", "length", "keyword", "overlong_penalty"]] = Field(
+    rule: Literal["exact_match", "numeric_match", "regex", "length", "keyword", "overlong_penalty"] | None = Field(
         None,
         description="Built-in rule: exact_match or numeric_match (against the row's label column), "
         "regex (options.pattern must match the whole completion), length (options.target characters; "
@@ -33,7 +32,7 @@ class RewardRule(Strict):
         "(DAPO's soft length penalty on completion tokens: 0 up to options.max_len - options.buffer, "
         "falling linearly to -1 at options.max_len, -1 beyond; its weight is DAPO's penalty factor).",
     )
-    function: Optional[str] = Field(
+    function: str | None = Field(
         None, description="Your own reward: path/to/file.py:function returning one float per completion. "
         "A function that takes **kwargs gets keywords: prompts, completions and every column of the rows, one "
         "list per column (TRL's convention); any other is called as f(prompts, completions, labels)."
@@ -72,11 +71,11 @@ def _check_overlong_options(options: dict) -> None:
 class RewardSpec(Strict):
     """What an RL stage maximises: a reward model, rule-based terms, or their weighted sum."""
 
-    model: Optional[str] = Field(None, description="Name of an upstream `rm` stage whose model scores completions.")
+    model: str | None = Field(None, description="Name of an upstream `rm` stage whose model scores completions.")
     model_weight: float = Field(1.0, description="Weight of the reward model's score in the sum.")
     rules: list[RewardRule] = Field(default_factory=list, description="Rule-based terms, summed with their weights.")
     normalize: bool = Field(True, description="Normalise rewards by their running mean and standard deviation.")
-    clip: Optional[float] = Field(5.0, gt=0, description="Clip (normalised) rewards to [-clip, clip]; null = no clip.")
+    clip: float | None = Field(5.0, gt=0, description="Clip (normalised) rewards to [-clip, clip]; null = no clip.")
     timeout_s: float = Field(
         300.0, gt=0, description="The longest one call of a reward function (rules: function) may take, on all "
         "the completions a process scores at once: a call still running then is stopped, and the stage stops "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import schedulers
 from core.errors import InvalidInput
@@ -41,7 +41,7 @@ def executor_for(name: str) -> Executor:
     return executor_class(name)()
 
 
-def holding(running: Optional[state.Holder]) -> Optional[Executor]:
+def holding(running: state.Holder | None) -> Executor | None:
     """The executor of the `run` holding the run folder's lock, by what it says it is doing;
     None when no `run` holds it (or one that has not said yet)."""
     if running is None:
@@ -59,7 +59,7 @@ class LiveJob:
     executor: Executor
 
 
-def _seen(run_state: Optional[state.RunState]) -> dict[str, object]:
+def _seen(run_state: state.RunState | None) -> dict[str, Any]:
     """stage -> what the executor of its recorded job knows of that job now (absent: nothing),
     one question per executor."""
     if run_state is None:
@@ -67,15 +67,17 @@ def _seen(run_state: Optional[state.RunState]) -> dict[str, object]:
     jobs: dict[str, dict[str, str]] = {}  # executor -> stage -> job id
     for name, record in run_state.stages.items():
         jobs.setdefault(record.executor, {})[name] = record.job_id
-    seen: dict[str, object] = {}
+    seen: dict[str, Any] = {}
     for executor, stages in jobs.items():
         found = executor_for(executor).look(list(stages.values()))
         seen.update({name: found[job] for name, job in stages.items() if job in found})
     return seen
 
 
-def live_jobs(run_state: Optional[state.RunState]) -> list[LiveJob]:
+def live_jobs(run_state: state.RunState | None) -> list[LiveJob]:
     """Every recorded job that is still pending or running."""
+    if run_state is None:
+        return []
     seen = _seen(run_state)
     live = []
     for name, info in seen.items():
@@ -91,6 +93,8 @@ def refuse_if_live(pipeline_dir: Path, config: str, tasks: list[StageTask]) -> N
     A job whose stage already wrote its result is only exiting: it does not count."""
     finished = {(t.name, t.spec_hash) for t in tasks if is_finished(t)}
     run_state = state.load(pipeline_dir)
+    if run_state is None:  # nothing recorded: nothing live
+        return
     live = [job for job in live_jobs(run_state) if (job.stage, run_state.stages[job.stage].spec_hash) not in finished]
     if live:
         jobs = ", ".join(f"{job.stage} (job {job.job_id}, {job.state})" for job in live)
@@ -118,8 +122,8 @@ def _by_executor(live: list[LiveJob]) -> list[tuple[Executor, list[str]]]:
     return list(groups.values())
 
 
-def stage_statuses(tasks: list[StageTask], run_state: Optional[state.RunState],
-                   running: Optional[state.Holder] = None) -> list[state.StageStatus]:
+def stage_statuses(tasks: list[StageTask], run_state: state.RunState | None,
+                   running: state.Holder | None = None) -> list[state.StageStatus]:
     """Each stage's state: its folder first (finished?), then what the executor of its recorded
     job says (`running`: the `run` holding the folder now), then the record."""
     records = run_state.stages if run_state else {}
@@ -131,11 +135,13 @@ def stage_statuses(tasks: list[StageTask], run_state: Optional[state.RunState],
         info = seen.get(task.name)
         if is_finished(task):
             status = state.StageStatus(task.name, state.FINISHED, state.result_summary(task), task.run_dir)
-            if record is not None and record.spec_hash == task.spec_hash:
+            if executor is not None and record is not None and record.spec_hash == task.spec_hash:
                 executor.note_finished(status, info)
-        elif record is None or (record.spec_hash != task.spec_hash and not executor.is_live(info)):
+        elif record is None or executor is None or (record.spec_hash != task.spec_hash
+                                                    and not executor.is_live(info)):
             status = state.from_folder(task)
         else:
+            assert run_state is not None  # it holds the record
             status = executor.stage_status(task, record, info, run_state, running)
         if record is not None and status.job_id is None and record.spec_hash == task.spec_hash:
             status.job_id = record.job_id

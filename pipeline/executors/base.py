@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import shlex
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, ClassVar, Optional
+from typing import Any, ClassVar
 
 from core import failure, runfolder
 from core.config import PipelineSpec
@@ -56,7 +57,7 @@ class Executor(ABC):
         """The stages run with this python (so what they import can be checked here)."""
         return True
 
-    def time_limit_min(self, spec: PipelineSpec, stage) -> Optional[int]:
+    def time_limit_min(self, spec: PipelineSpec, stage) -> int | None:
         """The stage job's time limit in minutes; None when it has none."""
         return None
 
@@ -66,12 +67,12 @@ class Executor(ABC):
         limit = self.time_limit_min(spec, task.stage)
         return task if limit is None else task.model_copy(update={"time_limit_min": limit})
 
-    def check_validate(self, spec: PipelineSpec) -> None:
+    def check_validate(self, spec: PipelineSpec) -> None:  # noqa: B027 -- a hook: nothing to check by default
         """What `validate` can check here of where the stages will run; raises InvalidInput."""
 
     @abstractmethod
     def check_before_run(self, spec: PipelineSpec, force: bool, refuse_live: Callable[[], None],
-                         echo) -> Optional[list]:
+                         echo) -> list | None:
         """The checks `run` makes before it locks the run folder, in this executor's order,
         `refuse_live` (a live chain on the folder) among them; returns the plan of every stage
         (None when `force` runs a pipeline the planner cannot estimate)."""
@@ -85,29 +86,31 @@ class Executor(ABC):
     def say_done(self, spec: PipelineSpec, planned: list[PlannedStage], jobs: dict[str, str], target: str) -> None:
         """What `run` prints last: the results, or the jobs submitted and how to follow them."""
 
-    def look(self, job_ids: list[str]) -> dict[str, object]:
+    # What `look` found of a job is each executor's own type (a Slurm JobInfo, a local process's):
+    # Any here, so each executor's methods take the type its `look` returns.
+    def look(self, job_ids: list[str]) -> dict[str, Any]:
         """What the scheduler knows of each job now; a job it does not know is absent."""
         return {}
 
-    def is_live(self, seen: Optional[object]) -> bool:
+    def is_live(self, seen: Any) -> bool:
         """A job (as `look` saw it) that may still run."""
         return seen is not None and seen.live
 
     @abstractmethod
-    def stage_status(self, task: StageTask, record: state.StageRecord, seen: Optional[object],
-                     run_state: state.RunState, running: Optional[state.Holder]) -> state.StageStatus:
+    def stage_status(self, task: StageTask, record: state.StageRecord, seen: Any,
+                     run_state: state.RunState, running: state.Holder | None) -> state.StageStatus:
         """The status of an unfinished stage recorded as a job of this executor: `seen` is what
         `look` found of it, `running` the `run` holding the folder now."""
 
-    def note_finished(self, status: state.StageStatus, seen: Optional[object]) -> None:
+    def note_finished(self, status: state.StageStatus, seen: Any) -> None:  # noqa: B027 -- a hook
         """Add what the scheduler knows of a finished stage's job to its status."""
 
-    def stop_run(self, running: state.Holder, pipeline: str) -> Optional[int]:
+    def stop_run(self, running: state.Holder, pipeline: str) -> int | None:
         """`cancel` of a `run` of this executor that holds the run folder: its exit code once
         stopped; None when that run only submits (its live jobs are cancelled instead)."""
         return None
 
-    def cancel(self, job_ids: list[str]) -> None:
+    def cancel(self, job_ids: list[str]) -> None:  # noqa: B027 -- a hook: no jobs to cancel by default
         """Cancel live jobs."""
 
     def wait_until_ended(self, job_ids: list[str], timeout_s: float) -> list[str]:
@@ -136,6 +139,7 @@ class Executor(ABC):
             if cause not in status.detail:  # a local run's record already says it
                 status.detail = f"{status.detail}: {cause}" if status.detail else cause
             first = failure.explaining(records)
+            assert first is not None  # there is a cause, so a record explains it
             status.log = first.log or _text(self.runtime.task_log(logs, record.job_id, first.rank))
             return status
         chosen = self.runtime.task_log(logs, record.job_id, 0)
@@ -153,7 +157,7 @@ class Executor(ABC):
 # --------------------------------------------------------------------------- shared pieces
 
 
-def check_fits(spec: PipelineSpec, force: bool) -> Optional[list]:
+def check_fits(spec: PipelineSpec, force: bool) -> list | None:
     """The plan of every stage; refuses (exit 3) a stage that does not fit, before anything is
     written or queued. With `force` nothing is refused: a pipeline the planner cannot estimate
     gives None."""
@@ -175,7 +179,7 @@ def write_spec(task: StageTask) -> None:
     task.folder.spec.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def announce(executor: Executor, spec: PipelineSpec, item: PlannedStage, echo) -> Optional[StageTask]:
+def announce(executor: Executor, spec: PipelineSpec, item: PlannedStage, echo) -> StageTask | None:
     """Say what happens to a stage; None when it is skipped. Writes spec.json for the others:
     the task as the executor's job runs it, which is returned."""
     task = item.task
@@ -199,5 +203,5 @@ def exports(env: dict) -> list[str]:
     return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
 
 
-def _text(path: Optional[Path]) -> Optional[str]:
+def _text(path: Path | None) -> str | None:
     return None if path is None else str(path)

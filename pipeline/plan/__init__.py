@@ -32,7 +32,15 @@ from pipeline.plan.estimate import Estimate, estimate_stage, ppo_models, stage_m
 from pipeline.plan.fixes import Suggestion, settings_relaxed, suggest
 from pipeline.plan.inputs import Generation, Hardware, Knobs, ModelUse, PPOWorkload, Workload
 from pipeline.plan.memory import Item, Memory, estimate_memory
-from pipeline.plan.planner import StagePlan, known_rows, signal_lead, plan_pipeline, plan_stage, ppo_workload, raise_if_not_fits
+from pipeline.plan.planner import (
+    StagePlan,
+    known_rows,
+    plan_pipeline,
+    plan_stage,
+    ppo_workload,
+    raise_if_not_fits,
+    signal_lead,
+)
 from pipeline.plan.report import format_plan, plan_to_json
 from pipeline.plan.timing import TimeEstimate, estimate_time
 
@@ -40,7 +48,8 @@ __all__ = [
     "CPU_BUCKET_ELEMENTS", "FROZEN_PREFETCH_ELEMENTS", "GPU_BUCKET_ELEMENTS", "MAX_LIVE_PARAMETERS",
     "SUB_GROUP_SIZE", "persistence_threshold", "batches", "fixes", "Estimate", "estimate_stage", "ppo_models",
     "stage_models", "Suggestion", "settings_relaxed", "suggest", "Generation", "Hardware", "Knobs", "ModelUse",
-    "PPOWorkload", "Workload", "Item", "Memory", "estimate_memory", "StagePlan", "known_rows", "plan_pipeline", "plan_stage",
+    "PPOWorkload", "Workload", "Item", "Memory", "estimate_memory", "StagePlan", "known_rows", "plan_pipeline",
+    "plan_stage",
     "ppo_workload", "raise_if_not_fits", "signal_lead", "format_plan", "plan_to_json", "TimeEstimate",
     "estimate_time",
 ]

@@ -22,7 +22,6 @@ import functools
 import math
 import random
 from dataclasses import dataclass
-from typing import Optional
 
 from core.batching import line_tokens, pack_lines, pack_rows, round_robin, rows_per_step, token_budget
 from pipeline.lengths import RowLengths
@@ -76,8 +75,8 @@ class Batches:
     rows_per_step: int
     packed: bool
     masked: bool  # sdpa, eager: attention over whole lines (a mask keeps sequences apart); flash: each sequence's own
-    token_budget: Optional[int]
-    lengths: Optional[RowLengths]  # None or empty: every row assumed max_len long
+    token_budget: int | None
+    lengths: RowLengths | None  # None or empty: every row assumed max_len long
     row_tokens: tuple[int, ...]  # each sampled row's tokens after truncation to max_len
     sequence_parallel: int = 1  # processes sharing each micro batch
 
@@ -111,7 +110,7 @@ class Batches:
         return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
 
 
-def simulate(knobs: Knobs, world: int, sequences_per_row: int, flat: bool, lengths: Optional[RowLengths]) -> Batches:
+def simulate(knobs: Knobs, world: int, sequences_per_row: int, flat: bool, lengths: RowLengths | None) -> Batches:
     """Optimizer steps of a sft/rm/dpo stage as its `world` processes will run them. `flat`: the
     attention kernel takes packed sequences on one line (flash attention). ValueError when
     sequence_parallel does not divide the processes."""
@@ -125,7 +124,7 @@ def simulate(knobs: Knobs, world: int, sequences_per_row: int, flat: bool, lengt
 
 @functools.lru_cache(maxsize=256)
 def _simulate(sampled: tuple, max_len: int, sequences_per_row: int, rows_per_step: int, micro_batch_size: int,
-              world: int, budget: Optional[int], flat: bool, lengths: Optional[RowLengths], share: int = 1) -> Batches:
+              world: int, budget: int | None, flat: bool, lengths: RowLengths | None, share: int = 1) -> Batches:
     """`world`: the data-parallel groups; `share`: the processes of each."""
     rows = [tuple(min(n, max_len) for n in row) for row in sampled] or [(max_len,) * sequences_per_row]
     rng = random.Random(0)

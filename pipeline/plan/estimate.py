@@ -4,8 +4,8 @@ computes, and the estimate of both (pipeline/plan/memory.py, timing.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
+from core.shapes import ModelShape
 from pipeline.lengths import RowLengths
 from pipeline.plan.batches import Batches, simulate
 from pipeline.plan.inputs import (
@@ -18,7 +18,6 @@ from pipeline.plan.inputs import (
     Workload,
     attention_kernel,
 )
-from core.shapes import ModelShape
 from pipeline.plan.memory import Memory, estimate_memory
 from pipeline.plan.timing import TimeEstimate, estimate_time
 
@@ -27,22 +26,22 @@ from pipeline.plan.timing import TimeEstimate, estimate_time
 class Estimate:
     knobs: Knobs
     memory: Memory
-    time: Optional[TimeEstimate]
-    batches: Optional[Batches] = None  # sft, rm, dpo: the simulated micro batches of a step
+    time: TimeEstimate | None
+    batches: Batches | None = None  # sft, rm, dpo: the simulated micro batches of a step
 
     @property
-    def gpu_seconds_per_1000_rows(self) -> Optional[float]:
+    def gpu_seconds_per_1000_rows(self) -> float | None:
         if self.time is None:
             return None
         return self.time.seconds_per_1000_rows * self.knobs.nodes
 
     @property
-    def fits(self) -> Optional[bool]:
+    def fits(self) -> bool | None:
         return self.memory.fits
 
 
-def estimate_stage(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] = None,
-                   ppo: Optional[PPOWorkload] = None, lengths: Optional[RowLengths] = None) -> Estimate:
+def estimate_stage(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: int | None = None,
+                   ppo: PPOWorkload | None = None, lengths: RowLengths | None = None) -> Estimate:
     """A stage's memory and time with these settings; `lengths`: its rows' sampled
     token counts (pipeline/lengths.py), else every row is taken as max_len long."""
     models, workload = stage_models(knobs, shape, ppo)
@@ -54,7 +53,7 @@ def estimate_stage(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional
                     estimate_time(models, workload, knobs, hw, rows, batches), batches)
 
 
-def stage_models(knobs: Knobs, shape: ModelShape, ppo: Optional[PPOWorkload] = None) -> tuple[list[ModelUse], Workload]:
+def stage_models(knobs: Knobs, shape: ModelShape, ppo: PPOWorkload | None = None) -> tuple[list[ModelUse], Workload]:
     """The models a stage of this kind holds, and what it computes per row.
     A PPO stage's other models and rollout sizes come in `ppo`."""
     kind = knobs.stage_kind
@@ -78,8 +77,8 @@ def stage_models(knobs: Knobs, shape: ModelShape, ppo: Optional[PPOWorkload] = N
     return models, Workload(kind.sequences_per_row, knobs.max_len)
 
 
-def ppo_models(actor: ModelShape, critic: Optional[ModelShape], reward: Optional[ModelShape],
-               reference: Optional[str] = "live", reward_placement: str = "live") -> list[ModelUse]:
+def ppo_models(actor: ModelShape, critic: ModelShape | None, reward: ModelShape | None,
+               reference: str | None = "live", reward_placement: str = "live") -> list[ModelUse]:
     """PPO's models: actor and (for gae) critic trained; reference (None: none, no KL term) and
     reward model frozen."""
     models = [ModelUse("actor", actor, "lm", trained=True)]

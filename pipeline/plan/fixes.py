@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
 
 from core.batching import rows_per_step
 from core.rollout_engine import tensor_parallel_sizes
@@ -16,8 +15,8 @@ from core.sequence_parallel import SHARDABLE_ATTENTION, shares_for
 from core.shapes import ModelShape
 from pipeline.lengths import RowLengths
 from pipeline.plan.estimate import Estimate, estimate_stage
-from pipeline.plan.rollout_engine import engine_memory
 from pipeline.plan.inputs import REFERENCE_PLACEMENTS, Hardware, Knobs, PPOWorkload, Workload
+from pipeline.plan.rollout_engine import engine_memory
 
 
 @dataclass
@@ -169,8 +168,8 @@ def _training_changes(knobs: Knobs) -> list[Change]:
     return out
 
 
-def suggest(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] = None,
-            ppo: Optional[PPOWorkload] = None, lengths: Optional[RowLengths] = None, limit: int = 5,
+def suggest(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: int | None = None,
+            ppo: PPOWorkload | None = None, lengths: RowLengths | None = None, limit: int = 5,
             max_changes: int = 3) -> list[Suggestion]:
     """Changes that make the stage fit, each re-estimated, cheapest first.
 
@@ -230,8 +229,8 @@ def suggest(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] =
     return [s for _, s in evaluated[:min(limit, 3)]]
 
 
-def settings_relaxed(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: Optional[int] = None,
-                     ppo: Optional[PPOWorkload] = None, lengths: Optional[RowLengths] = None) -> list[Suggestion]:
+def settings_relaxed(knobs: Knobs, shape: ModelShape, hw: Hardware, rows: int | None = None,
+                     ppo: PPOWorkload | None = None, lengths: RowLengths | None = None) -> list[Suggestion]:
     """The stage re-estimated with each memory-saving setting it has on turned off,
     with every offload off at once, and, where the optimizer is offloaded, on one
     more node without that offload: what each setting buys, and the way out of it."""

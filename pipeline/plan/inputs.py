@@ -5,7 +5,6 @@ PPOWorkload). Plain data; no estimates here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from core import families, hardware, kinds
 from core.batching import data_parallel, rollout_sequences, token_budget  # torch-free: as the stages batch
@@ -40,28 +39,28 @@ class Knobs:
     gradient_checkpointing: bool = False
     checkpoint_offload: bool = False  # checkpointed layer inputs in pinned host memory (stages/checkpoint_offload.py)
     attention: str = "auto"
-    lora_rank: Optional[int] = None
+    lora_rank: int | None = None
     lora_targets: tuple = ()
     max_len: int = 2048
     micro_batch_size: int = 1
     packing: bool = True
-    micro_batch_tokens: Optional[int] = None
-    global_batch_size: Optional[int] = None
+    micro_batch_tokens: int | None = None
+    global_batch_size: int | None = None
     epochs: int = 1
-    max_steps: Optional[int] = None
+    max_steps: int | None = None
     nodes: int = 1
-    reference: Optional[str] = "live"  # dpo, ppo: where the frozen reference waits; None: ppo holds none
+    reference: str | None = "live"  # dpo, ppo: where the frozen reference waits; None: ppo holds none
     sequence_parallel: int = 1  # processes sharing each micro batch's sequences (Ulysses)
-    logits_tile: Optional[int] = None  # positions whose logits the LM head computes at once (None: all)
-    mlp_tiles: Optional[int] = None  # tiles each MLP runs a micro batch's positions in (None: all at once)
+    logits_tile: int | None = None  # positions whose logits the LM head computes at once (None: all)
+    mlp_tiles: int | None = None  # tiles each MLP runs a micro batch's positions in (None: all at once)
     # ppo with generation: vllm (pipeline/plan/rollout_engine.py): its tensor_parallel (None: transformers
     # samples), the share of each GPU it takes, and whether it sleeps while the actor trains.
-    vllm_tensor_parallel: Optional[int] = None
+    vllm_tensor_parallel: int | None = None
     vllm_memory_share: float = 0.3
     vllm_sleep: bool = False
 
     @classmethod
-    def from_stage(cls, stage) -> "Knobs":
+    def from_stage(cls, stage) -> Knobs:
         lora = stage.lora
         return cls(
             kind=stage.kind,
@@ -117,7 +116,7 @@ class Knobs:
         return self.packing and self.stage_kind.packs
 
 
-def reference_placement(stage) -> Optional[str]:
+def reference_placement(stage) -> str | None:
     """Where a stage's frozen reference waits (kinds that keep one; "live" for the others, which
     hold none), or None for one that needs none (PPOStage.needs_reference: no KL term)."""
     if not kinds.get(stage.kind).frozen_reference:
@@ -147,24 +146,25 @@ class Hardware:
     size, else a typical node of the GPU type (core/hardware.py); GPU memory is the
     catalogue's usable memory, read as GiB (binary, as torch and nvidia-smi count)."""
 
-    gpu: Optional[hardware.GPU]
+    gpu: hardware.GPU | None
     gpus_per_node: int
     processes_per_node: int
-    gpu_memory_bytes: Optional[int]
-    host_memory_bytes: Optional[int]
+    gpu_memory_bytes: int | None
+    host_memory_bytes: int | None
     host_memory_source: str = ""
-    cores_per_process: Optional[int] = None  # cluster.cpus_per_task; None: not said (rates.py assumes)
-    calibration: Optional[object] = None  # core/calibration.py's measurements of this node, if any
+    cores_per_process: int | None = None  # cluster.cpus_per_task; None: not said (rates.py assumes)
+    calibration: object | None = None  # core/calibration.py's measurements of this node, if any
 
     @property
     def on_gpu(self) -> bool:
         return self.gpus_per_node > 0
 
     @classmethod
-    def from_cluster(cls, cluster) -> "Hardware":
+    def from_cluster(cls, cluster) -> Hardware:
         gpu = hardware.gpu(cluster.gpu) if getattr(cluster, "gpu", None) else None
         gpus_per_node = getattr(cluster, "gpus_per_node", 0) or 0
-        processes = getattr(cluster, "processes_per_node", None) or getattr(cluster, "tasks_per_node", None) or gpus_per_node or 1
+        processes = (getattr(cluster, "processes_per_node", None) or getattr(cluster, "tasks_per_node", None)
+                     or gpus_per_node or 1)
         host_bytes, source = None, ""
         if _slurm_mem_bytes(getattr(cluster, "mem", None)):
             host_bytes, source = _slurm_mem_bytes(cluster.mem), f"cluster.mem ({cluster.mem})"
@@ -174,7 +174,7 @@ class Hardware:
                    getattr(cluster, "cpus_per_task", None))
 
 
-def _slurm_mem_bytes(mem: Optional[str]) -> Optional[int]:
+def _slurm_mem_bytes(mem: str | None) -> int | None:
     """Slurm --mem (default unit MB; K/M/G/T suffixes); 0 means the whole node: unknown here."""
     if not mem:
         return None
@@ -211,14 +211,14 @@ class Workload:
 
     sequences_per_row: int
     seq_len: int
-    generation: Optional[Generation] = None
+    generation: Generation | None = None
     # PPO: sequences per micro batch are counted directly (not rows), each rollout of
     # rows_per_rollout prompts is trained train_passes times, and the frozen models (and a
     # no-grad pass of the trained ones) score it scoring_batch sequences at a time.
     micro_batch_in_sequences: bool = False
     train_passes: int = 1
-    scoring_batch: Optional[int] = None
-    rows_per_rollout: Optional[int] = None
+    scoring_batch: int | None = None
+    rows_per_rollout: int | None = None
 
     @property
     def sequences_per_rollout(self) -> int:
@@ -255,11 +255,11 @@ class PPOWorkload:
     generation call and scoring pass, the longest completion, and passes over each
     rollout. None fields take the stage's micro batch size / half its max_len."""
 
-    reward_shape: Optional[ModelShape] = None
-    critic_shape: Optional[ModelShape] = None
+    reward_shape: ModelShape | None = None
+    critic_shape: ModelShape | None = None
     reward_placement: str = "live"
     samples_per_prompt: int = 1
-    rollout_rows: Optional[int] = None
-    scoring_batch: Optional[int] = None
-    new_tokens: Optional[int] = None
+    rollout_rows: int | None = None
+    scoring_batch: int | None = None
+    new_tokens: int | None = None
     train_passes: int = 1

@@ -25,7 +25,8 @@
   precision (stages/models.py casts peft's fp32 adapters, which ZeRO-3 would
   otherwise keep in fp32).
 - buffers: ZeRO-1/2 gradient buckets during backward (reduce_bucket_size elements,
-  two with overlap_comm; no more than the model trains: LoRA's are its adapters' size), and on GPUs a second gradient partition kept on the reduction
+  two with overlap_comm; no more than the model trains: LoRA's are its adapters' size), and on GPUs a second
+  gradient partition kept on the reduction
   stream; ZeRO-3 one persistent bucket, the gathered weights of
   the layer being computed plus the prefetched next one, and that layer's full
   gradients before they are reduce-scattered.
@@ -56,7 +57,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from core.deepspeed_settings import (
     FROZEN_PREFETCH_ELEMENTS,
@@ -84,9 +84,11 @@ class Item:
     """One line of the estimate. GPU bytes are per GPU; host bytes per process unless scope='node'."""
 
     name: str
-    category: str  # weights | gradients | optimizer | buffers | activations | logits | workspace | context | runtime | loading
+    # weights | gradients | optimizer | buffers | activations | logits | workspace | context | runtime | loading
+    category: str
     where: str  # gpu | host
-    phase: str  # always | loading | "<role> backward through the loss|layers" | "<role> forward" | optimizer step | generation
+    # always | loading | "<role> backward through the loss|layers" | "<role> forward" | optimizer step | generation
+    phase: str
     bytes: int
     scope: str = "process"
 
@@ -95,8 +97,8 @@ class Item:
 class Memory:
     items: list[Item]
     processes_per_node: int
-    gpu_capacity: Optional[int]
-    host_capacity: Optional[int]
+    gpu_capacity: int | None
+    host_capacity: int | None
     host_capacity_source: str = ""
 
     def total_bytes(self, item: Item) -> int:
@@ -129,15 +131,15 @@ class Memory:
         return self.peak("host")[0]
 
     @property
-    def gpu_headroom(self) -> Optional[int]:
+    def gpu_headroom(self) -> int | None:
         return None if self.gpu_capacity is None else self.gpu_capacity - self.gpu_peak
 
     @property
-    def host_headroom(self) -> Optional[int]:
+    def host_headroom(self) -> int | None:
         return None if self.host_capacity is None else self.host_capacity - self.host_peak
 
     @property
-    def fits(self) -> Optional[bool]:
+    def fits(self) -> bool | None:
         """True/False when there is something to compare with; None when nothing is known."""
         checks = [h >= 0 for h in (self.gpu_headroom, self.host_headroom) if h is not None]
         return all(checks) if checks else None
@@ -256,7 +258,8 @@ def _frozen_model(ledger: _Ledger, use: ModelUse) -> None:
     if use.placement == "live":
         if z == 3:
             shard, persistent = ledger.sharded(frozen, b, threshold)
-            add(f"{role} weights ({prec}, frozen, {ledger.shard_note})", "weights", device, "always", shard + persistent)
+            add(f"{role} weights ({prec}, frozen, {ledger.shard_note})", "weights", device, "always",
+                shard + persistent)
             add(f"{role} gathered layers", "buffers", device, fwd_phase, gathered)
         else:
             add(f"{role} weights ({prec}, frozen, whole)", "weights", device, "always", total)

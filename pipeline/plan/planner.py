@@ -7,13 +7,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from core import calibration as calibration_file
 from core import kinds
-from core.sequence_parallel import share_problem
 from core.errors import DoesNotFit, InvalidInput
 from core.rows import is_row_file
+from core.sequence_parallel import share_problem
 from core.shapes import ModelShape, resolve_shape
 from pipeline import lengths as row_lengths
 from pipeline.hfcache import hf_cache
@@ -48,11 +47,11 @@ class StagePlan:
         return self.estimate.memory
 
     @property
-    def time(self) -> Optional[TimeEstimate]:
+    def time(self) -> TimeEstimate | None:
         return self.estimate.time
 
     @property
-    def fits(self) -> Optional[bool]:
+    def fits(self) -> bool | None:
         return self.estimate.fits
 
     @property
@@ -61,8 +60,8 @@ class StagePlan:
         return self.knobs.data_parallel(self.world)
 
 
-def plan_stage(stage, shape: ModelShape, hw: Hardware, rows: Optional[int] = None, ppo: Optional[PPOWorkload] = None,
-               model_name: str = "", lengths: Optional[row_lengths.RowLengths] = None,
+def plan_stage(stage, shape: ModelShape, hw: Hardware, rows: int | None = None, ppo: PPOWorkload | None = None,
+               model_name: str = "", lengths: row_lengths.RowLengths | None = None,
                where: str = "stage") -> StagePlan:
     """The plan of one stage; `lengths`: its rows' sampled token counts (else max_len each).
     InvalidInput (naming `where`) when its processes cannot share sequences as it asks."""
@@ -106,7 +105,7 @@ def _stage_model_name(spec, stage) -> str:
     return stage.model
 
 
-def ppo_workload(spec, stage) -> Optional[PPOWorkload]:
+def ppo_workload(spec, stage) -> PPOWorkload | None:
     """What an RL stage holds besides its actor, read through its kind's declaration (core/kinds.py
     Rollouts): a reward model (an upstream rm stage), a critic where its estimator trains one
     (started from the reward model, else from the actor's model), rollout sizes. None for a
@@ -146,7 +145,7 @@ def known_rows(spec) -> dict:
     return {k: v for k, v in rows.items() if v}
 
 
-def hardware_of(spec, calibration: Optional[Path] = None) -> Hardware:
+def hardware_of(spec, calibration: Path | None = None) -> Hardware:
     """What the pipeline's stages run on, with the rates measured on such a node where a
     calibration file is given, or sits at its default place (<runs_dir>/calibration/<gpu>.json).
     InvalidInput (exit 2) for an unknown GPU, or a file given that is unreadable or was measured
@@ -193,7 +192,7 @@ def signal_lead(spec, stage) -> int:
     return signal_lead_seconds(checkpoint_save_seconds(models, knobs), estimated.step_s if estimated else None)
 
 
-def plan_pipeline(spec, rows_by_stage: Optional[dict] = None, calibration: Optional[Path] = None) -> list[StagePlan]:
+def plan_pipeline(spec, rows_by_stage: dict | None = None, calibration: Path | None = None) -> list[StagePlan]:
     """A plan for every stage of a validated pipeline (PipelineSpec).
 
     rows_by_stage: training rows per stage name, when known, for total times;

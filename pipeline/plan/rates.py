@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
 
 from core import hardware
 from core.shapes import ModelShape
@@ -110,7 +109,7 @@ class Rates:
     step_bytes_per_param: dict = field(default_factory=lambda: {
         z: Rate(v, "records", "one record" if z == 0 else "") for z, v in STEP_BYTES_PER_PARAM.items()})
     lora_bytes_per_element: Rate = Rate(LORA_BYTES_PER_ELEMENT, "records", "one record")
-    calibration: Optional[str] = None  # "calibrated on <node>, <date>" when a file was used
+    calibration: str | None = None  # "calibrated on <node>, <date>" when a file was used
 
     def attention(self, kernel: str) -> Rate:
         return self.attention_efficiency.get(kernel, self.attention_efficiency["sdpa"])
@@ -135,8 +134,8 @@ class Rates:
         return lines
 
 
-def built_in(gpu: hardware.GPU, precision: str, cores_per_process: Optional[int] = None,
-             calibration=None, shape: Optional[ModelShape] = None, tokens: Optional[int] = None) -> Rates:
+def built_in(gpu: hardware.GPU, precision: str, cores_per_process: int | None = None,
+             calibration=None, shape: ModelShape | None = None, tokens: int | None = None) -> Rates:
     """The rates of a catalogue GPU for a stage that trains `shape` on micro batches of `tokens`
     tokens; a calibration (core/calibration.py) replaces what it measured."""
     peak = gpu.peak_tflops(precision) * 1e12
@@ -179,8 +178,8 @@ def _copy_bandwidth(gpu: hardware.GPU) -> Rate:
                 "as a copy on an H100 measured")
 
 
-def _calibrated(rates: Rates, calibration, precision: str, shape: Optional[ModelShape],
-                tokens: Optional[int]) -> Rates:
+def _calibrated(rates: Rates, calibration, precision: str, shape: ModelShape | None,
+                tokens: int | None) -> Rates:
     """`rates` with what a calibration file measured in its place (core/calibration.py)."""
     where = f"{calibration.node}, {calibration.date[:10]}"
     measured = {}
@@ -215,7 +214,7 @@ def _calibrated(rates: Rates, calibration, precision: str, shape: Optional[Model
     return dataclasses.replace(rates, **measured, calibration=f"calibrated on {where}")
 
 
-def _matmul_at_shapes(calibration, precision: str, shape: ModelShape, tokens: int) -> Optional[float]:
+def _matmul_at_shapes(calibration, precision: str, shape: ModelShape, tokens: int) -> float | None:
     """The model's matmul rate from the measured GEMMs nearest its own: each linear layer of a
     decoder layer as the model runs it (q, k, v, o, gate, up, down apiece: pipeline/calibrate.py
     times these) and the LM head, on a micro batch of `tokens` rows, each product in its three

@@ -4,7 +4,7 @@ the same numbers, the text in GiB and readable durations, the JSON in bytes and 
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from core.shapes import count_text
 from pipeline.plan.batches import Batches
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pipeline.plan.planner import StagePlan
 
 
-def _gib(n: Optional[float]) -> str:
+def _gib(n: float | None) -> str:
     return "?" if n is None else f"{n / GiB:.1f} GiB"
 
 
@@ -27,7 +27,7 @@ def _size(n: float) -> str:
     return f"{n / GiB:10.2f} GiB" if abs(n) >= 0.1 * GiB else f"{n / 2**20:10.2f} MiB"
 
 
-def _duration(seconds: Optional[float]) -> str:
+def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "?"
     if seconds < 120:
@@ -206,7 +206,7 @@ def _batches_text(b: Batches, max_len: int) -> list[str]:
                   f"{b.padding_share:.1%} padding"]
 
 
-def _batches_json(b: Optional[Batches]) -> Optional[dict]:
+def _batches_json(b: Batches | None) -> dict | None:
     if b is None:
         return None
     lengths = b.lengths
@@ -253,7 +253,8 @@ def plan_to_json(plans: list[StagePlan]) -> dict:
                                                                                         "source": plan.shape.source},
             "settings": asdict(plan.knobs),
             "gpu_name": plan.hardware.gpu.name if plan.hardware.gpu else None,  # "gpu": the memory, below
-            "processes": plan.world, "data_parallel": plan.data_parallel, "trained_params": plan.trained_params, "total_params": plan.total_params,
+            "processes": plan.world, "data_parallel": plan.data_parallel, "trained_params": plan.trained_params,
+            "total_params": plan.total_params,
             **_estimate_json(plan.estimate),
             "warnings": plan.warnings,
             "suggestions": [_suggestion_json(s) for s in plan.suggestions],

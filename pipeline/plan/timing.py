@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from core.batching import rows_per_step
 from core.flops import (
@@ -86,7 +85,7 @@ class GPUWork:
     exchanged_bytes: float = 0.0  # sequence parallel: what Ulysses' all-to-alls send from this process
     checkpoint_bytes: float = 0.0  # checkpoint_offload: the layer inputs copied to the host and back
 
-    def add(self, other: "GPUWork", times: float = 1.0) -> None:
+    def add(self, other: GPUWork, times: float = 1.0) -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + times * getattr(other, name))
 
@@ -111,16 +110,16 @@ class TimeEstimate:
     step_s: float
     mfu: float
     tokens_per_s: float
-    token_efficiency: Optional[float]  # real / processed tokens; None for PPO (not modelled)
+    token_efficiency: float | None  # real / processed tokens; None for PPO (not modelled)
     seconds_per_1000_rows: float
     precompute_s_per_1000_rows: float = 0.0
     sequence_exchange_s: float = 0.0  # sequence parallel: the all-to-alls' seconds (all exposed)
-    rows: Optional[int] = None
-    steps: Optional[int] = None
-    total_s: Optional[float] = None
+    rows: int | None = None
+    steps: int | None = None
+    total_s: float | None = None
     # compute_s by term (matmul, attention, loss, ZeRO-3 hooks, LoRA), and where each rate came from
     compute_terms: dict = field(default_factory=dict)
-    calibration: Optional[str] = None  # "calibrated on <node>, <date>" when a calibration file gave rates
+    calibration: str | None = None  # "calibrated on <node>, <date>" when a calibration file gave rates
     # the work the rates were applied to (the busiest process's GPUWork, the parameters its
     # optimizer steps on the GPU or the host, the host copies' seconds): what a fit regresses on
     work: dict = field(default_factory=dict)
@@ -164,7 +163,7 @@ def compute_seconds(work: GPUWork, rates: rate_table.Rates, kernel: str, zero_st
 
 
 def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: Hardware,
-                  rows: Optional[int] = None, batches: Optional[Batches] = None) -> Optional[TimeEstimate]:
+                  rows: int | None = None, batches: Batches | None = None) -> TimeEstimate | None:
     """Step time and total time; None without a known GPU (nothing to compare with).
 
     The unit of work is one optimizer step (SFT, RM, DPO: over `batches`, the
@@ -295,8 +294,8 @@ def _generation_note(knobs: Knobs) -> str:
                else ""))
 
 
-def _steps_and_total(rows: Optional[int], knobs: Knobs, work: _Work, unit_s: float,
-                     pre_per_1000: float) -> tuple[Optional[int], Optional[float]]:
+def _steps_and_total(rows: int | None, knobs: Knobs, work: _Work, unit_s: float,
+                     pre_per_1000: float) -> tuple[int | None, float | None]:
     """(optimizer steps, seconds) of the whole stage: its epochs over `rows`, or max_steps where set."""
     steps = total = None
     if rows is not None:
@@ -321,7 +320,7 @@ def _seconds(value: float) -> str:
     return f"{value:.2f} s" if value < 120 else f"{value / 60:.1f} min"
 
 
-def _lora_params(use: ModelUse, knobs: Knobs) -> Optional[int]:
+def _lora_params(use: ModelUse, knobs: Knobs) -> int | None:
     return sum(trainable_tensors(use, knobs)[0]) if use.trained and knobs.lora_rank else None
 
 
@@ -504,7 +503,7 @@ def checkpoint_save_seconds(models: list[ModelUse], knobs: Knobs) -> float:
     return checkpoint_bytes(models, knobs) / max(knobs.nodes, 1) / CHECKPOINT_WRITE_BYTES_PER_S
 
 
-def signal_lead_seconds(save_s: float, step_s: Optional[float]) -> int:
+def signal_lead_seconds(save_s: float, step_s: float | None) -> int:
     """How long before the time limit Slurm should signal: the step running then ends (twice an
     estimated step, for a slow one), the checkpoint is written (twice the estimate), and the
     job requeues and exits (SIGNAL_MARGIN_S)."""

@@ -7,7 +7,6 @@ at the requeue signal), and submitit starts every task of the job again."""
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from schedulers.submitit_tasks import SubmititTask
 
@@ -25,5 +24,5 @@ class LocalTask(SubmititTask):
         value = os.environ.get("SUBMITIT_LOCAL_GLOBALID", "")
         return int(value) if value.isdigit() else 0
 
-    def job_id(self) -> Optional[str]:
+    def job_id(self) -> str | None:
         return os.environ.get("SUBMITIT_LOCAL_JOB_ID") or None

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 from core import failure, timeline
 from core.checkpoints import newest_intact
@@ -52,7 +52,7 @@ class LocalExecutor(Executor):
     def check_validate(self, spec: PipelineSpec) -> None:
         check_gpus(spec)
 
-    def check_before_run(self, spec, force, refuse_live, echo) -> Optional[list]:
+    def check_before_run(self, spec, force, refuse_live, echo) -> list | None:
         plans = check_fits(spec, force)
         check_gpus(spec)
         refuse_live()  # a Slurm chain training into the same folders
@@ -180,7 +180,7 @@ class _Stops:
     def name(self) -> str:
         return signal.Signals(self.received[0]).name
 
-    def __enter__(self) -> "_Stops":
+    def __enter__(self) -> _Stops:
         self.previous = {sig: signal.signal(sig, self._note) for sig in self.SIGNALS}
         return self
 
@@ -294,7 +294,7 @@ def local_parameters(spec: PipelineSpec, task: StageTask) -> dict:
     from core.task import RUN_PID_ENV
 
     env = {**hf_cache(spec).env(), RUN_PID_ENV: str(os.getpid()), **spec.cluster.env}
-    params = {
+    params: dict[str, Any] = {
         "timeout_min": LOCAL_TIMEOUT_MIN,
         "tasks_per_node": task.processes_per_node,
         # SIGINT ignored by the job's shell and submitit's controller (see _Stops); the tasks
@@ -319,7 +319,9 @@ def check_gpus(spec: PipelineSpec) -> None:
     asked = spec.cluster.gpus_per_node
     if not asked:
         return
-    stages_root = Path(importlib.util.find_spec("stages").origin).parent.parent
+    found = importlib.util.find_spec("stages")
+    assert found is not None and found.origin is not None  # this project's own package
+    stages_root = Path(found.origin).parent.parent
     code = (f"import sys; sys.path.insert(0, {str(stages_root)!r}); "
             f"from stages.distributed import missing_gpus; print(missing_gpus({asked}) or '')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -362,7 +364,9 @@ def stage_failure(task: StageTask, job) -> PipelineError:
     records = failure.read(task.folder, job.job_id)
     explained = failure.explain(task.name, records)
     if explained is not None:
-        invalid = failure.explaining(records).kind == failure.INVALID_INPUT
+        first = failure.explaining(records)
+        assert first is not None  # explained, so a record explains it
+        invalid = first.kind == failure.INVALID_INPUT
         return (InvalidStageInput if invalid else StageFailed)(explained)
     err_path = Path(job.paths.stderr)
     tail = ""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-from typing import Optional
 
 from schedulers.base import Layout, Runtime
 from schedulers.submitit_tasks import SubmititTask
@@ -23,7 +22,7 @@ class SlurmTask(Runtime):
         value = os.environ.get("SLURM_PROCID", "")
         return int(value) if value.isdigit() else 0
 
-    def job_id(self) -> Optional[str]:
+    def job_id(self) -> str | None:
         return os.environ.get("SLURM_JOB_ID") or None
 
     def restart_count(self) -> int:
@@ -48,7 +47,7 @@ class SrunTask(SlurmTask):
     def active(cls) -> bool:
         return "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ
 
-    def layout(self) -> Optional[Layout]:
+    def layout(self) -> Layout | None:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             return None  # srun started a launcher (torchrun), which said who this process is
         world = int(os.environ["SLURM_NTASKS"])

@@ -17,7 +17,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 from core import runfolder
 from core.checkpoints import newest_intact
@@ -52,10 +52,10 @@ class SlurmExecutor(Executor):
     def runs_this_python(self, spec: PipelineSpec) -> bool:
         return not spec.container
 
-    def time_limit_min(self, spec: PipelineSpec, stage) -> Optional[int]:
+    def time_limit_min(self, spec: PipelineSpec, stage) -> int | None:
         return time_to_minutes(stage.time or spec.cluster.time)
 
-    def check_before_run(self, spec, force, refuse_live, echo) -> Optional[list]:
+    def check_before_run(self, spec, force, refuse_live, echo) -> list | None:
         check_ready(spec)
         refuse_live()  # before the download, which may take long
         try:
@@ -84,17 +84,19 @@ class SlurmExecutor(Executor):
     def look(self, job_ids: list[str]) -> dict[str, slurm_jobs.JobInfo]:
         return slurm_jobs.job_info(job_ids) if job_ids else {}
 
-    def stage_status(self, task, record, seen: Optional[slurm_jobs.JobInfo], run_state, running):
+    def stage_status(self, task, record, seen: slurm_jobs.JobInfo | None, run_state, running):
         return _job_status(self, task, record, seen, run_state)
 
-    def note_finished(self, status: state.StageStatus, seen: Optional[slurm_jobs.JobInfo]) -> None:
+    def note_finished(self, status: state.StageStatus, seen: slurm_jobs.JobInfo | None) -> None:
         if seen is not None:
             status.job_state, status.restarts, status.source = seen.state, seen.restarts, self.name
 
     def deaths(self, record: state.StageRecord) -> list[Failure]:
         """The tasks srun says died, in the batch script's stderr (rank 0's log: srun writes there too)."""
         batch_err = self.runtime.task_log(Path(record.logs), record.job_id, 0)
-        return slurm_jobs.srun_deaths(batch_err.read_text(errors="replace")) if batch_err.is_file() else []
+        if batch_err is None or not batch_err.is_file():  # Slurm's runtime always names it
+            return []
+        return slurm_jobs.srun_deaths(batch_err.read_text(errors="replace"))
 
     def cancel(self, job_ids: list[str]) -> None:
         slurm_jobs.cancel(job_ids)
@@ -181,9 +183,9 @@ def submit_chain(executor: SlurmExecutor, spec: PipelineSpec, planned: list[Plan
 
 
 def _job_status(executor: SlurmExecutor, task: StageTask, record: state.StageRecord,
-                info: Optional[slurm_jobs.JobInfo], run_state: state.RunState) -> state.StageStatus:
+                info: slurm_jobs.JobInfo | None, run_state: state.RunState) -> state.StageStatus:
     """An unfinished stage's status from what Slurm knows of its job, else from its record."""
-    base = dict(name=task.name, run_dir=task.run_dir, job_id=record.job_id)
+    base: dict[str, Any] = dict(name=task.name, run_dir=task.run_dir, job_id=record.job_id)
     older = "" if record.spec_hash == task.spec_hash else " (an older spec of this stage)"
     if info is None:
         # Slurm (and accounting, if any) no longer knows the job, and it left no result.
@@ -354,6 +356,7 @@ def container_command(spec: PipelineSpec, binds: list[str]) -> list[str]:
         # The job unpickles the stage with the same code that submitted it.
         command += ["--env", f"PYTHONPATH={code}"]
     command += list(spec.apptainer.options)
+    assert spec.container is not None, "a container stage's command"
     command.append(str(Path(spec.container).expanduser().resolve()))
     return command
 
@@ -385,7 +388,7 @@ def bind_list(spec: PipelineSpec, paths: list[Path]) -> list[str]:
     return [str(p) for p in kept] + list(spec.apptainer.binds)
 
 
-def code_root() -> Optional[Path]:
+def code_root() -> Path | None:
     """This project's source checkout, when it runs from one (not from an installed wheel)."""
     root = Path(__file__).resolve().parents[2]
     return root if (root / "pyproject.toml").is_file() and (root / "stages").is_dir() else None

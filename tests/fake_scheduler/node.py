@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Optional
 
 from schedulers.base import Layout, Runtime
 
@@ -26,7 +25,7 @@ class FakeTask(Runtime):
     def rank(self) -> int:
         return int(os.environ[RANK])
 
-    def job_id(self) -> Optional[str]:
+    def job_id(self) -> str | None:
         return os.environ[JOB]
 
     def restart_count(self) -> int:
@@ -37,7 +36,7 @@ class FakeTask(Runtime):
         return Layout(self.rank(), tasks, self.rank(), tasks, "127.0.0.1", int(os.environ[PORT]))
 
     @classmethod
-    def task_log(cls, logs: Path, job_id: Optional[str], rank: int) -> Optional[Path]:
+    def task_log(cls, logs: Path, job_id: str | None, rank: int) -> Path | None:
         return logs / f"fake-{job_id}.rank{rank}.err"
 
     @classmethod

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from core.errors import InvalidInput, StageFailed
 from core.task import StageTask
@@ -34,7 +33,7 @@ class FakeExecutor(Executor):
     calibrate_help = "the fake scheduler measures nothing"
     runtime = node.FakeTask
 
-    def check_before_run(self, spec, force, refuse_live, echo) -> Optional[list]:
+    def check_before_run(self, spec, force, refuse_live, echo) -> list | None:
         plans = check_fits(spec, force)
         refuse_live()
         return plans
@@ -97,7 +96,7 @@ def _start_task(task: StageTask, job_id: str, rank: int, start: int, port: int, 
                                 stdout=out, stderr=errors)
 
 
-def _wait(tasks: list[subprocess.Popen], metrics: Path, preempt_after: Optional[int]) -> list[int]:
+def _wait(tasks: list[subprocess.Popen], metrics: Path, preempt_after: int | None) -> list[int]:
     """Wait for every task; a task that fails takes the others down; the requeue signal to each
     once training has passed step `preempt_after`."""
     while any(t.poll() is None for t in tasks):

@@ -49,8 +49,8 @@ class _HookedLoader(importlib.abc.Loader):
         self._loader.exec_module(module)
         try:
             self._hook(module)
-        except Exception as exc:  # a broken shim must not break the import
-            warnings.warn(f"tests/pinned_shims: hook for {module.__name__} failed: {exc!r}")
+        except Exception as exc:  # noqa: BLE001 -- a broken shim must not break the import
+            warnings.warn(f"tests/pinned_shims: hook for {module.__name__} failed: {exc!r}", stacklevel=1)
 
     def __getattr__(self, name):  # get_source, get_filename, is_package, ...
         return getattr(self._loader, name)
@@ -242,8 +242,8 @@ def _chain_next_sitecustomize():
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
-        warnings.warn(f"tests/pinned_shims: chained sitecustomize {spec.origin} failed: {exc!r}")
+    except Exception as exc:  # noqa: BLE001 -- a broken chained sitecustomize must not stop python
+        warnings.warn(f"tests/pinned_shims: chained sitecustomize {spec.origin} failed: {exc!r}", stacklevel=1)
 
 
 def _install():

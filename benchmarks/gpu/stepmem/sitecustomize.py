@@ -427,9 +427,10 @@ class FakeCuda:
         pass
 
     def segments(self):
+        blocks = [{"address": 1 << 40, "size": self.top, "state": "active_allocated"},
+                  {"address": (1 << 40) + self.top, "size": GiB, "state": "inactive"}]
         return [{"segment_type": "large", "address": 1 << 40, "total_size": self.top + GiB, "allocated_size": self.top,
-                 "is_expandable": True, "blocks": [{"address": 1 << 40, "size": self.top, "state": "active_allocated"},
-                                                    {"address": (1 << 40) + self.top, "size": GiB, "state": "inactive"}]},
+                 "is_expandable": True, "blocks": blocks},
                 {"segment_type": "small", "total_size": 2 * MiB, "blocks": []}]
 
     def record(self, on, max_entries=0):

@@ -11,7 +11,7 @@ look IPEX up through ``importlib.metadata`` and must keep seeing it as absent.
 """
 
 
-class _C:  # noqa: N801 - mirrors ipex._C
+class _C:
     @staticmethod
     def _has_xpu() -> bool:
         return False
