@@ -27,6 +27,11 @@ def checked_by_schedulers(field: str, value: Any) -> Any:
     return value
 
 
+# The executor of a pipeline.json record that names none: records were all Slurm jobs before local
+# runs were recorded.
+UNNAMED_RECORD_EXECUTOR = "slurm"
+
+
 class ClusterSpec(Strict):
     """Where and how the stages run."""
 

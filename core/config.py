@@ -38,15 +38,6 @@ BUILTIN_MODELS = ("tiny-llama",)
 BUILTIN_DATASETS = ("digits",)
 
 
-# --------------------------------------------------------------------------- cluster
-
-
-# The executor of a pipeline.json record that names none: records were all Slurm jobs before local runs were recorded.
-UNNAMED_RECORD_EXECUTOR = "slurm"
-
-
-
-
 # --------------------------------------------------------------------------- tracking
 
 

@@ -26,7 +26,7 @@ from pydantic import AliasChoices, BaseModel, Field, ValidationError
 
 from core import metrics, runfolder, timeline
 from core.checkpoints import newest_intact
-from core.config import UNNAMED_RECORD_EXECUTOR
+from core.cluster_spec import UNNAMED_RECORD_EXECUTOR
 from core.errors import InvalidInput, PipelineError
 from core.task import StageTask
 from pipeline import graph

@@ -14,13 +14,13 @@ import tokenize
 from pathlib import Path
 
 import schedulers
-from core import config
+from core import cluster_spec
 from pipeline import executors
 from tests.conftest import PACKAGES, REPO, copy_of_the_code
 
-# The schema (cluster.executor's default and documentation) and the schedulers' packages: the only
-# places that may name one.
-SCHEMA = Path(config.__file__).resolve().relative_to(REPO).as_posix()
+# The cluster section's schema (cluster.executor's default and documentation: core/cluster_spec.py)
+# and the schedulers' packages: the only places that may name one.
+SCHEMA = Path(cluster_spec.__file__).resolve().relative_to(REPO).as_posix()
 EXECUTOR_MODULES = Path(schedulers.__file__).resolve().parent.relative_to(REPO).as_posix() + "/"
 NAMES = schedulers.names()
 
