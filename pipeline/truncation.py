@@ -54,8 +54,8 @@ def check(spec: PipelineSpec, cache: HFCache) -> None:
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     request = json.dumps({"sample": SAMPLE_ROWS, "stages": jobs})
     try:
-        done = subprocess.run([sys.executable, "-m", "stages.data"], input=request, capture_output=True, text=True,
-                              timeout=TIMEOUT_S, env=env)
+        done = subprocess.run([sys.executable, "-m", "stages.measure_truncation"], input=request,
+                              capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
         return _not_measured(f"it took longer than {TIMEOUT_S} s")
     try:

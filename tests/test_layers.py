@@ -28,7 +28,7 @@ ENTRY_POINTS = {
     "stages.calibrate": "calibrate's measuring job",
     "stages.supervise": "the local stage job's supervisor process (`-m`)",
     "stages.scale_model": "builds a scale model in a child process (`-m`): it needs transformers",
-    "stages.data": "validate's token-length measurement in a child process (`-m`): it needs a tokenizer",
+    "stages.measure_truncation": "validate's token-length measurement in a child process (`-m`): it needs a tokenizer",
     "stages.distributed": "the local GPU check in a child process (`-c`): it needs torch",
 }
 EXECUTORS = "schedulers' executors"  # the submit halves: a layer of their own
@@ -123,10 +123,10 @@ def test_the_checks_catch_a_planted_upward_import_and_cycle(tmp_path):
     (tmp_path / "core" / "config.py").write_text("def f():\n    from pipeline import graph\n")
     (tmp_path / "pipeline" / "graph.py").write_text("from core import config\n")
     (tmp_path / "pipeline" / "launch.py").write_text(
-        "from stages.runner import StageJob\nfrom stages.engine import train\nCMD = '-m stages.data'\n")
+        "from stages.runner import StageJob\nfrom stages.engine import train\nCMD = '-m stages.measure_truncation'\n")
     (tmp_path / "stages" / "runner.py").write_text("")
     (tmp_path / "stages" / "engine.py").write_text("from pipeline import graph\n")
-    (tmp_path / "stages" / "data.py").write_text("")
+    (tmp_path / "stages" / "measure_truncation.py").write_text("")
     assert violations(tmp_path) == ["core/config.py:2 imports pipeline", "core/config.py:2 imports pipeline.graph",
                                     "pipeline/launch.py:2 imports stages.engine", "stages/engine.py:1 imports pipeline",
                                     "stages/engine.py:1 imports pipeline.graph"]
