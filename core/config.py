@@ -19,7 +19,7 @@ import difflib
 import importlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, SerializeAsAny, ValidationError, WrapValidator, field_validator, model_validator
 
@@ -296,6 +296,12 @@ class StageDefaults(TrainingKnobs):
 
 
 class StageBase(TrainingKnobs):
+    if TYPE_CHECKING:
+        # Every stage has a kind, the registry's key (core/kinds.py). Each kind's schema declares it as
+        # its own field, `kind: Literal["<name>"]`, which is what validates it; declared here for the type
+        # checker alone, as a field here would add `kind` to every schema as a plain string.
+        kind: str
+
     name: str = Field(..., pattern=NAME_PATTERN,
                       description="Unique stage name; its outputs go to runs/<pipeline>/<name>/.")
     from_: str | None = Field(

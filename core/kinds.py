@@ -25,10 +25,13 @@ import dataclasses
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from core import estimators, rollout_engine
 from core.batching import rollout_sequences, rows_per_step
+
+if TYPE_CHECKING:
+    from core.config import StageBase  # core.config imports this module: a kind's schema is its subclass
 
 # The row formats a kind can read. Each says which columns a row needs (core/rows.py), how its
 # tokens are counted (pipeline/lengths.py) and tokenised (stages/data.py), and how many
@@ -116,7 +119,7 @@ class RolloutSettings:
 @dataclass
 class StageKind:
     name: str
-    schema: type  # the pipeline file's section for this kind (core.config.StageBase subclass)
+    schema: type[StageBase]  # the pipeline file's section for this kind
     rows: RowFormat
     headline: str  # the result.json key that says whether the stage worked
     trained_head: Literal["lm", "scalar"] = "lm"  # a language model, or a 1-label sequence classifier

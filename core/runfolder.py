@@ -78,7 +78,7 @@ def digests_file(pipeline_dir: Path) -> Path:
     return Path(pipeline_dir) / DIGESTS_FILE
 
 
-def builtin_folder(pipeline_dir: Path) -> Path:
+def builtin_folder(pipeline_dir: str | Path) -> Path:
     return Path(pipeline_dir) / BUILTIN_FOLDER
 
 

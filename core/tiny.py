@@ -141,7 +141,7 @@ def write_tiny_llama(dest: Path, seed: int = 0) -> None:
     def write(tmp: Path):
         tokenizer = build_tokenizer()
         # rope_theta: a field on transformers 4.x; on 5.x a legacy keyword turned into rope_parameters.
-        config = LlamaConfig(  # type: ignore[call-arg]
+        config = LlamaConfig(
             vocab_size=len(tokenizer),
             hidden_size=64,
             intermediate_size=176,

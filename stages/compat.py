@@ -340,7 +340,7 @@ def deepspeed_casts_buffers() -> bool:
     return not hasattr(DeepSpeedEngine, "_cast_module_mixed_precision")
 
 
-def rotary_classes() -> list[type]:
+def rotary_classes() -> list[type[torch.nn.Module]]:
     """The installed rotary embedding classes of the model families listed above."""
     return [cls for _, cls in _model_classes()
             if issubclass(cls, torch.nn.Module) and cls.__name__.endswith("RotaryEmbedding")]
@@ -358,7 +358,7 @@ def _model_classes():
                 yield module, value
 
 
-def _apply_rotary_fp32() -> list[type]:
+def _apply_rotary_fp32() -> list[type[torch.nn.Module]]:
     classes = rotary_classes()
     changes = []
     for cls in classes:

@@ -132,7 +132,7 @@ def prepare() -> None:
 
     if not getattr(cpp_extension._run_ninja_build, "announces", False):
         cpp_extension._run_ninja_build = _announcing(cpp_extension._run_ninja_build)
-        cpp_extension.FileBaton = _saying_baton(cpp_extension.FileBaton)  # type: ignore[misc]  # patched on purpose
+        cpp_extension.FileBaton = _saying_baton(cpp_extension.FileBaton)
     _quiet_loads()
     _quiet_shm_success()
 

@@ -31,12 +31,15 @@ from stages.losses import dpo_loss
 from stages.recipe import Recipe
 
 if TYPE_CHECKING:
+    from core.schemas.dpo import DPOStage
     from stages.runner import StageContext
 
 log = logging.getLogger("stages")
 
 
 class DPO(Recipe):
+    stage: DPOStage
+
     def load_models(self):
         """The reference first (precomputed: its log-probs of every row, then freed), then the policy."""
         stage, ctx = self.stage, self.ctx

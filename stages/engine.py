@@ -13,6 +13,7 @@ update (stages/ppo.py).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import time
@@ -150,7 +151,8 @@ def initialize(model, stage, ds_config: dict, total_steps: int):
     """deepspeed.initialize with AdamW (no decay on norms and biases) and the LR schedule."""
     import deepspeed
 
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 else decay).append(param)
@@ -432,7 +434,8 @@ class OptimizerSteps:
         self.engine, self.loop, self.log_interval = engine, loop, log_interval
         self.others: dict = {}
         self.total_steps = loop.total_steps
-        self.epoch, self.planned = -1, []  # the epoch of the last step, and that epoch's steps
+        self.epoch = -1  # the epoch of the last step
+        self.planned: list[batching.Step] = []  # that epoch's steps
 
     def advance(self, step: int, window: Window) -> None:
         epoch, offset = divmod(step, self.loop.steps_per_epoch)
@@ -445,8 +448,8 @@ class OptimizerSteps:
         for j, micro in enumerate(planned.micro_batches):
             # Packed steps vary in micro batch count: the last one is the boundary.
             batch = self.loop.batch(micro)
-            _, shares = train_on(engine, batch, lambda batch=batch, micro=micro: self.loop.loss(batch, micro, planned),
-                                 j == last, world)
+            _, shares = train_on(engine, batch, functools.partial(self.loop.loss, batch, micro, planned), j == last,
+                                 world)
             window.add(batch, shares, self.loop.flops(batch) if micro.weight else 0.0)
 
     def record(self) -> dict:

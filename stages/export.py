@@ -68,6 +68,7 @@ def export(engine, tokenizer, stage, out_dir: Path, is_main: bool, extra_files: 
         engine.empty_partition_cache()
     state = gather_state_dict(module, is_main)
     if is_main:
+        assert state is not None, "gather_state_dict gives the main process the whole state"
         tmp = temporary(out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         is_peft = hasattr(module, "peft_config")

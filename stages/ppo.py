@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 
 def run(task: StageTask, ctx: StageContext) -> dict:
-    stage = task.stage
+    stage = ppo_stage(task)
     weak = reward_quality.check(stage, task.pipeline_dir)  # refuses a reward model at chance, unless allowed
     if weak and ctx.is_main:
         logging.getLogger("stages").warning(weak)
@@ -131,7 +131,7 @@ class Rollouts:
                 trained["sync_bytes"] = float(self.vllm.sync_bytes)
             kl_per_sequence = rollout_kl(rollout)
             if kl_per_sequence is not None:
-                sampled = batching.rollout_sequences(stage.rollout_batch_size, stage.n_samples_per_prompt)
+                sampled = batching.rollout_sequences(stage.rollout_batch_size, stage.samples_per_prompt)
                 self.kl_control.update(kl_per_sequence, sampled)
         rollout_s = time.perf_counter() - started
         seconds, busy = clock.take()
@@ -174,9 +174,17 @@ def load_prompts(stage: PPOStage, ctx: StageContext, tokenizer) -> tuple[list[Pr
     return prompts["train"], prompts["eval"][: stage.eval_prompts], tokenized.record()
 
 
+def ppo_stage(task: StageTask) -> PPOStage:
+    """The task's stage, a PPOStage: ppo's run is handed ppo stages (the runner runs a stage's own
+    kind's run; another RL kind hands it its stage in ppo's fields, as tests/rl_kind.py does)."""
+    stage = task.stage
+    assert isinstance(stage, PPOStage), f"ppo's run was handed a {stage.kind} stage"
+    return stage
+
+
 def critic_path(task: StageTask, model_path: str) -> str:
     """The critic starts from the reward model when there is one (it already reads rewards), else the policy."""
-    return task.upstream_dirs.get(task.stage.reward.model or "", model_path)
+    return task.upstream_dirs.get(ppo_stage(task).reward.model or "", model_path)
 
 
 def critic_stage(stage: PPOStage) -> PPOStage:
@@ -187,7 +195,7 @@ def load_models(task: StageTask, ctx: StageContext, model_path: str, tokenizer, 
                 total_steps: int) -> Models:
     """Actor (and critic, for an estimator that trains one: gae) as DeepSpeed engines; reference (only
     with a KL term) and reward model frozen."""
-    stage = task.stage
+    stage = ppo_stage(task)
     actor = engine.initialize(models.load_causal_lm(model_path, stage, ds_config, ctx.on_gpu), stage, ds_config,
                               total_steps)
     reference = None
@@ -214,7 +222,7 @@ def load_models(task: StageTask, ctx: StageContext, model_path: str, tokenizer, 
 def rollout_flop_models(task: StageTask, model_path: str, rl_models: Models) -> list:
     """(shape, head, trained, LoRA parameters) of the actor, reference, critic and reward model: what
     core/flops.py counts per rollout sequence, for MFU."""
-    stage = task.stage
+    stage = ppo_stage(task)
     shape = models.shape_of(model_path)
     out = [(shape, "lm", True, models.lora_params(rl_models.actor.module))]
     if rl_models.reference is not None:
@@ -223,6 +231,7 @@ def rollout_flop_models(task: StageTask, model_path: str, rl_models: Models) -> 
         out.append((models.shape_of(critic_path(task, model_path)), "scalar", True,
                     models.lora_params(rl_models.critic.module)))
     if rl_models.reward_model is not None:
+        assert stage.reward.model, "load_models loads a reward model only where reward.model names one"
         out.append((models.shape_of(task.upstream_dirs[stage.reward.model]), "scalar", False, None))
     return out
 
@@ -231,7 +240,7 @@ def schedule_of(stage: PPOStage, world: int, n_prompts: int) -> batching.Rollout
     """How the stage's prompts become rollouts and rollouts optimizer steps (core/batching.py)."""
     try:
         return batching.RolloutSchedule.of(
-            n_prompts, prompts=stage.rollout_batch_size, samples_per_prompt=stage.n_samples_per_prompt,
+            n_prompts, prompts=stage.rollout_batch_size, samples_per_prompt=stage.samples_per_prompt,
             passes=stage.ppo_epochs, groups=stage.data_parallel(world),
             sequences_per_step=engine.sequences_per_step(stage, world), epochs=stage.epochs,
             max_steps=stage.max_steps, seed=stage.seed)
@@ -352,7 +361,8 @@ def rollout_record(index: int, rollout: Rollout, trained: dict, kl: float | None
     The phases' seconds (core/metrics.py ROLLOUT_PHASES) add up to rollout_s; the GPU busy shares and
     the bandwidth fraction are null without a GPU (or NVML, or a catalogued GPU)."""
     stats = rollout.stats
-    sampled = batching.rollout_sequences(stage.rollout_batch_size, stage.n_samples_per_prompt)
+    assert stats is not None, "RolloutMaker.make gives every rollout its stats"
+    sampled = batching.rollout_sequences(stage.rollout_batch_size, stage.samples_per_prompt)
     generate_tokens_per_s = stats.response_tokens / max(timing["generate_s"], 1e-9)  # tokens sampled
     return {
         "rollout": index + 1,
@@ -389,6 +399,6 @@ def decoding_limit(stage: PPOStage, ctx: StageContext, actor_module, actor_shape
     if gpu is None:
         return None
     weight_bytes = actor_shape.n_params * next(actor_module.parameters()).element_size()
-    sampled = batching.sampled_per_process(stage.rollout_batch_size, stage.n_samples_per_prompt, ctx.world_size)
+    sampled = batching.sampled_per_process(stage.rollout_batch_size, stage.samples_per_prompt, ctx.world_size)
     together = min(stage.micro_rollout_batch_size, sampled)
     return ctx.world_size * hardware.decoding_tokens_per_s_limit(gpu, weight_bytes, together)

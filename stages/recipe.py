@@ -30,6 +30,7 @@ from core.task import StageTask
 from stages import collectives, data, engine, export, models
 
 if TYPE_CHECKING:
+    from core.config import StageBase
     from stages.runner import StageContext
 
 
@@ -37,6 +38,7 @@ class Recipe:
     """One supervised stage's run; a subclass fills the hooks (module docstring). What `train` sets up
     is on self for the hooks:"""
 
+    stage: StageBase  # task.stage; a kind's recipe runs on its kind's stages, and says so: `stage: DPOStage`
     tokenizer: Any
     tokenized: data.TokenizedSplits  # the rows tokenised, and what max_len cut
     train_set: data.TokenRows

@@ -11,6 +11,8 @@ the model as reward_stats.json.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from core.batching import MicroBatch, Step
@@ -18,8 +20,13 @@ from stages import models
 from stages.losses import reward_pair_loss
 from stages.recipe import Recipe
 
+if TYPE_CHECKING:
+    from core.schemas.rm import RMStage
+
 
 class RewardModel(Recipe):
+    stage: RMStage
+
     def load_models(self):
         return models.load_reward_model(self.model_path, self.stage, self.ds_config, self.ctx.on_gpu,
                                         self.tokenizer.pad_token_id)

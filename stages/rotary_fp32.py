@@ -60,7 +60,6 @@ def built_in_fp32(init):
         with exact_tensor_constructors():
             init(self, *args, **kwargs)
 
-    __init__._compat_original = init
     return __init__
 
 

@@ -175,7 +175,7 @@ def _job_own_shared_memory() -> None:
         ranks = "-".join(str(rank) for rank in communicator.ranks)
         return f"post-train-{token[0]}-{communicator.unique_name}-[{ranks}]-cpushm"
 
-    cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(job_group_name)  # type: ignore[method-assign]
+    cpu_communicator._CPUSHMDistributed.make_group_name = staticmethod(job_group_name)
 
 
 def _kv_shape(config) -> rollout_engine.KvShape:

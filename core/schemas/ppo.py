@@ -161,10 +161,10 @@ class PPOStage(StageBase):
     @model_validator(mode="after")
     def _groups_need_samples(self):
         estimator = estimators.get(self.advantage)
-        if estimator.group_relative and self.n_samples_per_prompt < 2:
+        if estimator.group_relative and self.samples_per_prompt < 2:
             raise ValueError(f"advantage {self.advantage} compares samples of one prompt: "
                              "set n_samples_per_prompt to 2 or more")
-        if self.dynamic_sampling and self.n_samples_per_prompt < 2:
+        if self.dynamic_sampling and self.samples_per_prompt < 2:
             raise ValueError("dynamic_sampling drops prompts whose samples all got the same reward: "
                              "set n_samples_per_prompt to 2 or more")
         if self.scale_rewards != "group" and not estimator.scales_rewards:
@@ -195,6 +195,13 @@ class PPOStage(StageBase):
             raise ValueError("kl_target adapts kl_coef by scaling it, so from kl_coef 0 it stays 0: set kl_coef "
                              "> 0 to start from, or remove kl_target for no KL term")
         return self
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """n_samples_per_prompt as validation resolved it: an int once the stage is valid (left out or
+        null, _resolve_shorthands sets its estimator's default before the fields are checked)."""
+        assert self.n_samples_per_prompt is not None, "n_samples_per_prompt is resolved when the stage is validated"
+        return self.n_samples_per_prompt
 
     @property
     def needs_reference(self) -> bool:

@@ -144,16 +144,16 @@ def tiled(knobs: Knobs) -> str:
     return f" (one tile of {knobs.logits_tile} positions)" if knobs.logits_tile else ""
 
 
-def mlp_tile_positions(knobs: Knobs, tokens: int) -> int:
-    """Positions of a tiled MLP's largest tile (mlp_tiles), of a process's `tokens`."""
-    return -(-tokens // knobs.mlp_tiles)
+def mlp_tile_positions(tiles: int, tokens: int) -> int:
+    """Positions of a tiled MLP's largest tile (of mlp_tiles `tiles`), of a process's `tokens`."""
+    return -(-tokens // tiles)
 
 
 def mlp_tile(role: str, shape: ModelShape, knobs: Knobs, tokens: int, trained: bool) -> list[Pass]:
     """One tile's MLP intermediates (and, trained, their gradients) under mlp_tiles; none without."""
     if not knobs.mlp_tiles:
         return []
-    positions = mlp_tile_positions(knobs, tokens)
+    positions = mlp_tile_positions(knobs.mlp_tiles, tokens)
     what = "intermediates + their gradients" if trained else "intermediates"
     return [(f"{role} MLP {what} of one tile of {positions:,} positions (mlp_tiles {knobs.mlp_tiles})",
              "activations", positions * (8 if trained else 4) * knobs.weight_bytes * shape.mlp_width)]

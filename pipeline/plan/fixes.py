@@ -85,7 +85,7 @@ def _memory_setting_changes(knobs: Knobs) -> list[Change]:
         if stage > knobs.zero_stage:
             out.append(("zero", {"zero_stage": stage}, f"zero_stage: {stage}", False))
     if not knobs.offloads:
-        change = {"optimizer_offload": True}
+        change: dict[str, bool | int] = {"optimizer_offload": True}
         text = "optimizer_offload: true"
         if knobs.zero_stage == 0:
             change["zero_stage"] = 2

@@ -223,6 +223,7 @@ class Workload:
     @property
     def sequences_per_rollout(self) -> int:
         """RL: the sequences one rollout samples, over all processes (core/batching.py)."""
+        assert self.rows_per_rollout is not None, "an RL workload has rows_per_rollout (estimate.py stage_models)"
         return rollout_sequences(self.rows_per_rollout, self.sequences_per_row)
 
     def group_tokens(self, knobs: Knobs) -> int:

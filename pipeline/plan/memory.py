@@ -69,7 +69,7 @@ from core.deepspeed_settings import (
 from core.shapes import ModelShape
 from pipeline.plan import rollout_engine
 from pipeline.plan.activations import checkpointed_inputs, frozen_forward, held_while_reference_runs, trained_pass
-from pipeline.plan.inputs import GiB, Hardware, Knobs, ModelUse, Workload, attention_kernel
+from pipeline.plan.inputs import Generation, GiB, Hardware, Knobs, ModelUse, Workload, attention_kernel
 
 # nvidia-smi's peak minus torch's reserved peak on the records (H100 and H200, CUDA 13): 1.3-1.7 GiB.
 CUDA_CONTEXT_BYTES = 1.5 * GiB
@@ -237,7 +237,7 @@ def estimate_memory(models: list[ModelUse], workload: Workload, knobs: Knobs, hw
             _trained_model_states(ledger, use)
             _trained_model_passes(ledger, use)
     if workload.generation is not None:
-        _generation(ledger, models, hw)
+        _generation(ledger, models, hw, workload.generation)
     _workspace_and_host(ledger, models)
     capacity_gpu = hw.gpu_memory_bytes if hw.on_gpu else None
     return Memory(ledger.items, hw.processes_per_node, capacity_gpu, hw.host_memory_bytes, hw.host_memory_source)
@@ -405,16 +405,16 @@ def _trained_model_passes(ledger: _Ledger, use: ModelUse) -> None:
                    "host", layers_phase(use.role), inputs)
 
 
-def _generation(ledger: _Ledger, models: list[ModelUse], hw: Hardware) -> None:
+def _generation(ledger: _Ledger, models: list[ModelUse], hw: Hardware, gen: Generation) -> None:
     """PPO rollouts: the actor's KV cache and logits, and under ZeRO-3 the actor gathered whole
     (vLLM: _vllm_engine)."""
     actor = next((m for m in models if m.trained and m.head == "lm"), None)
     if actor is None:
         return
     if ledger.knobs.samples_with_vllm and ledger.on_gpu and hw.gpu_memory_bytes:
-        _vllm_engine(ledger, actor, hw)
+        _vllm_engine(ledger, actor, hw, gen)
         return
-    gen, s, b, device = ledger.workload.generation, actor.shape, ledger.knobs.weight_bytes, ledger.device
+    s, b, device = actor.shape, ledger.knobs.weight_bytes, ledger.device
     length = gen.prompt_len + gen.new_tokens
     ledger.add("KV cache for generation", "activations", device, "generation",
                s.layers * (s.kv_width + s.v_width) * b * gen.batch * length)
@@ -423,13 +423,14 @@ def _generation(ledger: _Ledger, models: list[ModelUse], hw: Hardware) -> None:
         ledger.add("actor weights gathered whole for generation", "weights", device, "generation", s.n_params * b)
 
 
-def _vllm_engine(ledger: _Ledger, actor: ModelUse, hw: Hardware) -> None:
+def _vllm_engine(ledger: _Ledger, actor: ModelUse, hw: Hardware, gen: Generation) -> None:
     """The vLLM engine's share of the GPU (pipeline/plan/rollout_engine.py): all the time, or only
     at generation where it sleeps while the actor trains; a ZeRO-3 sync gathers one module at a time."""
-    knobs, gen = ledger.knobs, ledger.workload.generation
+    knobs, gpu_bytes = ledger.knobs, hw.gpu_memory_bytes
     n = knobs.vllm_tensor_parallel
+    assert n is not None and gpu_bytes, "_generation counts a vLLM engine where it samples on a GPU of known memory"
     engine = rollout_engine.engine_memory(actor.shape, knobs.weight_bytes, n, knobs.vllm_memory_share,
-                                          hw.gpu_memory_bytes, gen.prompt_len + gen.new_tokens)
+                                          gpu_bytes, gen.prompt_len + gen.new_tokens)
     phase = "generation" if knobs.vllm_sleep else "always"
     ledger.add(f"vLLM engine: 1/{n} of the actor's weights (tensor_parallel {n})", "weights", "gpu", phase,
                engine.weights)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from core import hardware
 from core.shapes import ModelShape
@@ -182,7 +183,9 @@ def _calibrated(rates: Rates, calibration, precision: str, shape: ModelShape | N
                 tokens: int | None) -> Rates:
     """`rates` with what a calibration file measured in its place (core/calibration.py)."""
     where = f"{calibration.node}, {calibration.date[:10]}"
-    measured = {}
+    # Rates' Rate fields by name, replace()'s keywords: Any, as mypy checks a ** mapping's values
+    # against every field of Rates (peak_flops, the dicts) whatever its keys are.
+    measured: dict[str, Any] = {}
     matmul = _matmul_at_shapes(calibration, precision, shape, tokens) if shape and tokens else None
     if matmul:
         measured["matmul"] = Rate(matmul, "calibrated", f"{where}, at this model's shapes")

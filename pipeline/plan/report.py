@@ -210,14 +210,15 @@ def _batches_json(b: Batches | None) -> dict | None:
     if b is None:
         return None
     lengths = b.lengths
-    sampled = lengths is not None and lengths.sampled
+    sampled = lengths if lengths is not None and lengths.sampled else None  # lengths counted from rows
     return {
         "packed": b.packed, "token_budget": b.token_budget, "rows_per_step": b.rows_per_step,
         "sequence_parallel": b.sequence_parallel,
         "micro_batches_per_step": b.micro_batches_per_step, "real_tokens_per_step": b.real_tokens_per_step,
         "processed_tokens_per_step": b.processed_tokens_per_step, "padding_share": b.padding_share,
-        "lengths": {"sampled": sampled, "source": lengths.source if lengths is not None else None,
-                    "counter": lengths.counter if sampled else None, "rows": len(lengths.rows) if sampled else 0,
+        "lengths": {"sampled": sampled is not None, "source": lengths.source if lengths is not None else None,
+                    "counter": sampled.counter if sampled is not None else None,
+                    "rows": len(sampled.rows) if sampled is not None else 0,
                     "mean_tokens_per_row": b.mean_row_tokens, "p95_tokens_per_row": b.p95_row_tokens},
     }
 

@@ -64,7 +64,7 @@ from core.shapes import ModelShape
 from pipeline.plan import rates as rate_table
 from pipeline.plan import rollout_engine
 from pipeline.plan.batches import Batches
-from pipeline.plan.inputs import Hardware, Knobs, ModelUse, Workload, attention_kernel
+from pipeline.plan.inputs import Generation, Hardware, Knobs, ModelUse, Workload, attention_kernel
 from pipeline.plan.memory import trainable_tensors
 
 COMM_OVERLAP = 0.5
@@ -147,6 +147,7 @@ def rates_for(knobs: Knobs, hw: Hardware, models: list[ModelUse], workload: Work
     """The rates of this stage's GPU (a calibration file's where the node was measured), at the
     shapes its trained model multiplies."""
     trained = next((use for use in models if use.trained), models[0])
+    assert hw.gpu is not None, "rates are those of a known GPU (estimate_time returns None without one)"
     return rate_table.built_in(hw.gpu, knobs.precision, hw.cores_per_process, hw.calibration, trained.shape,
                                workload.train_tokens(knobs))
 
@@ -180,8 +181,11 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
     ring = (world - 1) / world if world > 1 else 0.0
     bandwidth = link_bandwidth(rates, hw, across_nodes=knobs.nodes > 1)
     rollout = workload.rows_per_rollout is not None
-    work = (_rollout_work(models, workload, knobs, world) if rollout
-            else _step_work(models, knobs, batches, rates, kernel))
+    if rollout:
+        work = _rollout_work(models, workload, knobs, world)
+    else:
+        assert batches is not None, "a stage that trains on its rows is timed over its simulated batches"
+        work = _step_work(models, knobs, batches, rates, kernel)
     traffic = _traffic(models, knobs, work, world, ring)
     terms = compute_seconds(work.busiest, rates, kernel, knobs.zero_stage)
     compute_s = sum(terms.values())
@@ -329,7 +333,8 @@ def pass_work(shape: ModelShape, head: str, positions: float, attended: float, *
     """One process's pass over a micro batch of `positions` positions (its own: 1/N of its
     group's under sequence parallel) whose attention scores `attended` query-key pairs: a forward,
     and for a trained model its backward (and recompute)."""
-    lora = knobs.lora_rank is not None and trained
+    lora_rank = knobs.lora_rank if trained else None  # None: no adapters trained in this pass
+    lora = lora_rank is not None
     matmul = matmul_flops_per_position(shape, head) * positions
     attention = attention_flops(shape, attended)
     logits = positions * shape.vocab if head == "lm" else 0.0
@@ -353,9 +358,9 @@ def pass_work(shape: ModelShape, head: str, positions: float, attended: float, *
         checkpoint_bytes=2 * shape.layers * positions * shape.hidden * knobs.weight_bytes if knobs.checkpoint_offload
         else 0.0,
     )
-    if lora:
+    if lora_rank is not None:
         work.lora_elements = positions * (1 + recompute + BACKWARD_PASSES) * shape.lora_features(knobs.lora_targets)
-        work.matmul_flops += 4 * sum(shape.lora_tensors(knobs.lora_rank, knobs.lora_targets)) * positions
+        work.matmul_flops += 4 * sum(shape.lora_tensors(lora_rank, knobs.lora_targets)) * positions
     return work
 
 
@@ -414,7 +419,8 @@ def _rollout_work(models: list[ModelUse], workload: Workload, knobs: Knobs, worl
     every sequence max_len long. Under sequence parallel (N) every process of a data-parallel
     group scores and trains on the group's sequences, 1/N of each one's positions (sampling,
     timed by _generation_s, stays whole: each process samples 1/N of its group's prompts)."""
-    seq, mb, n = workload.seq_len, knobs.micro_batch_size, knobs.sequence_parallel
+    seq, mb, n, rows = workload.seq_len, knobs.micro_batch_size, knobs.sequence_parallel, workload.rows_per_rollout
+    assert rows is not None, "estimate_time times a rollout where the workload has rows_per_rollout"
     groups = knobs.data_parallel(world)
     accumulation = max(1, rows_per_step(knobs.global_batch_size, mb, groups) // (mb * groups))
     sequences = workload.sequences_per_rollout
@@ -437,7 +443,7 @@ def _rollout_work(models: list[ModelUse], workload: Workload, knobs: Knobs, worl
             model += trained_flops / seq * tokens * workload.train_passes
             busiest.add(pass_work(use.shape, use.head, mb * seq / n, mb * seq * seq / n, trained=True, knobs=knobs),
                         train_micro)
-    return _Work(rows=workload.rows_per_rollout, real_tokens=tokens, processed_tokens=tokens, train_micro=train_micro,
+    return _Work(rows=rows, real_tokens=tokens, processed_tokens=tokens, train_micro=train_micro,
                  optimizer_steps=max(1.0, train_micro / accumulation), scoring_micro=sequences / (groups * scoring),
                  executed=executed, busiest=busiest, model=model)
 
@@ -450,7 +456,7 @@ def _generation_s(models: list[ModelUse], workload: Workload, knobs: Knobs, rate
     if gen is None or actor is None:
         return 0.0
     if knobs.samples_with_vllm and hw.on_gpu and hw.gpu_memory_bytes:
-        return _vllm_generation_s(actor, workload, knobs, rates, world, ring, bandwidth, hw)
+        return _vllm_generation_s(actor, workload, gen, knobs, rates, world, ring, bandwidth, hw)
     weights = actor.shape.n_params * knobs.weight_bytes
     calls = math.ceil(workload.sequences_per_rollout / world / gen.batch)
     seconds = calls * gen.new_tokens * weights / rates.hbm_bytes_per_s.value
@@ -459,13 +465,14 @@ def _generation_s(models: list[ModelUse], workload: Workload, knobs: Knobs, rate
     return seconds
 
 
-def _vllm_generation_s(actor: ModelUse, workload: Workload, knobs: Knobs, rates: rate_table.Rates, world: int,
-                       ring: float, bandwidth: float, hw: Hardware) -> float:
+def _vllm_generation_s(actor: ModelUse, workload: Workload, gen: Generation, knobs: Knobs, rates: rate_table.Rates,
+                       world: int, ring: float, bandwidth: float, hw: Hardware) -> float:
     """A rollout's decoding by the vLLM engines (each samples its tensor_parallel processes' prompts,
     as many at once as its KV cache holds) and the weight sync after the update
     (pipeline/plan/rollout_engine.py)."""
-    gen, n, b = workload.generation, knobs.vllm_tensor_parallel, knobs.weight_bytes
-    engine = rollout_engine.engine_memory(actor.shape, b, n, knobs.vllm_memory_share, hw.gpu_memory_bytes,
+    n, b, gpu_bytes = knobs.vllm_tensor_parallel, knobs.weight_bytes, hw.gpu_memory_bytes
+    assert n is not None and gpu_bytes, "_generation_s times a vLLM engine where it samples on a GPU of known memory"
+    engine = rollout_engine.engine_memory(actor.shape, b, n, knobs.vllm_memory_share, gpu_bytes,
                                           gen.prompt_len + gen.new_tokens)
     sequences = math.ceil(workload.sequences_per_rollout / world) * n
     hbm = rates.hbm_bytes_per_s.value
