@@ -181,11 +181,7 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
     ring = (world - 1) / world if world > 1 else 0.0
     bandwidth = link_bandwidth(rates, hw, across_nodes=knobs.nodes > 1)
     rollout = workload.rows_per_rollout is not None
-    if rollout:
-        work = _rollout_work(models, workload, knobs, world)
-    else:
-        assert batches is not None, "a stage that trains on its rows is timed over its simulated batches"
-        work = _step_work(models, knobs, batches, rates, kernel)
+    work = _unit_work(models, workload, knobs, world, batches, rates, kernel)
     traffic = _traffic(models, knobs, work, world, ring)
     terms = compute_seconds(work.busiest, rates, kernel, knobs.zero_stage)
     compute_s = sum(terms.values())
@@ -225,6 +221,15 @@ def estimate_time(models: list[ModelUse], workload: Workload, knobs: Knobs, hw: 
         calibration=rates.calibration,
         notes=notes,
     )
+
+
+def _unit_work(models: list[ModelUse], workload: Workload, knobs: Knobs, world: int, batches: Batches | None,
+               rates: rate_table.Rates, kernel: str) -> _Work:
+    """The work of one unit: a rollout (PPO), or an optimizer step over the simulated batches."""
+    if workload.rows_per_rollout is not None:
+        return _rollout_work(models, workload, knobs, world)
+    assert batches is not None, "a stage that trains on its rows is timed over its simulated batches"
+    return _step_work(models, knobs, batches, rates, kernel)
 
 
 def _rate_caveats(models: list[ModelUse], knobs: Knobs, gpu) -> list[str]:
