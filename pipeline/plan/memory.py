@@ -423,14 +423,20 @@ def _generation(ledger: _Ledger, models: list[ModelUse], hw: Hardware, gen: Gene
         ledger.add("actor weights gathered whole for generation", "weights", device, "generation", s.n_params * b)
 
 
+def vllm_engine_memory(actor: ModelUse, knobs: Knobs, hw: Hardware, gen: Generation) -> rollout_engine.EngineMemory:
+    """One process's part of its vLLM engine (pipeline/plan/rollout_engine.py), for a stage that samples
+    with vLLM on a GPU of known memory (the planner counts and times an engine only there)."""
+    n, gpu_bytes = knobs.vllm_tensor_parallel, hw.gpu_memory_bytes
+    assert n is not None and gpu_bytes, "a vLLM engine is planned where it samples on a GPU of known memory"
+    return rollout_engine.engine_memory(actor.shape, knobs.weight_bytes, n, knobs.vllm_memory_share, gpu_bytes,
+                                        gen.prompt_len + gen.new_tokens)
+
+
 def _vllm_engine(ledger: _Ledger, actor: ModelUse, hw: Hardware, gen: Generation) -> None:
     """The vLLM engine's share of the GPU (pipeline/plan/rollout_engine.py): all the time, or only
     at generation where it sleeps while the actor trains; a ZeRO-3 sync gathers one module at a time."""
-    knobs, gpu_bytes = ledger.knobs, hw.gpu_memory_bytes
-    n = knobs.vllm_tensor_parallel
-    assert n is not None and gpu_bytes, "_generation counts a vLLM engine where it samples on a GPU of known memory"
-    engine = rollout_engine.engine_memory(actor.shape, knobs.weight_bytes, n, knobs.vllm_memory_share,
-                                          gpu_bytes, gen.prompt_len + gen.new_tokens)
+    knobs, engine = ledger.knobs, vllm_engine_memory(actor, ledger.knobs, hw, gen)
+    n = engine.tensor_parallel
     phase = "generation" if knobs.vllm_sleep else "always"
     ledger.add(f"vLLM engine: 1/{n} of the actor's weights (tensor_parallel {n})", "weights", "gpu", phase,
                engine.weights)

@@ -30,6 +30,7 @@ class EngineMemory:
     kv_cache: int  # the rest of its share of the GPU
     sync_module: int  # the largest module gathered whole by a ZeRO-3 sync
     sequence_kv: int  # one sequence's KV cache at the stage's longest (prompt + completion)
+    tensor_parallel: int  # processes whose GPUs the engine's weights are split over
 
     @property
     def sequences(self) -> int:
@@ -48,7 +49,7 @@ def engine_memory(shape: ModelShape, weight_bytes: int, tensor_parallel: int, me
     kv = max(int(memory_share * gpu_bytes) - weights, 0)
     largest = max(shape.vocab, shape.intermediate) * shape.hidden * weight_bytes
     one = kv_cache_bytes(kv_shape(shape), 1, longest, weight_bytes, tensor_parallel)
-    return EngineMemory(weights, kv, largest, one)
+    return EngineMemory(weights, kv, largest, one, tensor_parallel)
 
 
 def decode_s(shape: ModelShape, weight_bytes: int, tensor_parallel: int, sequences: int, prompt_len: int,

@@ -65,7 +65,7 @@ from pipeline.plan import rates as rate_table
 from pipeline.plan import rollout_engine
 from pipeline.plan.batches import Batches
 from pipeline.plan.inputs import Generation, Hardware, Knobs, ModelUse, Workload, attention_kernel
-from pipeline.plan.memory import trainable_tensors
+from pipeline.plan.memory import trainable_tensors, vllm_engine_memory
 
 COMM_OVERLAP = 0.5
 # Passes a trained layer makes per micro batch, in units of one forward: the backward launches
@@ -475,10 +475,8 @@ def _vllm_generation_s(actor: ModelUse, workload: Workload, gen: Generation, kno
     """A rollout's decoding by the vLLM engines (each samples its tensor_parallel processes' prompts,
     as many at once as its KV cache holds) and the weight sync after the update
     (pipeline/plan/rollout_engine.py)."""
-    n, b, gpu_bytes = knobs.vllm_tensor_parallel, knobs.weight_bytes, hw.gpu_memory_bytes
-    assert n is not None and gpu_bytes, "_generation_s times a vLLM engine where it samples on a GPU of known memory"
-    engine = rollout_engine.engine_memory(actor.shape, b, n, knobs.vllm_memory_share, gpu_bytes,
-                                          gen.prompt_len + gen.new_tokens)
+    engine = vllm_engine_memory(actor, knobs, hw, gen)
+    n, b = engine.tensor_parallel, knobs.weight_bytes
     sequences = math.ceil(workload.sequences_per_rollout / world) * n
     hbm = rates.hbm_bytes_per_s.value
     decode = rollout_engine.decode_s(actor.shape, b, n, sequences, gen.prompt_len, gen.new_tokens, engine.sequences,
