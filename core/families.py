@@ -12,6 +12,7 @@ refused (`uncountable`).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from importlib import metadata
@@ -166,8 +167,11 @@ def biases(config: dict, fam: Family) -> tuple[bool, bool]:
 KERNELS = ("flash_attention_2", "sdpa", "eager")
 
 
+@functools.cache
 def installed_transformers() -> str | None:
-    """The version of the transformers installed beside this python, read without importing it."""
+    """The version of the transformers installed beside this python, read without importing it
+    (once: reading a package's metadata parses its METADATA file, and the planner asks for every
+    candidate layout it weighs)."""
     try:
         return metadata.version("transformers")
     except metadata.PackageNotFoundError:

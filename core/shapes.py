@@ -300,11 +300,14 @@ class ModelShape:
             tensors.append(self.hidden)
         return tuple(tensors)
 
-    def _adapted(self, targets) -> list[list[tuple[int, int]]]:
+    def _adapted(self, targets) -> tuple[tuple[tuple[int, int], ...], ...]:
         """(in, out) of each adapted Linear, per decoder layer. As peft, a target some layer lacks
         adapts nothing there (an expert model's gate_proj); ValueError when no target is anywhere."""
-        per_layer = [[linears[t] for t in targets if t in linears]
-                     for linears in (self.layer_linears(i) for i in range(self.layers))]
+        return _adapted_linears(self, tuple(targets))
+
+    def _find_adapted(self, targets: tuple) -> tuple[tuple[tuple[int, int], ...], ...]:
+        per_layer = tuple(tuple(linears[t] for t in targets if t in linears)
+                          for linears in (self.layer_linears(i) for i in range(self.layers)))
         names = set().union(*(self.layer_linears(i) for i in self._layer_kinds())) | {"lm_head", "embed_tokens"}
         if not names.intersection(targets):
             raise ValueError(f"LoRA target modules {', '.join(targets)}: none is a layer of a {self.model_type} "
@@ -313,13 +316,16 @@ class ModelShape:
 
     def lora_tensors(self, rank: int, targets) -> list[int]:
         """numel of every LoRA adapter tensor (A: r x in, B: out x r) for the target modules."""
+        return list(_lora_tensors(self, rank, tuple(targets)))
+
+    def _find_lora_tensors(self, rank: int, targets: tuple) -> tuple[int, ...]:
         tensors = [n for layer in self._adapted(targets) for a, b in layer for n in (rank * a, b * rank)]
         for target in targets:
             if target == "lm_head":
                 tensors += [rank * self.hidden, self.vocab * rank]
             elif target == "embed_tokens":
                 tensors += [rank * self.vocab, self.hidden * rank]
-        return tensors
+        return tuple(tensors)
 
     def trained_tensors(self, head: str, lora_rank: int | None = None, lora_targets=()) -> list[int]:
         """numel of every tensor a stage trains of this model: all of them, or with LoRA its adapters
@@ -338,7 +344,7 @@ class ModelShape:
 
     def lora_features(self, targets) -> int:
         """In + out features of every adapted Linear of the decoder layers (not the head's)."""
-        return sum(a + b for layer in self._adapted(targets) for a, b in layer)
+        return _lora_features(self, tuple(targets))
 
     def describe(self) -> str:
         experts = ""
@@ -349,10 +355,25 @@ class ModelShape:
                 f"{self.heads} heads ({self.kv_heads} KV), vocab {self.vocab}{experts}")
 
 
-# The planner asks for a shape's tensors thousands of times while it searches for fixes.
+# The planner asks for a shape's tensors and LoRA adapters thousands of times while it searches for fixes.
 @lru_cache(maxsize=64)
 def _parameter_tensors(shape: ModelShape, head: str) -> tuple[int, ...]:
     return shape._parameter_tensors(head)
+
+
+@lru_cache(maxsize=64)
+def _adapted_linears(shape: ModelShape, targets: tuple) -> tuple[tuple[tuple[int, int], ...], ...]:
+    return shape._find_adapted(targets)
+
+
+@lru_cache(maxsize=64)
+def _lora_tensors(shape: ModelShape, rank: int, targets: tuple) -> tuple[int, ...]:
+    return shape._find_lora_tensors(rank, targets)
+
+
+@lru_cache(maxsize=64)
+def _lora_features(shape: ModelShape, targets: tuple) -> int:
+    return sum(a + b for layer in shape._adapted(targets) for a, b in layer)
 
 
 def count_text(n: float) -> str:
