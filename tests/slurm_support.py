@@ -87,9 +87,14 @@ def status(workdir: Path, config: Path) -> dict:
     return {s["name"]: s for s in json.loads(result.stdout)["stages"]}
 
 
-def wait_until_settled(workdir: Path, config: Path, timeout_s=300, poll_s=2.0) -> dict:
-    """Poll `python -m pipeline status --json` until every stage is finished, failed or cancelled."""
+def wait_until_settled(workdir: Path, config: Path, timeout_s=300, poll_s=2.0, pipeline="t") -> dict:
+    """Poll `python -m pipeline status --json` until every stage is finished, failed or cancelled.
+    While the pipeline's jobs are still queued it waits on squeue instead: each `status` is a
+    Python start-up (~1 s of CPU on 2 cores), taken from the stage processes it waits for."""
     deadline = time.time() + timeout_s
+    jobs = set(job_ids(workdir, pipeline).values())
+    while jobs & set(queued_jobs()) and time.time() < deadline:
+        time.sleep(1)
     while True:
         stages = status(workdir, config)
         if all(s["state"] in FINAL_STATES for s in stages.values()):
