@@ -137,6 +137,7 @@ def test_validate_warns_when_rows_held_out_for_evaluation_have_copies_left_for_t
     assert "of 10 also appear in the training rows" in result.stderr
 
 
+@pytest.mark.stack_free  # preflight's GPU check asks torch only, the same torch on both stacks
 def test_gpus_asked_of_a_machine_that_shows_none_are_refused_before_anything_runs(workdir, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # none visible, whatever this machine has
     path = write_pipeline(workdir, tiny_pipeline(cluster={"gpus_per_node": 2}))

@@ -4,9 +4,12 @@ GPU node runs the suite; here, the refusals and what reaches submitit.)"""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import run_cli, tiny_pipeline, write_pipeline
 
 
+@pytest.mark.stack_free  # the task's own GPU check, before any model or DeepSpeed engine
 def test_a_stage_task_that_asked_for_gpus_and_finds_none_fails_instead_of_training_on_the_cpu(workdir, monkeypatch):
     # `run-stage` is what a Slurm task runs: no pre-flight check, the task itself must refuse.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

@@ -107,6 +107,9 @@ def ctrl_c(run: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
+# The local executor's signals and the save at them; tests/test_preemption.py saves and resumes at a
+# signal on either stack.
+@pytest.mark.stack_free
 def test_ctrl_c_or_sigterm_saves_at_the_signal_and_the_next_run_resumes_from_that_step(workdir):
     spec = tiny_pipeline(cluster={"tasks_per_node": 1}, defaults={"log_interval": 1, "save_interval": 0})
     spec["stages"][0]["max_steps"] = 100_000  # trains until stopped; no periodic checkpoint
