@@ -81,13 +81,14 @@ def last_training_step(stage_dir: Path) -> int:
     return max([0] + [record["step"] for record in written_metrics(stage_dir) if "loss" in record])
 
 
-def status(workdir: Path, config: Path) -> dict:
-    result = run_cli("status", config, "--json", cwd=workdir, timeout=120)
+def status(workdir: Path, config: Path, *args) -> dict:
+    """`status --json` by stage name; `args`: what else the pipeline's commands take (--scale-model ...)."""
+    result = run_cli("status", config, *args, "--json", cwd=workdir, timeout=120)
     assert result.returncode in (0, 1), result.stdout + result.stderr
     return {s["name"]: s for s in json.loads(result.stdout)["stages"]}
 
 
-def wait_until_settled(workdir: Path, config: Path, timeout_s=300, poll_s=2.0, pipeline="t") -> dict:
+def wait_until_settled(workdir: Path, config: Path, timeout_s=300, poll_s=2.0, pipeline="t", args=()) -> dict:
     """Poll `python -m pipeline status --json` until every stage is finished, failed or cancelled.
     While the pipeline's jobs are still queued it waits on squeue instead: each `status` is a
     Python start-up (~1 s of CPU on 2 cores), taken from the stage processes it waits for."""
@@ -96,12 +97,12 @@ def wait_until_settled(workdir: Path, config: Path, timeout_s=300, poll_s=2.0, p
     while jobs & set(queued_jobs()) and time.time() < deadline:
         time.sleep(1)
     while True:
-        stages = status(workdir, config)
+        stages = status(workdir, config, *args)
         if all(s["state"] in FINAL_STATES for s in stages.values()):
             return stages
         if time.time() > deadline:
             pytest.fail(f"pipeline did not settle in {timeout_s} s: {json.dumps(stages, indent=1)}\n"
-                        + run_cli("status", config, cwd=workdir).stdout)
+                        + run_cli("status", config, *args, cwd=workdir).stdout)
         time.sleep(poll_s)
 
 

@@ -45,9 +45,9 @@ from tests.conftest import REPO, processes_with, read_metrics, read_result, run_
 from tests.slurm_support import (
     job_ids,
     last_training_step,
-    queued_jobs,
     slurm_cluster,  # noqa: F401 -- fixture
     wait_for_file,
+    wait_until_settled,
 )
 
 pytestmark = pytest.mark.slow
@@ -55,6 +55,7 @@ pytestmark = pytest.mark.slow
 SHIPPED = REPO / "pipeline" / "configs" / "llama34b_dpo_8xa100.yaml"
 PIPELINE = "llama34b-dpo-1n8g-scale"
 HEAD_DIM = 2  # hidden 128: a 48-layer, 16M-parameter model, as fast as a CPU allows
+SCALE_ARGS = ("--scale-model", "--scale-head-dim", HEAD_DIM)  # what every command of the test takes
 # Rows per optimizer step (the shipped file's global batch is 64; see the docstring).
 GLOBAL_BATCH = 16
 # A fifth of each file's rows held out (the shipped 5% of so few rows would be 1 and 3).
@@ -106,30 +107,13 @@ def write_data(workdir: Path) -> None:
 
 
 def scale_cli(command: str, config: Path, workdir: Path, *extra):
-    return run_cli(command, config, "--scale-model", "--scale-head-dim", HEAD_DIM, *extra, cwd=workdir, timeout=300)
+    return run_cli(command, config, *SCALE_ARGS, *extra, cwd=workdir, timeout=300)
 
 
 def settled(workdir: Path, config: Path) -> dict:
-    """`status --json` of the scale model's pipeline once every stage has ended. Until its jobs
-    have left the queue it waits on squeue: each `status` is a Python start-up (~0.5 s of CPU),
-    taken from the 8 processes it waits for."""
-    deadline = time.time() + SETTLE_S
-    jobs = set(job_ids(workdir, PIPELINE).values())
-    while jobs & set(queued_jobs()):
-        assert time.time() < deadline, f"jobs {sorted(jobs)} still queued after {SETTLE_S} s"
-        time.sleep(2)
-    while True:
-        stages = scale_status(workdir, config)
-        if all(s["state"] in ("finished", "failed", "cancelled") for s in stages.values()):
-            return stages
-        assert time.time() < deadline, json.dumps(stages, indent=1)
-        time.sleep(2)
-
-
-def scale_status(workdir: Path, config: Path) -> dict:
-    result = scale_cli("status", config, workdir, "--json")
-    assert result.returncode in (0, 1), result.stdout + result.stderr
-    return {s["name"]: s for s in json.loads(result.stdout)["stages"]}
+    """`status --json` of the scale model's pipeline once every stage has ended (waiting on squeue
+    while its jobs are queued: tests/slurm_support.py)."""
+    return wait_until_settled(workdir, config, timeout_s=SETTLE_S, pipeline=PIPELINE, args=SCALE_ARGS)
 
 
 def wait_for_step(stage_dir: Path, step: int, timeout_s=600) -> None:
