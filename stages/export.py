@@ -29,8 +29,9 @@ def gather_state_dict(module, is_main: bool) -> dict | None:
         with context:
             if is_main:
                 state[name] = param.detach().to("cpu", copy=True)
+    saved = module.state_dict().keys() if is_main else ()  # the buffers a state dict holds (persistent ones)
     for name, buffer in module.named_buffers():
-        if is_main and name in module.state_dict():
+        if name in saved:
             state[name] = buffer.detach().to("cpu", copy=True)
     return state if is_main else None
 
